@@ -1,0 +1,313 @@
+"""A small continuous-batching generation engine on Hugging Face transformers, for CPUs.
+
+verl registers no rollout backend that runs on CPU (DESIGN.md §3). This engine is the zero-setup
+default for tests and laptops: requests join and leave the running batch at every decode step,
+each request keeps its own KV cache, every generated token carries its log-prob under the
+temperature-scaled distribution (what verl's trainer recomputes) and the policy version that
+produced it, and ``abort_all`` returns in-flight requests with their partial output (AReaL's
+interruptible generation). It imports neither Ray nor verl.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+STOP_COMPLETED = "completed"
+STOP_ABORTED = "aborted"
+
+
+@dataclass
+class GenerationResult:
+    """What one request produced: tokens, their log-probs and generating versions."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    stop_reason: str
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    future: asyncio.Future
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    # Per layer (keys, values), each (kv_heads, length, head_dim); None until prefilled.
+    cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    aborted: bool = False
+
+    @property
+    def cache_length(self) -> int:
+        assert self.cache is not None
+        return self.cache[0][0].shape[1]
+
+
+class ContinuousBatchingEngine:
+    """Generate for many concurrent requests with one model, interruptibly.
+
+    Args:
+        model: a causal LM (``transformers`` ``PreTrainedModel``) in eval mode.
+        eos_token_ids: tokens that end a response (kept in the output, as vLLM does).
+        max_batch_size: most requests decoded together; the rest wait their turn.
+        seed: seed of the sampling generator.
+        version: policy version of the initial weights.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        eos_token_ids: list[int],
+        max_batch_size: int = 64,
+        seed: int = 0,
+        version: int = 0,
+    ) -> None:
+        self.model = model
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_batch_size = max_batch_size
+        self.version = version
+        self._generator = torch.Generator().manual_seed(seed)
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []
+        self._model_lock = threading.Lock()  # a step and a weight load never overlap
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self.generated_tokens = 0
+
+    # ------------------------------------------------------------------ public API
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        request_id: str = "",
+    ) -> GenerationResult:
+        """Generate up to ``max_tokens`` tokens after ``prompt_ids``; return when done or aborted."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty: the engine needs at least one prompt token")
+        loop = asyncio.get_running_loop()
+        request = _Request(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            future=loop.create_future(),
+        )
+        self._waiting.append(request)
+        self._ensure_loop()
+        assert self._wakeup is not None
+        self._wakeup.set()
+        return await request.future
+
+    def abort_all(self) -> list[str]:
+        """Finish every waiting and running request now with its partial output; return their ids."""
+        aborted = [*self._running, *self._waiting]
+        for request in aborted:
+            request.aborted = True
+        # Requests that never ran finish at once; running ones finish after the current step.
+        for request in self._waiting:
+            self._finish(request, STOP_ABORTED)
+        self._waiting.clear()
+        return [request.request_id for request in aborted]
+
+    async def wait_idle(self) -> None:
+        """Return once no request is waiting or running."""
+        while self._running or self._waiting:
+            await asyncio.sleep(0.005)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Load new weights between two decode steps and serve them as ``version``."""
+        with self._model_lock:
+            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+            # Tied embeddings legitimately lack lm_head.weight; anything else is a sync bug.
+            missing = [name for name in missing if name != "lm_head.weight"]
+            if missing or unexpected:
+                raise RuntimeError(
+                    f"weight update did not match the rollout model: missing {missing[:5]}, "
+                    f"unexpected {unexpected[:5]}"
+                )
+            self.version = version
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._running) + len(self._waiting)
+
+    # ------------------------------------------------------------------ scheduling loop
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        while True:
+            if not self._running and not self._waiting:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            admitted = self._admit()
+            try:
+                finished = await asyncio.to_thread(self._step, admitted)
+            except Exception as error:  # fail the requests, keep the engine alive
+                logger.exception("generation step failed")
+                for request in [*self._running]:
+                    if not request.future.done():
+                        request.future.set_exception(error)
+                self._running.clear()
+                continue
+            for request, reason in finished:
+                self._running.remove(request)
+                self._finish(request, reason)
+
+    def _admit(self) -> list[_Request]:
+        room = self.max_batch_size - len(self._running)
+        admitted, self._waiting = self._waiting[:room], self._waiting[room:]
+        self._running.extend(admitted)
+        return admitted
+
+    def _finish(self, request: _Request, reason: str) -> None:
+        request.cache = None
+        if not request.future.done():
+            request.future.set_result(
+                GenerationResult(request.token_ids, request.logprobs, request.versions, reason)
+            )
+
+    # ------------------------------------------------------------------ model work (worker thread)
+
+    @torch.no_grad()
+    def _step(self, admitted: list[_Request]) -> list[tuple[_Request, str]]:
+        """Prefill the admitted requests, decode one token for the others; return finished ones."""
+        finished: list[tuple[_Request, str]] = []
+        with self._model_lock:
+            version = self.version
+            for request in admitted:
+                if request.aborted:
+                    finished.append((request, STOP_ABORTED))
+                    continue
+                logits = self._prefill(request)
+                if self._append_token(request, logits, version):
+                    finished.append((request, STOP_COMPLETED))
+            done = {id(r) for r, _ in finished}
+            decoding = [r for r in self._running if id(r) not in done and r not in admitted and not r.aborted]
+            if decoding:
+                logits = self._decode(decoding)
+                for row, request in enumerate(decoding):
+                    if self._append_token(request, logits[row], version):
+                        finished.append((request, STOP_COMPLETED))
+            for request in self._running:
+                if request.aborted and id(request) not in {id(r) for r, _ in finished}:
+                    finished.append((request, STOP_ABORTED))
+        return finished
+
+    def _prefill(self, request: _Request) -> torch.Tensor:
+        ids = torch.tensor([request.prompt_ids], dtype=torch.long)
+        out = self.model(input_ids=ids, use_cache=True)
+        request.cache = _split_cache(out.past_key_values, 0)
+        return out.logits[0, -1]
+
+    def _decode(self, batch: list[_Request]) -> torch.Tensor:
+        """One decode step for ``batch``: left-pad the caches, run the model, keep the new column."""
+        from transformers import DynamicCache
+
+        longest = max(r.cache_length for r in batch)
+        num_layers = len(batch[0].cache or [])
+        cache = DynamicCache()
+        for layer in range(num_layers):
+            keys = torch.stack([_left_pad(r.cache[layer][0], longest) for r in batch])  # type: ignore[index]
+            values = torch.stack([_left_pad(r.cache[layer][1], longest) for r in batch])  # type: ignore[index]
+            cache.update(keys, values, layer)
+        mask = torch.zeros(len(batch), longest + 1, dtype=torch.long)
+        for row, request in enumerate(batch):
+            mask[row, longest - request.cache_length :] = 1
+        input_ids = torch.tensor([[r.token_ids[-1]] for r in batch], dtype=torch.long)
+        positions = torch.tensor([[r.cache_length] for r in batch], dtype=torch.long)
+        out = self.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+        )
+        for row, request in enumerate(batch):
+            new = _split_cache(out.past_key_values, row, last_only=True)
+            request.cache = [
+                (torch.cat([k, nk], dim=1), torch.cat([v, nv], dim=1))
+                for (k, v), (nk, nv) in zip(request.cache, new, strict=True)  # type: ignore[arg-type]
+            ]
+        return out.logits[:, -1]
+
+    def _append_token(self, request: _Request, logits: torch.Tensor, version: int) -> bool:
+        """Sample one token into ``request``; return True when the request is complete."""
+        token, logprob = sample_token(
+            logits, request.temperature, request.top_p, request.top_k, self._generator
+        )
+        request.token_ids.append(token)
+        request.logprobs.append(logprob)
+        request.versions.append(version)
+        self.generated_tokens += 1
+        return token in self.eos_token_ids or len(request.token_ids) >= request.max_tokens
+
+
+def sample_token(
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator
+) -> tuple[int, float]:
+    """Sample from ``logits``; return the token and its log-prob under ``softmax(logits / T)``.
+
+    The log-prob ignores top-p/top-k truncation, matching what verl's trainer recomputes
+    (``log_softmax(logits / temperature)``). ``temperature <= 0`` means greedy (T = 1 log-probs).
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    scaled = logits / (1.0 if greedy else temperature)
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    if greedy:
+        token = int(torch.argmax(logprobs))
+        return token, float(logprobs[token])
+    probs = logprobs.exp()
+    if top_k is not None and 0 < top_k < probs.numel():
+        kth = torch.topk(probs, top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p * sorted_probs.sum()
+        filtered = torch.zeros_like(probs)
+        filtered[order[keep]] = sorted_probs[keep]
+        probs = filtered
+    token = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    return token, float(logprobs[token])
+
+
+def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    missing = length - tensor.shape[1]
+    if missing == 0:
+        return tensor
+    pad = tensor.new_zeros(tensor.shape[0], missing, tensor.shape[2])
+    return torch.cat([pad, tensor], dim=1)
+
+
+def _split_cache(cache: Any, row: int, last_only: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer ``(keys, values)`` of one batch row, each ``(kv_heads, length, head_dim)``."""
+    layers = []
+    for layer in cache.layers:
+        keys, values = layer.keys[row], layer.values[row]
+        if last_only:
+            keys, values = keys[:, -1:], values[:, -1:]
+        layers.append((keys.clone(), values.clone()))
+    return layers

@@ -1,0 +1,145 @@
+"""Register the ``areal_cpu`` rollout backend with verl's rollout registries.
+
+verl 0.9.1 resolves a rollout backend by ``actor_rollout_ref.rollout.name`` in two places:
+``RolloutReplicaRegistry`` (the driver-side replica that launches server actors) and
+``verl.workers.rollout.base._ROLLOUT_REGISTRY`` (the trainer-side adapter that pushes weights to
+the servers). Both are registries meant for extension; we add one entry to each.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+import torch
+
+from areal_plugins.rollout.cpu_server import CPURolloutServer, weights_checksum
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "areal_cpu"
+ADAPTER_FQN = "areal_plugins.rollout.verl_backend.CPUServerAdapter"
+#: CPU share Ray reserves for each server actor: fractional so that it never starves verl's own
+#: actors on a 2-core machine (DESIGN.md §4); torch threads are set separately.
+SERVER_NUM_CPUS = 0.1
+
+
+def server_actor_name(replica_rank: int, name_suffix: str = "") -> str:
+    return f"areal_cpu_server_{replica_rank}{name_suffix}"
+
+
+def engine_options(rollout_config: Any) -> dict[str, Any]:
+    """Our knobs inside ``rollout.engine_kwargs.areal_cpu`` (num_threads, max_batch_size)."""
+    kwargs = getattr(rollout_config, "engine_kwargs", None) or {}
+    options = dict(kwargs.get(BACKEND_NAME, {}) or {})
+    unknown = set(options) - {"num_threads", "max_batch_size"}
+    if unknown:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.engine_kwargs.{BACKEND_NAME} has unknown keys {sorted(unknown)}; "
+            "valid keys: num_threads, max_batch_size"
+        )
+    return options
+
+
+def _make_replica_class() -> type:
+    from verl.workers.rollout.replica import RolloutReplica
+
+    class CPURolloutReplica(RolloutReplica):
+        """A replica of one :class:`CPURolloutServer` actor (no accelerator needed)."""
+
+        def rollout_worker_use_gpu(self) -> bool:
+            return False
+
+        async def launch_servers(self) -> None:
+            options = engine_options(self.config)
+            model_path = getattr(self.model_config, "local_path", None) or self.model_config.path
+            name = server_actor_name(self.replica_rank, self.name_suffix)
+            server_cls = ray.remote(CPURolloutServer)
+            server = server_cls.options(
+                name=name, num_cpus=SERVER_NUM_CPUS, max_concurrency=self.max_concurrency
+            ).remote(
+                model_path=model_path,
+                response_length=self.config.response_length,
+                max_model_len=self.config.max_model_len or (self.config.prompt_length + self.config.response_length),
+                max_batch_size=int(options.get("max_batch_size", self.config.max_num_seqs)),
+                num_threads=int(options.get("num_threads", 2)),
+                seed=self.config.seed + self.replica_rank,
+            )
+            await server.get_version.remote()  # surfaces constructor errors here, not at first use
+            self.servers = [server]
+            self._server_handle = server
+            self._server_address = name
+
+    return CPURolloutReplica
+
+
+def _make_adapter_class() -> type:
+    from verl.workers.rollout.base import BaseRollout
+
+    class CPUServerAdapter(BaseRollout):
+        """Trainer-side end of the weight sync: gathers full tensors, ships them to the server."""
+
+        def __init__(self, config: Any, model_config: Any, device_mesh: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(config, model_config, device_mesh)
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            rollout_world = (
+                self.config.tensor_model_parallel_size
+                * self.config.data_parallel_size
+                * self.config.pipeline_model_parallel_size
+            )
+            replica_rank = kwargs.get("replica_rank", -1)
+            self.replica_rank = rank // rollout_world if replica_rank == -1 else replica_rank
+            self.rollout_rank = rank % rollout_world
+            self.is_leader_rank = self.rollout_rank == 0
+            self._server: Any = None
+
+        async def resume(self, tags: list[str]) -> None:
+            return None
+
+        async def release(self) -> None:
+            return None
+
+        async def update_weights(self, weights: Any, wire_format: str = "named_tensors", **kwargs: Any) -> None:
+            if wire_format != "named_tensors":
+                raise ValueError(f"the {BACKEND_NAME} backend takes full named tensors, not {wire_format!r}")
+            # Every rank must drain the generator: producing full tensors is a collective.
+            state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
+            if not self.is_leader_rank:
+                return
+            if self._server is None:
+                self._server = ray.get_actor(server_actor_name(self.replica_rank))
+            version = int(kwargs.get("global_steps") or 0)
+            expected = weights_checksum(state)
+            reply = await self._server.update_weights.remote(state, version)
+            if reply["version"] != version or reply["checksum"] != expected:
+                raise RuntimeError(
+                    f"weight sync to rollout replica {self.replica_rank} failed: the server reports version "
+                    f"{reply['version']} checksum {reply['checksum']}, the trainer sent version {version} "
+                    f"checksum {expected}. The rollout would keep sampling stale weights; stopping."
+                )
+
+    return CPUServerAdapter
+
+
+def __getattr__(name: str) -> Any:
+    # verl imports the adapter by its fully qualified name; build the class on first use so
+    # that importing this module does not import verl's worker stack.
+    if name == "CPUServerAdapter":
+        cls = _make_adapter_class()
+        globals()[name] = cls
+        return cls
+    if name == "CPURolloutReplica":
+        cls = _make_replica_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
+
+
+def register_rollout_backend() -> None:
+    """Add ``areal_cpu`` to both verl rollout registries (idempotent)."""
+    from verl.workers.rollout import base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    base._ROLLOUT_REGISTRY[(BACKEND_NAME, "async")] = ADAPTER_FQN
+    RolloutReplicaRegistry.register(BACKEND_NAME, lambda: __getattr__("CPURolloutReplica"))

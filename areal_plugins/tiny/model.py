@@ -1,0 +1,98 @@
+"""Build a tiny Qwen2 model in Hugging Face format and warm-start it on the addition task.
+
+Measured on the 2-core box (DESIGN.md §4): hidden 128 x 2 layers with the 16,384-rank tokenizer
+learns from GRPO after ~70 supervised steps; larger models learned less in the same wall time.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from areal_plugins.tiny.task import make_problems
+from areal_plugins.tiny.tokenizer import write_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape and warm start of the tiny model."""
+
+    tokenizer_ranks: int = 16384
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    warmstart_steps: int = 70
+    warmstart_lr: float = 1e-3
+    warmstart_batch: int = 32
+    seed: int = 0
+
+
+def build_tiny_model(out_dir: Path, spec: TinyModelSpec) -> dict[str, float]:
+    """Write tokenizer, config and weights to ``out_dir``; return warm-start metrics."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    n_tokens = write_tokenizer(out_dir, spec.tokenizer_ranks)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    torch.manual_seed(spec.seed)
+    config = Qwen2Config(
+        vocab_size=(n_tokens + 63) // 64 * 64,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    model = Qwen2ForCausalLM(config)
+    metrics = _warm_start(model, tokenizer, spec) if spec.warmstart_steps > 0 else {}
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return metrics
+
+
+def _warm_start(model, tokenizer, spec: TinyModelSpec) -> dict[str, float]:
+    """Supervised steps on ``prompt -> answer<|im_end|>`` with the loss on the answer only."""
+    import torch
+
+    # Seed offset keeps warm-start problems apart from the RL data's default seeds.
+    problems = make_problems(spec.warmstart_steps * spec.warmstart_batch, seed=spec.seed + 10_000)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warmstart_lr)
+    model.train()
+    loss_value = float("nan")
+    for step in range(spec.warmstart_steps):
+        batch = problems[step * spec.warmstart_batch : (step + 1) * spec.warmstart_batch]
+        input_ids, labels = [], []
+        for problem in batch:
+            prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": problem.question}], add_generation_prompt=True, tokenize=False
+            )
+            prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+            answer_ids = tokenizer.encode(problem.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+            input_ids.append(prompt_ids + answer_ids)
+            labels.append([-100] * len(prompt_ids) + answer_ids)
+        width = max(len(ids) for ids in input_ids)
+        pad = tokenizer.pad_token_id
+        ids_t = torch.tensor([ids + [pad] * (width - len(ids)) for ids in input_ids])
+        labels_t = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
+        mask_t = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in input_ids])
+        loss = model(input_ids=ids_t, attention_mask=mask_t, labels=labels_t).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        loss_value = float(loss)
+        if step % 10 == 0 or step == spec.warmstart_steps - 1:
+            logger.info("warm start step %d/%d loss %.3f", step + 1, spec.warmstart_steps, loss_value)
+    model.eval()
+    return {"warmstart_final_loss": loss_value}

@@ -1,0 +1,60 @@
+"""The CPU task: single-digit addition with exact answers, in verl's RL parquet format.
+
+DESIGN.md §4: a random tiny model never gets the exact answer, so the builder warm-starts it with a
+short supervised pass; after that, GRPO with the exact math-verify reward measurably improves it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA_SOURCE = "areal/addition"
+
+
+@dataclass(frozen=True)
+class AdditionProblem:
+    """One problem ``a + b`` with its exact answer."""
+
+    a: int
+    b: int
+
+    @property
+    def question(self) -> str:
+        return f"What is {self.a} + {self.b}?"
+
+    @property
+    def answer(self) -> str:
+        return str(self.a + self.b)
+
+
+def make_problems(count: int, seed: int, max_operand: int = 9) -> list[AdditionProblem]:
+    """Return ``count`` problems drawn with replacement, deterministic for a given seed."""
+    rng = random.Random(seed)
+    return [AdditionProblem(rng.randint(0, max_operand), rng.randint(0, max_operand)) for _ in range(count)]
+
+
+def to_verl_row(problem: AdditionProblem, split: str, index: int) -> dict:
+    """Return one row in the layout verl's ``RLHFDataset`` reads."""
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": problem.question}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": problem.answer},
+        "extra_info": {"split": split, "index": index},
+    }
+
+
+def write_dataset(out_dir: Path, train_size: int, test_size: int, seed: int) -> dict[str, Path]:
+    """Write ``train.parquet`` and ``test.parquet``; return their paths."""
+    import pandas as pd
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, size, split_seed in (("train", train_size, seed), ("test", test_size, seed + 1)):
+        rows = [to_verl_row(p, split, i) for i, p in enumerate(make_problems(size, split_seed))]
+        path = out_dir / f"{split}.parquet"
+        pd.DataFrame(rows).to_parquet(path)
+        paths[split] = path
+    return paths

@@ -1,0 +1,60 @@
+"""Loaded by verl in every process (entry point group ``verl.plugins``), Ray workers included.
+
+It only registers: the CPU platform, the ``areal_cpu`` rollout backend and, when this process runs
+verl on the CPU platform (``VERL_PLATFORM=cpu``), the patches verl needs there. verl logs a
+plugin's load failure at debug level only, so failures here are logged as errors instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("areal_plugins")
+
+#: Set in every process where registration succeeded, so that tests and the CLI can check it.
+LOADED = False
+
+
+def register_with_verl() -> None:
+    """Register our platform and rollout backend; prepare CPU-only runs. Idempotent."""
+    global LOADED
+    from areal_plugins._compat import UnsupportedVerlVersion, check_verl_version
+
+    try:
+        check_verl_version()
+    except UnsupportedVerlVersion as error:
+        logger.error("areal_plugins disabled: %s", error)
+        return
+    from areal_plugins.cpu.platform import cpu_platform_selected, register_cpu_platform
+    from areal_plugins.rollout.verl_backend import register_rollout_backend
+
+    register_cpu_platform()
+    register_rollout_backend()
+    _register_config_resolvers()
+    if cpu_platform_selected():
+        from areal_plugins.patches import apply_cpu_patches
+
+        # verl's FSDP engine is registered for cuda/npu only; its code is device-agnostic
+        # through the platform, so look it up under "cuda" (verl's own override knob).
+        os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
+        apply_cpu_patches()
+    LOADED = True
+
+
+def _register_config_resolvers() -> None:
+    """``${areal_package_path:rel}``: a file inside the installed package (recipes name our reward fn)."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("areal_package_path"):
+        root = Path(__file__).resolve().parent
+        OmegaConf.register_new_resolver("areal_package_path", lambda rel: str(root / rel))
+
+
+try:
+    register_with_verl()
+except Exception:  # verl would swallow it silently
+    logger.exception("areal_plugins failed to register with verl")
+    raise
