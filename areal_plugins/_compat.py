@@ -11,7 +11,7 @@ from packaging.version import Version
 SUPPORTED_VERL = SpecifierSet(">=0.9.1,<0.9.2")
 
 
-class UnsupportedVerlVersion(RuntimeError):
+class UnsupportedVerlVersionError(RuntimeError):
     """Raised when the installed verl is outside :data:`SUPPORTED_VERL`."""
 
 
@@ -20,16 +20,16 @@ def installed_verl_version() -> str:
     try:
         return metadata.version("verl")
     except metadata.PackageNotFoundError as error:
-        raise UnsupportedVerlVersion(
+        raise UnsupportedVerlVersionError(
             "verl is not installed. areal_plugins runs inside verl: `pip install 'verl==0.9.1'`."
         ) from error
 
 
 def check_verl_version(version: str | None = None, supported: SpecifierSet = SUPPORTED_VERL) -> str:
-    """Return the verl version if supported; raise :class:`UnsupportedVerlVersion` otherwise."""
+    """Return the verl version if supported; raise :class:`UnsupportedVerlVersionError` otherwise."""
     found = version if version is not None else installed_verl_version()
     if Version(found) not in supported:
-        raise UnsupportedVerlVersion(
+        raise UnsupportedVerlVersionError(
             f"areal_plugins supports verl {supported}, but verl {found} is installed. "
             f"Install a supported verl (`pip install 'verl{supported}'`) or an areal_plugins release "
             "that supports your verl."

@@ -19,11 +19,11 @@ LOADED = False
 def register_with_verl() -> None:
     """Register our platform and rollout backend; prepare CPU-only runs. Idempotent."""
     global LOADED
-    from areal_plugins._compat import UnsupportedVerlVersion, check_verl_version
+    from areal_plugins._compat import UnsupportedVerlVersionError, check_verl_version
 
     try:
         check_verl_version()
-    except UnsupportedVerlVersion as error:
+    except UnsupportedVerlVersionError as error:
         logger.error("areal_plugins disabled: %s", error)
         return
     from areal_plugins.cpu.platform import cpu_platform_selected, register_cpu_platform

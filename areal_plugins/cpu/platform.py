@@ -9,8 +9,9 @@ GPU per trainer process (``ray_kwargs.ray_init.num_gpus``) — no CUDA code runs
 from __future__ import annotations
 
 import types
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -23,19 +24,21 @@ def _make_device_module() -> types.ModuleType:
     for name in dir(torch.cpu):
         if not name.startswith("_"):
             setattr(module, name, getattr(torch.cpu, name))
-    module.get_device_name = lambda *args, **kwargs: "CPU"  # flops counter looks up peak flops by name
-    module.manual_seed = torch.manual_seed
-    module.manual_seed_all = torch.manual_seed
-    module.empty_cache = lambda: None
-    module.memory_allocated = lambda *args, **kwargs: 0
-    module.memory_reserved = lambda *args, **kwargs: 0
-    module.max_memory_allocated = lambda *args, **kwargs: 0
-    module.max_memory_reserved = lambda *args, **kwargs: 0
-    module.reset_peak_memory_stats = lambda *args, **kwargs: None
-    module.mem_get_info = _mem_get_info
-    module.current_device = lambda: "cpu"  # torch.device(...) and .to(...) accept the string
-    module.is_available = lambda: True
-    module.device_count = lambda: 1
+    module.__dict__.update(
+        get_device_name=lambda *args, **kwargs: "CPU",  # the flops counter looks up peak flops by name
+        manual_seed=torch.manual_seed,
+        manual_seed_all=torch.manual_seed,
+        empty_cache=lambda: None,
+        memory_allocated=lambda *args, **kwargs: 0,
+        memory_reserved=lambda *args, **kwargs: 0,
+        max_memory_allocated=lambda *args, **kwargs: 0,
+        max_memory_reserved=lambda *args, **kwargs: 0,
+        reset_peak_memory_stats=lambda *args, **kwargs: None,
+        mem_get_info=_mem_get_info,
+        current_device=lambda: "cpu",  # torch.device(...) and .to(...) accept the string
+        is_available=lambda: True,
+        device_count=lambda: 1,
+    )
     return module
 
 

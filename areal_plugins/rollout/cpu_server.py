@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -50,6 +52,7 @@ class CPURolloutServer:
         max_batch_size: int = 64,
         num_threads: int = 1,
         seed: int = 0,
+        replica_rank: int = 0,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -67,6 +70,8 @@ class CPURolloutServer:
         self._gate_open.set()
         self._rejecting = False
         self.global_steps = 0
+        self.replica_rank = replica_rank
+        self._record_sync(version=self.engine.version, checksum=weights_checksum(model.state_dict()), event="load")
 
     # ------------------------------------------------------------------ generation
 
@@ -155,7 +160,19 @@ class CPURolloutServer:
         await asyncio.to_thread(self.engine.load_state_dict, state_dict, version)
         self.global_steps = version
         served = self.engine.model.state_dict()
-        return {"version": self.engine.version, "checksum": weights_checksum({k: served[k] for k in state_dict})}
+        checksum = weights_checksum({k: served[k] for k in state_dict})
+        self._record_sync(version=version, checksum=checksum, event="update")
+        return {"version": self.engine.version, "checksum": checksum}
+
+    def _record_sync(self, version: int, checksum: str, event: str) -> None:
+        """Append to ``$AREAL_RUN_DIR/weight_syncs.jsonl``: an audit trail of the weights served."""
+        run_dir = os.environ.get("AREAL_RUN_DIR")
+        if not run_dir:
+            return
+        record = {"time": time.time(), "replica": self.replica_rank, "event": event, "version": version}
+        record["checksum"] = checksum
+        with open(os.path.join(run_dir, "weight_syncs.jsonl"), "a") as handle:
+            handle.write(json.dumps(record) + "\n")
 
     async def get_version(self) -> int:
         return self.engine.version

@@ -143,8 +143,7 @@ class ContinuousBatchingEngine:
             missing = [name for name in missing if name != "lm_head.weight"]
             if missing or unexpected:
                 raise RuntimeError(
-                    f"weight update did not match the rollout model: missing {missing[:5]}, "
-                    f"unexpected {unexpected[:5]}"
+                    f"weight update did not match the rollout model: missing {missing[:5]}, unexpected {unexpected[:5]}"
                 )
             self.version = version
 
@@ -189,9 +188,7 @@ class ContinuousBatchingEngine:
     def _finish(self, request: _Request, reason: str) -> None:
         request.cache = None
         if not request.future.done():
-            request.future.set_result(
-                GenerationResult(request.token_ids, request.logprobs, request.versions, reason)
-            )
+            request.future.set_result(GenerationResult(request.token_ids, request.logprobs, request.versions, reason))
 
     # ------------------------------------------------------------------ model work (worker thread)
 
@@ -255,9 +252,7 @@ class ContinuousBatchingEngine:
 
     def _append_token(self, request: _Request, logits: torch.Tensor, version: int) -> bool:
         """Sample one token into ``request``; return True when the request is complete."""
-        token, logprob = sample_token(
-            logits, request.temperature, request.top_p, request.top_k, self._generator
-        )
+        token, logprob = sample_token(logits, request.temperature, request.top_p, request.top_k, self._generator)
         request.token_ids.append(token)
         request.logprobs.append(logprob)
         request.versions.append(version)

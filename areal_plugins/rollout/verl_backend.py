@@ -55,8 +55,8 @@ def _make_replica_class() -> type:
             options = engine_options(self.config)
             model_path = getattr(self.model_config, "local_path", None) or self.model_config.path
             name = server_actor_name(self.replica_rank, self.name_suffix)
-            server_cls = ray.remote(CPURolloutServer)
-            server = server_cls.options(
+            server_cls: Any = ray.remote(CPURolloutServer)
+            server: Any = server_cls.options(
                 name=name, num_cpus=SERVER_NUM_CPUS, max_concurrency=self.max_concurrency
             ).remote(
                 model_path=model_path,
@@ -65,6 +65,7 @@ def _make_replica_class() -> type:
                 max_batch_size=int(options.get("max_batch_size", self.config.max_num_seqs)),
                 num_threads=int(options.get("num_threads", 2)),
                 seed=self.config.seed + self.replica_rank,
+                replica_rank=self.replica_rank,
             )
             await server.get_version.remote()  # surfaces constructor errors here, not at first use
             self.servers = [server]

@@ -1,0 +1,7 @@
+"""Built-in features as ordinary plugins, registered ``trylast`` so a third party always wins."""
+
+from __future__ import annotations
+
+from areal_plugins.builtin import losses, rewards
+
+BUILTIN_PLUGINS = (("areal_plugins.builtin.rewards", rewards), ("areal_plugins.builtin.losses", losses))

@@ -1,0 +1,173 @@
+"""``areal-plugins``: build the tiny CPU assets and launch verl with a recipe.
+
+``areal-plugins train RECIPE [KEY=VALUE ...]`` runs verl's own ``main_ppo`` on the recipe in a
+child process, with the environment a CPU machine needs, writes everything to a run directory and
+prints one progress line per training step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+logger = logging.getLogger("areal_plugins.cli")
+
+DEFAULT_TINY_DIR = Path(".areal/tiny")
+STEP_LINE = re.compile(r"step:(\d+) - (.*)")
+ERROR_LINE = re.compile(r"Traceback|\b\w+Error: ")
+#: verl's own milestones worth a progress line while the (slow, ~1.5 min) startup runs.
+MILESTONES = {
+    "actor and ref model engine initialized": "trainer workers ready",
+    "checkpoint engine manager initialized": "rollout servers ready",
+    "all initialize finished": "verl initialised; training",
+    "validation metrics": "validation done",
+}
+PROGRESS_KEYS = (
+    ("critic/score/mean", "reward"),
+    ("actor/pg_loss", "pg_loss"),
+    ("response_length/mean", "resp_len"),
+    ("timing_s/gen", "gen_s"),
+    ("timing_s/update_actor", "train_s"),
+    ("timing_s/step", "step_s"),
+)
+
+
+def has_accelerator() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def ensure_tiny_assets(tiny_dir: Path, force: bool = False) -> Path:
+    """Build the tiny model and the addition data under ``tiny_dir`` unless already there."""
+    from areal_plugins.tiny.model import TinyModelSpec, build_tiny_model
+    from areal_plugins.tiny.task import write_dataset
+
+    stamp = tiny_dir / "BUILT.json"
+    if stamp.exists() and not force:
+        return tiny_dir
+    start = time.monotonic()
+    spec = TinyModelSpec()
+    logger.info("building the tiny model and data in %s (about 30 s on 2 cores)", tiny_dir)
+    metrics = build_tiny_model(tiny_dir / "model", spec)
+    write_dataset(tiny_dir / "data", train_size=4096, test_size=256, seed=spec.seed)
+    stamp.write_text(json.dumps({"spec": spec.__dict__, **metrics, "seconds": time.monotonic() - start}, indent=2))
+    return tiny_dir
+
+
+def _parse_metrics(fields: str) -> dict[str, float]:
+    """Parse verl's console line ``k1:v1 - k2:np.float64(v2) - ...`` into floats."""
+    values: dict[str, float] = {}
+    for item in fields.split(" - "):
+        key, _, raw = item.partition(":")
+        raw = re.sub(r"^np\.\w+\((.*)\)$", r"\1", raw.strip())
+        try:
+            values[key.strip()] = float(raw)
+        except ValueError:
+            continue
+    return values
+
+
+def _format_progress(step: int, total: str, fields: str) -> str:
+    values = _parse_metrics(fields)
+    validation = {k.split("/", 1)[1]: v for k, v in values.items() if k.startswith("val-core/")}
+    if validation:
+        shown = "  ".join(f"{k}={v:.3g}" for k, v in validation.items())
+        return f"validation after step {step}: {shown}"
+    parts = [f"step {step}/{total}"]
+    parts += [f"{label}={values[key]:.3g}" for key, label in PROGRESS_KEYS if key in values]
+    return "  ".join(parts)
+
+
+def _total_steps(recipe: Path, overrides: list[str]) -> str:
+    for override in overrides:
+        if override.startswith("trainer.total_training_steps="):
+            return override.split("=", 1)[1]
+    import yaml
+
+    trainer = (yaml.safe_load(recipe.read_text()) or {}).get("trainer", {}) or {}
+    return str(trainer.get("total_training_steps", "?"))
+
+
+def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Path) -> int:
+    """Run verl's ``main_ppo`` on ``recipe``; return its exit code."""
+    from areal_plugins._compat import check_verl_version
+
+    check_verl_version()
+    recipe = recipe.resolve()
+    if not recipe.exists():
+        raise SystemExit(f"recipe {recipe} does not exist; shipped recipes are in recipes/")
+    run_dir = (run_dir or Path("runs") / f"{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["AREAL_TINY_DIR"] = str(ensure_tiny_assets(tiny_dir).resolve())
+    env["VERL_FILE_LOGGER_PATH"] = str(run_dir / "metrics.jsonl")
+    env["AREAL_RUN_DIR"] = str(run_dir)
+    if "VERL_PLATFORM" not in env and not has_accelerator():
+        env["VERL_PLATFORM"] = "cpu"
+        logger.info("no accelerator found: running verl on the CPU platform (VERL_PLATFORM=cpu)")
+    command = [
+        sys.executable,
+        "-m",
+        "verl.trainer.main_ppo",
+        f"--config-path={recipe.parent}",
+        f"--config-name={recipe.stem}",
+        f"trainer.default_local_dir={run_dir / 'checkpoints'}",
+        *overrides,
+    ]
+    (run_dir / "command.txt").write_text(" ".join(command) + "\n")
+    total = _total_steps(recipe, overrides)
+    logger.info("run directory %s (full log: train.log, metrics: metrics.jsonl)", run_dir)
+    started = time.monotonic()
+    with open(run_dir / "train.log", "w") as log_file:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert process.stdout is not None
+        for line in process.stdout:
+            log_file.write(line)
+            match = STEP_LINE.search(line)
+            if match:
+                logger.info(_format_progress(int(match.group(1)), total, match.group(2)))
+            elif ERROR_LINE.search(line):
+                logger.warning(line.rstrip())
+            else:
+                for needle, message in MILESTONES.items():
+                    if needle in line:
+                        logger.info("%s (%.0f s)", message, time.monotonic() - started)
+        code = process.wait()
+    elapsed = time.monotonic() - started
+    if code != 0:
+        logger.error("verl exited with code %d after %.0f s; see %s", code, elapsed, run_dir / "train.log")
+    else:
+        logger.info("done in %.0f s; metrics in %s", elapsed, run_dir / "metrics.jsonl")
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s areal-plugins: %(message)s", datefmt="%H:%M:%S")
+    parser = argparse.ArgumentParser(prog="areal-plugins", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    build = commands.add_parser("build-tiny", help="build the tiny Qwen2 model and the addition data")
+    build.add_argument("--out", type=Path, default=DEFAULT_TINY_DIR)
+    build.add_argument("--force", action="store_true", help="rebuild even if already built")
+    run = commands.add_parser("train", help="train with a recipe through verl's main_ppo")
+    run.add_argument("recipe", type=Path)
+    run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.total_training_steps=10")
+    run.add_argument("--run-dir", type=Path, default=None)
+    run.add_argument("--tiny-dir", type=Path, default=DEFAULT_TINY_DIR)
+    args = parser.parse_args(argv)
+    if args.command == "build-tiny":
+        ensure_tiny_assets(args.out, force=args.force)
+        logger.info("tiny model and data in %s", args.out)
+        return 0
+    return train(args.recipe, args.overrides, args.run_dir, args.tiny_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Hook specifications of areal_plugins, in lifecycle order (startup → rollout → training → shutdown).
+
+Specs only: implementations live in ``areal_plugins/builtin/`` (``trylast`` defaults) and in
+third-party plugins registered through the ``areal_plugins`` entry-point group. Every hook here is
+listed with its exact signature in ``docs/hooks.md`` (a test enforces it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from areal_plugins.trajectory import Trajectory
+
+PROJECT_NAME = "areal_plugins"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+
+
+# ---------------------------------------------------------------- startup
+
+
+@hookspec
+def areal_validate_config(config: Any) -> None:
+    """Check the ``areal:`` settings before anything starts; raise ``ValueError`` to refuse them.
+
+    The return value is ignored; raise with a message naming the YAML path to change.
+
+    :param config: the whole composed recipe (verl's config with our ``areal:`` node).
+
+    Called from: the driver, before verl starts its workers.
+    Default: none (the built-in settings validate themselves in their dataclasses).
+    """
+
+
+@hookspec(firstresult=True)
+def areal_make_sample_buffer(config: Any) -> Any:
+    """Create the buffer that holds finished trajectories until the trainer consumes them.
+
+    Return the buffer, or None to let the next implementation decide.
+
+    :param config: the composed recipe.
+
+    Called from: the driver (rollout manager set-up).
+    Default: none yet; the built-in staleness-ordered buffer comes with the async trainer (issue 9).
+    """
+
+
+@hookspec(firstresult=True)
+def areal_make_rollout_manager(config: Any, engines: list[Any], buffer: Any) -> Any:
+    """Create the manager that admits rollouts, drives the engines and fills ``buffer``.
+
+    Return the manager, or None to let the next implementation decide.
+
+    :param config: the composed recipe.
+    :param engines: handles of the rollout servers.
+    :param buffer: what ``areal_make_sample_buffer`` returned.
+
+    Called from: the driver (trainer set-up).
+    Default: none yet; the built-in asynchronous rollout manager comes with the async trainer (issue 9).
+    """
+
+
+@hookspec(firstresult=True)
+def areal_make_reward_fn(config: Any) -> Callable[..., float] | None:
+    """Return the reward function ``(data_source, solution_str, ground_truth, extra_info) -> float``.
+
+    Return None to let the next implementation decide.
+
+    :param config: the composed recipe.
+
+    Called from: each reward worker process.
+    Default: ``builtin.rewards``: the math-verify exact-answer reward (``trylast``).
+    """
+
+
+@hookspec(firstresult=True)
+def areal_make_policy_loss(config: Any) -> Callable[..., Any] | None:
+    """Return the policy loss the trainer optimises, or None to let the next implementation decide.
+
+    :param config: the composed recipe.
+
+    Called from: each trainer worker, when its actor is built.
+    Default: ``builtin.losses``: the decoupled PPO objective (``trylast``).
+    """
+
+
+# ---------------------------------------------------------------- rollout
+
+
+@hookspec(firstresult=True)
+def areal_accept_trajectory(trajectory: Trajectory) -> bool | None:
+    """Decide whether a finished, scored trajectory is kept for training.
+
+    Return False to reject it (its staleness slot is freed and it is counted as rejected), True to
+    keep it and stop asking further plugins, None to defer (kept if nobody rejects).
+
+    :param trajectory: the finished trajectory, reward set.
+
+    Called from: the rollout manager on the driver, once per finished trajectory.
+    Default: none (every trajectory is kept).
+    """
+
+
+@hookspec
+def areal_before_weight_update(version: int) -> None:
+    """Observe that generation is about to pause for weights of ``version``. Return value ignored.
+
+    :param version: the version about to be loaded.
+
+    Called from: the rollout manager on the driver.
+    Default: none.
+    """
+
+
+@hookspec
+def areal_on_weights_updated(version: int) -> None:
+    """Observe that every rollout engine now serves ``version``. Return value ignored.
+
+    :param version: the policy version the engines serve from now on.
+
+    Called from: the driver, after the checksum handshake with every engine.
+    Default: none.
+    """
+
+
+# ---------------------------------------------------------------- training
+
+
+@hookspec
+def areal_after_train_step(step: int, metrics: dict[str, Any]) -> None:
+    """Observe a finished optimizer step; add entries to ``metrics`` to log them. Return value ignored.
+
+    :param step: the trainer's global step just completed (1-based).
+    :param metrics: the step's metrics, mutable; keys are namespaced (``areal/...``).
+
+    Called from: the driver, after each optimizer step, before metrics are logged.
+    Default: none.
+    """
+
+
+# ---------------------------------------------------------------- shutdown
+
+
+@hookspec
+def areal_on_shutdown(reason: str) -> None:
+    """Observe the end of a run. Return value ignored.
+
+    :param reason: ``"completed"``, ``"error"`` or ``"interrupted"``.
+
+    Called from: the driver, once, as the run ends.
+    Default: none.
+    """

@@ -1,0 +1,51 @@
+"""Token-budget micro-batching (AReaL, arXiv 2505.24298, Algorithm 1; DESIGN.md §1).
+
+Sequences are visited longest first; each goes into the micro-batch with room that holds the fewest
+sequences, and a new micro-batch opens when none has room or fewer than ``min_groups`` exist. The
+paper measured about 30% higher training throughput than a fixed number of micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def ffd_allocate(lengths: Sequence[int], capacity: int, min_groups: int = 1) -> list[list[int]]:
+    """Pack sequence indices into micro-batches of at most ``capacity`` tokens.
+
+    Args:
+        lengths: token count of each sequence.
+        capacity: token budget of one micro-batch (> 0).
+        min_groups: open micro-batches until at least this many exist (e.g. data-parallel ranks).
+
+    Returns:
+        Micro-batches as lists of indices into ``lengths``, in the order they were opened; each index
+        appears exactly once.
+
+    Raises:
+        ValueError: ``capacity <= 0``, ``min_groups < 1``, or a sequence longer than ``capacity``.
+    """
+    if capacity <= 0:
+        raise ValueError(f"capacity must be > 0 tokens, got {capacity}")
+    if min_groups < 1:
+        raise ValueError(f"min_groups must be >= 1, got {min_groups}")
+    too_long = [i for i, n in enumerate(lengths) if n > capacity]
+    if too_long:
+        raise ValueError(
+            f"sequence {too_long[0]} has {lengths[too_long[0]]} tokens, more than the micro-batch budget of "
+            f"{capacity}; raise areal.micro_batch.max_tokens to at least {max(lengths)}"
+        )
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    used: list[int] = []
+    for index in order:
+        length = lengths[index]
+        fitting = [g for g in range(len(groups)) if used[g] + length <= capacity]
+        if len(groups) < min_groups or not fitting:
+            groups.append([index])
+            used.append(length)
+            continue
+        target = min(fitting, key=lambda g: (len(groups[g]), g))
+        groups[target].append(index)
+        used[target] += length
+    return groups

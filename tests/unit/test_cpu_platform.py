@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import torch
+
+
+def test_plugin_loaded_by_verl_entry_point():
+    import verl  # noqa: F401  (importing verl loads the verl.plugins entry points)
+
+    import areal_plugins.verl_plugin as plugin
+
+    assert plugin.LOADED
+
+
+def test_cpu_platform_selected_and_complete():
+    from verl.plugin.platform import get_platform
+    from verl.utils.device import get_device_name, get_nccl_backend, get_torch_device
+
+    platform = get_platform()
+    assert platform.device_name == get_device_name() == "cpu"
+    assert get_nccl_backend() == "gloo"
+    device = get_torch_device()
+    # torch.device accepts what current_device() returns: verl moves tensors with it.
+    assert torch.zeros(1).to(device.current_device()).device.type == "cpu"
+    assert device.get_device_name() == "CPU"
+    free, total = device.mem_get_info()
+    assert 0 < free <= total
+
+
+def test_rollout_backend_registered_in_both_registries():
+    from verl.workers.rollout.base import get_rollout_class
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    assert get_rollout_class("areal_cpu", "async").__name__ == "CPUServerAdapter"
+    assert get_rollout_replica_class("areal_cpu").__name__ == "CPURolloutReplica"
+
+
+def test_fsdp_engine_found_for_cpu():
+    from verl.workers.engine import EngineRegistry
+
+    assert EngineRegistry.get_engine_cls("language_model", "fsdp2").__name__.startswith("FSDP")

@@ -1,0 +1,141 @@
+"""The CPU generation engine against independent references: full forward passes and HF generate."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from areal_plugins.rollout.hf_engine import STOP_ABORTED, STOP_COMPLETED, ContinuousBatchingEngine, sample_token
+
+NO_EOS: list[int] = []  # random weights: never stop early, so lengths are exact
+
+
+def full_forward_logprobs(model, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """Reference: log-probs of ``tokens`` from one forward pass over prompt + tokens."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float() / temperature
+    logprobs = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    return logprobs.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_concurrent_requests_logprobs_match_full_forward(random_qwen2):
+    engine = ContinuousBatchingEngine(random_qwen2, NO_EOS, max_batch_size=3, seed=1)
+    prompts = [[5, 6, 7], [9] * 11, [1, 2, 3, 4, 5, 6], [42], [7, 7]]  # more than one batch, ragged
+
+    async def go():
+        return await asyncio.gather(*[engine.generate(p, max_tokens=9, temperature=0.8) for p in prompts])
+
+    results = run(go())
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.stop_reason == STOP_COMPLETED
+        assert len(result.token_ids) == 9
+        reference = full_forward_logprobs(random_qwen2, prompt, result.token_ids, temperature=0.8)
+        torch.testing.assert_close(torch.tensor(result.logprobs), reference, atol=1e-4, rtol=0)
+        assert result.versions == [0] * 9
+
+
+def test_greedy_matches_transformers_generate(random_qwen2):
+    engine = ContinuousBatchingEngine(random_qwen2, NO_EOS, max_batch_size=4)
+    prompts = [[3, 1, 4, 1, 5], [2, 7]]
+
+    async def go():
+        return await asyncio.gather(*[engine.generate(p, max_tokens=12, temperature=0.0) for p in prompts])
+
+    results = run(go())
+    for prompt, result in zip(prompts, results, strict=True):
+        expected = random_qwen2.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None
+        )[0, len(prompt) :].tolist()
+        assert result.token_ids == expected
+
+
+def test_stops_at_eos_and_keeps_it(random_qwen2):
+    # Find what greedy emits second, then declare that token an EOS: generation must stop on it.
+    probe = ContinuousBatchingEngine(random_qwen2, NO_EOS)
+    first_two = run(probe.generate([8, 9, 10], max_tokens=2, temperature=0.0)).token_ids
+    engine = ContinuousBatchingEngine(random_qwen2, [first_two[1]])
+    result = run(engine.generate([8, 9, 10], max_tokens=50, temperature=0.0))
+    assert result.token_ids[-1] == first_two[1]
+    assert len(result.token_ids) <= 2 and result.stop_reason == STOP_COMPLETED
+
+
+def test_abort_returns_partial_output(random_qwen2):
+    engine = ContinuousBatchingEngine(random_qwen2, NO_EOS, max_batch_size=2)
+
+    async def go():
+        tasks = [asyncio.create_task(engine.generate([1, 2, 3], max_tokens=400)) for _ in range(3)]
+        while engine.generated_tokens < 6:  # both running requests have produced tokens
+            await asyncio.sleep(0.001)
+        aborted = engine.abort_all()
+        return aborted, await asyncio.gather(*tasks)
+
+    aborted, results = run(go())
+    assert len(aborted) == 3
+    assert all(r.stop_reason == STOP_ABORTED for r in results)
+    lengths = sorted(len(r.token_ids) for r in results)
+    assert lengths[0] == 0  # the third request was still waiting for a batch slot
+    assert 0 < lengths[-1] < 400
+    for result in results:
+        assert len(result.logprobs) == len(result.versions) == len(result.token_ids)
+
+
+def test_weight_update_mid_generation_stamps_new_version(random_qwen2):
+    import copy
+
+    model = copy.deepcopy(random_qwen2)
+    engine = ContinuousBatchingEngine(model, NO_EOS)
+    new_weights = {k: v + 0.01 for k, v in model.state_dict().items()}
+
+    async def go():
+        task = asyncio.create_task(engine.generate([4, 5, 6], max_tokens=60))
+        while engine.generated_tokens < 5:
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(engine.load_state_dict, new_weights, 1)
+        return await task
+
+    result = run(go())
+    switch = result.versions.index(1)
+    assert 0 < switch < 60
+    assert result.versions == [0] * switch + [1] * (60 - switch)
+    # Tokens after the switch are scored by the new weights (the KV cache of earlier tokens is old).
+    assert engine.version == 1
+
+
+def test_load_state_dict_rejects_mismatched_weights(random_qwen2):
+    engine = ContinuousBatchingEngine(random_qwen2, NO_EOS)
+    with pytest.raises(RuntimeError, match="unexpected"):
+        engine.load_state_dict({"not.a.weight": torch.zeros(1)}, version=3)
+    assert engine.version == 0
+
+
+def test_sample_token_logprob_is_hand_derived():
+    # logits log([1, 2, 3]) at T = 1: p = [1/6, 2/6, 3/6]; greedy picks index 2 with log(1/2).
+    logits = torch.log(torch.tensor([1.0, 2.0, 3.0]))
+    token, logprob = sample_token(logits, 0.0, 1.0, -1, torch.Generator().manual_seed(0))
+    assert token == 2 and logprob == pytest.approx(math.log(0.5), abs=1e-6)
+    # T = 0.5 squares the odds: p ∝ [1, 4, 9]; top_k=1 leaves only index 2, log-prob untruncated.
+    token, logprob = sample_token(logits, 0.5, 1.0, 1, torch.Generator().manual_seed(0))
+    assert token == 2 and logprob == pytest.approx(math.log(9 / 14), abs=1e-6)
+
+
+def test_top_p_never_samples_outside_nucleus():
+    # p = [0.5, 0.3, 0.2]: top_p = 0.6 keeps the two most likely tokens only.
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    generator = torch.Generator().manual_seed(0)
+    drawn = {sample_token(logits, 1.0, 0.6, -1, generator)[0] for _ in range(300)}
+    assert drawn == {0, 1}
+
+
+def test_rejects_bad_requests(random_qwen2):
+    engine = ContinuousBatchingEngine(random_qwen2, NO_EOS)
+    with pytest.raises(ValueError, match="max_tokens"):
+        run(engine.generate([1], max_tokens=0))
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        run(engine.generate([], max_tokens=3))

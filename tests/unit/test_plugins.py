@@ -1,0 +1,162 @@
+"""The plugin core: spec validation, error attribution, selection, docs, entry-point discovery."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from areal_plugins import hookspecs
+from areal_plugins.hookimpl import hookimpl
+from areal_plugins.manager import PluginError, build_plugin_manager, call_hook
+from areal_plugins.testing import plugin_registered
+from areal_plugins.trajectory import Trajectory
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "hooks.md"
+HOOK_NAMES = [name for name in vars(hookspecs) if name.startswith("areal_")]
+
+
+def make_trajectory(reward: float) -> Trajectory:
+    return Trajectory([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [2, 2, 3], reward=reward, group_id="g")
+
+
+class RejectLowReward:
+    @hookimpl
+    def areal_accept_trajectory(self, trajectory):
+        return None if trajectory.reward >= 0.5 else False
+
+
+def test_every_hook_is_documented_with_its_exact_signature():
+    text = DOCS.read_text()
+    for name in HOOK_NAMES:
+        signature = str(inspect.signature(getattr(hookspecs, name))).replace("'", "")
+        assert f"def {name}{signature}" in text, f"{name} is missing from docs/hooks.md or its signature changed"
+
+
+def test_hooks_follow_the_naming_rule_and_are_documented():
+    for name in HOOK_NAMES:
+        function = getattr(hookspecs, name)
+        assert "Called from:" in function.__doc__ and "Default:" in function.__doc__, name
+
+
+def test_accept_trajectory_firstresult_semantics():
+    manager = build_plugin_manager()
+    assert call_hook("areal_accept_trajectory", manager, trajectory=make_trajectory(0.0)) is None  # kept
+    with plugin_registered(RejectLowReward(), manager):
+        assert call_hook("areal_accept_trajectory", manager, trajectory=make_trajectory(0.0)) is False
+        assert call_hook("areal_accept_trajectory", manager, trajectory=make_trajectory(1.0)) is None
+    assert call_hook("areal_accept_trajectory", manager, trajectory=make_trajectory(0.0)) is None
+
+
+def test_third_party_wins_over_builtin_default():
+    manager = build_plugin_manager()
+
+    class MyReward:
+        @hookimpl
+        def areal_make_reward_fn(self, config):
+            return "mine"
+
+    assert call_hook("areal_make_reward_fn", manager, config={}).__name__ == "compute_score"
+    with plugin_registered(MyReward(), manager):
+        assert call_hook("areal_make_reward_fn", manager, config={}) == "mine"
+
+
+def test_a_raising_plugin_is_named_with_the_hook():
+    manager = build_plugin_manager()
+
+    class Broken:
+        @hookimpl
+        def areal_after_train_step(self, step, metrics):
+            raise KeyError("boom")
+
+    with plugin_registered(Broken(), manager, name="broken-metrics"):
+        with pytest.raises(PluginError, match=r"plugin 'broken-metrics' raised in hook areal_after_train_step"):
+            call_hook("areal_after_train_step", manager, step=1, metrics={})
+
+
+def test_misspelled_hook_fails_with_the_plugin_name():
+    manager = build_plugin_manager()
+
+    class Typo:
+        @hookimpl
+        def areal_after_trian_step(self, step, metrics):
+            return None
+
+    with pytest.raises(PluginError, match="plugin 'typo-plugin' implements a hook"):
+        with plugin_registered(Typo(), manager, name="typo-plugin"):
+            pass
+    assert manager.get_plugin("typo-plugin") is None  # unregistered again
+
+
+def test_wrong_argument_name_fails_at_registration():
+    import pluggy
+
+    manager = build_plugin_manager()
+
+    class WrongArgs:
+        @hookimpl
+        def areal_on_weights_updated(self, new_version):
+            return None
+
+    with pytest.raises(pluggy.PluginValidationError, match="new_version"):
+        with plugin_registered(WrongArgs(), manager):
+            pass
+
+
+def test_after_train_step_plugins_may_add_metrics():
+    manager = build_plugin_manager()
+
+    class AddMetric:
+        @hookimpl
+        def areal_after_train_step(self, step, metrics):
+            metrics["myplugin/step_squared"] = step * step
+
+    metrics: dict = {}
+    with plugin_registered(AddMetric(), manager):
+        call_hook("areal_after_train_step", manager, step=3, metrics=metrics)
+    assert metrics == {"myplugin/step_squared": 9}
+
+
+@pytest.fixture
+def installed_example_plugin(tmp_path, monkeypatch):
+    """A plugin distributed only through the entry-point group: a real .dist-info on sys.path."""
+    (tmp_path / "areal_example_filter.py").write_text(
+        textwrap.dedent(
+            """
+            from areal_plugins import hookimpl
+
+            @hookimpl
+            def areal_accept_trajectory(trajectory):
+                return False if trajectory.reward == 0 else None
+            """
+        )
+    )
+    dist = tmp_path / "areal_example_filter-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: areal-example-filter\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[areal_plugins]\nexample_filter = areal_example_filter\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "example_filter"
+    sys.modules.pop("areal_example_filter", None)
+
+
+def test_entry_point_plugin_is_discovered_and_selectable(installed_example_plugin):
+    manager = build_plugin_manager()
+    assert manager.get_plugin(installed_example_plugin) is not None
+    assert call_hook("areal_accept_trajectory", manager, trajectory=make_trajectory(0.0)) is False
+    excluded = build_plugin_manager(exclude=[installed_example_plugin])
+    assert excluded.get_plugin(installed_example_plugin) is None
+    with pytest.raises(PluginError, match=r"not installed; installed plugins: \['example_filter'\]"):
+        build_plugin_manager(include=["exmaple_filter"])
+
+
+def test_trajectory_versions_and_staleness():
+    trajectory = make_trajectory(1.0)
+    assert trajectory.head_version == 2
+    assert trajectory.token_versions == [-1, -1, 2, 2, 3]
+    assert trajectory.staleness(5) == 3
+    with pytest.raises(ValueError, match="one entry per response token"):
+        Trajectory([1], [2, 3], [-0.1], [0, 0])

@@ -1,0 +1,62 @@
+"""The tiny tokenizer against tiktoken (independent reference) and the addition task's data."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_plugins.tiny.task import make_problems, to_verl_row
+from areal_plugins.tiny.tokenizer import QWEN2_SPLIT_PATTERN, load_qwen_ranks, write_tokenizer
+
+TEXTS = [
+    "What is 3 + 5?",
+    "Hello world, it's   a test!\n\nNew line 12345 ÿ 你好 🙂",
+    "def foo(x):\n    return x**2  # comment\t\ttabs",
+    "The answer is \\boxed{17}. Isn't it?",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tok")
+    write_tokenizer(out, 4096)
+    return AutoTokenizer.from_pretrained(out)
+
+
+def test_matches_tiktoken_on_the_same_ranks(tokenizer):
+    tiktoken = pytest.importorskip("tiktoken")
+    ranks = load_qwen_ranks(4096)
+    reference = tiktoken.Encoding(
+        "qwen2-4096",
+        pat_str=QWEN2_SPLIT_PATTERN,
+        mergeable_ranks={b: i for i, b in enumerate(ranks)},
+        special_tokens={},
+    )
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert ids == reference.encode(text)
+        assert tokenizer.decode(ids) == text
+
+
+def test_special_tokens_and_chat_template(tokenizer):
+    assert tokenizer.pad_token_id == 4096 and tokenizer.eos_token_id == 4098
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_problems_are_deterministic_and_exact():
+    assert make_problems(20, seed=3) == make_problems(20, seed=3)
+    assert make_problems(20, seed=3) != make_problems(20, seed=4)
+    for problem in make_problems(50, seed=0):
+        assert 0 <= problem.a <= 9 and 0 <= problem.b <= 9
+        assert int(problem.answer) == problem.a + problem.b
+
+
+def test_verl_row_layout():
+    row = to_verl_row(make_problems(1, seed=0)[0], "train", 0)
+    assert set(row) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}
+    assert row["prompt"][0]["role"] == "user"
+    assert row["reward_model"]["style"] == "rule"

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create .venv in the repo root with areal_plugins, verl 0.9.1 and the dev tools, on CPU.
+# torch is installed first, pinned, so that nothing later pulls a multi-GB CUDA build.
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+TORCH_VERSION="${AREAL_TORCH_VERSION:-2.13.0}"
+if ! .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
+  echo "setup: installing torch==$TORCH_VERSION (CPU build where one is available)"
+  .venv/bin/python -m pip install --quiet "torch==$TORCH_VERSION"
+fi
+echo "setup: installing areal_plugins (editable) with verl 0.9.1 and dev tools"
+.venv/bin/python -m pip install --quiet -e ".[dev]"
+.venv/bin/python - <<'PY'
+import torch, verl
+import areal_plugins.verl_plugin as plugin
+assert plugin.LOADED, "areal_plugins did not register with verl; see the error above"
+print(f"setup: ok (torch {torch.__version__}, verl {verl.__version__}, cuda={torch.cuda.is_available()})")
+PY
