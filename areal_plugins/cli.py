@@ -77,13 +77,17 @@ def _parse_metrics(fields: str) -> dict[str, float]:
 
 def _format_progress(step: int, total: str, fields: str) -> str:
     values = _parse_metrics(fields)
+    parts = []
+    if any(key in values for key, _ in PROGRESS_KEYS):
+        parts.append(
+            f"step {step}/{total}  "
+            + "  ".join(f"{label}={values[key]:.3g}" for key, label in PROGRESS_KEYS if key in values)
+        )
     validation = {k.split("/", 1)[1]: v for k, v in values.items() if k.startswith("val-core/")}
     if validation:
         shown = "  ".join(f"{k}={v:.3g}" for k, v in validation.items())
-        return f"validation after step {step}: {shown}"
-    parts = [f"step {step}/{total}"]
-    parts += [f"{label}={values[key]:.3g}" for key, label in PROGRESS_KEYS if key in values]
-    return "  ".join(parts)
+        parts.append(f"validation after step {step}: {shown}")
+    return "\n".join(parts)
 
 
 def _total_steps(recipe: Path, overrides: list[str]) -> str:
@@ -133,7 +137,8 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
             log_file.write(line)
             match = STEP_LINE.search(line)
             if match:
-                logger.info(_format_progress(int(match.group(1)), total, match.group(2)))
+                for message in _format_progress(int(match.group(1)), total, match.group(2)).splitlines():
+                    logger.info(message)
             elif ERROR_LINE.search(line):
                 logger.warning(line.rstrip())
             else:
@@ -145,8 +150,22 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
     if code != 0:
         logger.error("verl exited with code %d after %.0f s; see %s", code, elapsed, run_dir / "train.log")
     else:
-        logger.info("done in %.0f s; metrics in %s", elapsed, run_dir / "metrics.jsonl")
+        logger.info("done in %.0f s", elapsed)
+        _report(run_dir)
     return code
+
+
+def _report(run_dir: Path) -> None:
+    """Log what the run achieved and draw its reward curve."""
+    from areal_plugins.run_report import plot_run, summarize_run
+
+    metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.exists():
+        logger.warning("no metrics were written to %s", metrics_path)
+        return
+    for line in summarize_run(metrics_path):
+        logger.info(line)
+    logger.info("reward curve: %s", plot_run(metrics_path, run_dir / "reward.png"))
 
 
 def main(argv: list[str] | None = None) -> int:
