@@ -91,13 +91,20 @@ def _format_progress(step: int, total: str, fields: str) -> str:
 
 
 def _total_steps(recipe: Path, overrides: list[str]) -> str:
+    """``trainer.total_training_steps`` from the overrides, the recipe, or the shared files it includes."""
     for override in overrides:
         if override.startswith("trainer.total_training_steps="):
             return override.split("=", 1)[1]
     import yaml
 
-    trainer = (yaml.safe_load(recipe.read_text()) or {}).get("trainer", {}) or {}
-    return str(trainer.get("total_training_steps", "?"))
+    document = yaml.safe_load(recipe.read_text()) or {}
+    steps = (document.get("trainer") or {}).get("total_training_steps")
+    if steps is None:
+        for entry in document.get("defaults", []):
+            shared = recipe.parent / f"{entry}.yaml" if isinstance(entry, str) else None
+            if shared is not None and shared.exists():
+                steps = ((yaml.safe_load(shared.read_text()) or {}).get("trainer") or {}).get("total_training_steps")
+    return str(steps if steps is not None else "?")
 
 
 def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Path) -> int:

@@ -46,14 +46,27 @@ def register_with_verl() -> None:
 
 
 def _register_config_resolvers() -> None:
-    """``${areal_package_path:rel}``: a file inside the installed package (recipes name our reward fn)."""
+    """Resolvers our recipes and config group use.
+
+    ``${areal_package_path:rel}``: a file inside the installed package (recipes name our reward fn).
+    ``${areal_verl:name,${areal}}``: a verl setting routed by the ``areal:`` node (validated here).
+    """
     from pathlib import Path
 
     from omegaconf import OmegaConf
 
+    from areal_plugins.settings import ArealConfig, verl_setting
+
     if not OmegaConf.has_resolver("areal_package_path"):
         root = Path(__file__).resolve().parent
         OmegaConf.register_new_resolver("areal_package_path", lambda rel: str(root / rel))
+    if not OmegaConf.has_resolver("areal_verl"):
+
+        def areal_verl(name: str, node: object) -> object:
+            values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+            return verl_setting(name, ArealConfig.from_dict(values))  # type: ignore[arg-type]
+
+        OmegaConf.register_new_resolver("areal_verl", areal_verl)
 
 
 try:

@@ -1,4 +1,4 @@
-"""Every shipped recipe composes with verl's config and passes verl's own validation."""
+"""Every shipped recipe composes with verl's config, passes verl's validation, and routes as documented."""
 
 from __future__ import annotations
 
@@ -6,25 +6,70 @@ from pathlib import Path
 
 import pytest
 
-RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
+RECIPE_DIR = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES = sorted(p for p in RECIPE_DIR.glob("*.yaml") if not p.name.startswith("_"))
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
-def test_recipe_composes_and_validates(recipe, monkeypatch, tmp_path):
-    from hydra import compose, initialize_config_dir
+def compose(name: str, overrides: list[str] | None = None):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from omegaconf import OmegaConf
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import validate_config
 
     import areal_plugins.verl_plugin  # noqa: F401  (registers the resolvers the recipes use)
 
-    monkeypatch.setenv("AREAL_TINY_DIR", str(tmp_path))
-    header = recipe.read_text().splitlines()[:12]
-    assert any("Launch:" in line for line in header), "recipes open with a comment header giving the launch command"
-    with initialize_config_dir(config_dir=str(recipe.parent), version_base=None):
-        config = compose(config_name=recipe.stem)
+    with initialize_config_dir(config_dir=str(RECIPE_DIR), version_base=None):
+        config = hydra_compose(config_name=name, overrides=overrides or [])
     OmegaConf.resolve(config)
+    return config
+
+
+@pytest.fixture(autouse=True)
+def tiny_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("AREAL_TINY_DIR", str(tmp_path))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_recipe_composes_and_validates(recipe):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    header = recipe.read_text().splitlines()[:12]
+    for label in ("Trains:", "verl:", "Launch:", "Override example:"):
+        assert any(label in line for line in header), f"{recipe.name}: the comment header lacks {label!r}"
+    config = compose(recipe.stem)
     assert config.actor_rollout_ref.rollout.name == "areal_cpu"
     assert Path(config.reward.custom_reward_function.path).exists()
-    assert "areal" in config and isinstance(config.areal.enable, bool)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+
+
+def test_disabled_routes_verl_defaults():
+    config = compose("grpo_cpu_sync")
+    assert config.areal.enable is False
+    assert config.trainer.v1.trainer_mode == "sync"
+    assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
+    assert config.algorithm.rollout_correction.rollout_is is None
+    assert config.algorithm.rollout_correction.rollout_is_threshold == 2.0
+    assert config.algorithm.rollout_correction.bypass_mode is False
+
+
+def test_one_flag_turns_the_decoupled_objective_on():
+    config = compose("grpo_cpu_async")
+    assert config.areal.enable is True
+    assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "areal_decoupled"
+    assert config.algorithm.rollout_correction.rollout_is == "token"
+    assert config.algorithm.rollout_correction.rollout_is_threshold >= 1e9
+    assert config.trainer.v1.trainer_mode == "colocate_async"
+    assert '"behav_imp_weight_cap": 5.0' in config.ray_kwargs.ray_init.runtime_env.env_vars.AREAL_LOSS_SETTINGS
+
+
+def test_ablation_uses_the_behaviour_policy_as_old_policy():
+    config = compose("grpo_cpu_async", ["areal.loss.decoupled=false"])
+    assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
+    assert config.algorithm.rollout_correction.bypass_mode is True
+
+
+def test_bad_setting_names_the_yaml_path():
+    from omegaconf.errors import InterpolationResolutionError
+
+    with pytest.raises(InterpolationResolutionError, match=r"areal\.mode must be one of"):
+        compose("grpo_cpu_async", ["areal.mode=asynch"])

@@ -1,0 +1,120 @@
+"""The ``areal:`` node of a recipe: one dataclass per feature, validated with the YAML path to change.
+
+The node is shipped as the Hydra config group ``areal`` (``areal_plugins/config/areal/default.yaml``),
+which also routes the verl settings our features need through the ``${areal_verl:...}`` resolver:
+with ``areal.enable: false`` every routed value is verl's own default, so verl runs as shipped.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from areal_plugins.losses import WEIGHT_MODES
+
+MODES = ("async", "sync")
+
+
+class ArealConfigError(ValueError):
+    """An invalid ``areal:`` setting; the message names the YAML path and what to change."""
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """``areal.loss``: the decoupled PPO objective (DESIGN.md §1)."""
+
+    decoupled: bool = field(
+        default=True,
+        metadata={"help": "false: standard PPO with the behaviour log-probs as the old policy (ablation)"},
+    )
+    behav_imp_weight_cap: float | None = field(
+        default=5.0, metadata={"help": "cap on w = π_prox/π_behav (> 1), null for none; paper: 5"}
+    )
+    behav_imp_weight_mode: str = field(
+        default="mask", metadata={"help": "mask: drop tokens with w > cap; clamp: use min(w, cap)"}
+    )
+
+    def __post_init__(self) -> None:
+        cap = self.behav_imp_weight_cap
+        if cap is not None and cap <= 1:
+            raise ArealConfigError(f"areal.loss.behav_imp_weight_cap must be > 1 or null, got {cap}")
+        if self.behav_imp_weight_mode not in WEIGHT_MODES:
+            raise ArealConfigError(
+                f"areal.loss.behav_imp_weight_mode must be one of {WEIGHT_MODES}, got {self.behav_imp_weight_mode!r}"
+            )
+
+
+@dataclass(frozen=True)
+class PluginsConfig:
+    """``areal.plugins``: which installed third-party plugins to load."""
+
+    include: list[str] | None = field(default=None, metadata={"help": "entry-point names to load; null: all"})
+    exclude: list[str] = field(default_factory=list, metadata={"help": "entry-point names to skip"})
+
+
+@dataclass(frozen=True)
+class ArealConfig:
+    """``areal``: switch and settings of areal_plugins."""
+
+    enable: bool = field(default=False, metadata={"help": "true turns our features on; false leaves verl as is"})
+    mode: str = field(default="async", metadata={"help": "async or sync training"})
+    loss: LossConfig = field(default_factory=LossConfig)
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable, bool):
+            raise ArealConfigError(f"areal.enable must be true or false, got {self.enable!r}")
+        if self.mode not in MODES:
+            raise ArealConfigError(f"areal.mode must be one of {MODES}, got {self.mode!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> ArealConfig:
+        """Build from the plain ``areal:`` mapping; unknown keys fail with the closest valid key."""
+        return _build(cls, dict(values or {}), "areal")
+
+
+def _build(cls: type, values: dict[str, Any], path: str) -> Any:
+    known = {f.name: f for f in fields(cls)}
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=1)
+            hint = f"; did you mean {path}.{close[0]}?" if close else f"; valid keys: {', '.join(sorted(known))}"
+            raise ArealConfigError(f"unknown setting {path}.{key}{hint}")
+    nested = {"loss": LossConfig, "plugins": PluginsConfig}
+    kwargs = {}
+    for key, value in values.items():
+        if key in nested and cls is ArealConfig:
+            if not isinstance(value, dict):
+                raise ArealConfigError(f"{path}.{key} must be a mapping, got {value!r}")
+            value = _build(nested[key], value, f"{path}.{key}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+#: verl settings our features route through ``${areal_verl:NAME,${areal}}``: (value when enabled, verl default).
+def verl_setting(name: str, config: ArealConfig) -> Any:
+    """The value of the verl setting ``name`` under ``config`` (verl's default when disabled)."""
+    on = config.enable
+    decoupled = on and config.loss.decoupled
+    table: dict[str, tuple[bool, Any, Any]] = {
+        # Interim until the AReaL trainer (issue 9) registers its own mode: verl's one-step-ahead mode.
+        "trainer_mode": (on and config.mode == "async", "colocate_async", "sync"),
+        "loss_mode": (decoupled, "areal_decoupled", "vanilla"),
+        "calculate_log_probs": (on, True, False),  # the engine's per-token behaviour log-probs
+        "rollout_is": (decoupled, "token", None),
+        # The behaviour weight must reach the loss untruncated: our own cap applies there.
+        "rollout_is_threshold": (decoupled, 1e9, 2.0),
+        # Ablation: standard PPO against the behaviour policy, as a naive async system does.
+        "bypass_mode": (on and not config.loss.decoupled, True, False),
+        "loss_settings_json": (on, json.dumps(_plain(config.loss)), ""),
+    }
+    if name not in table:
+        raise ArealConfigError(f"areal_verl has no setting {name!r}; known: {', '.join(sorted(table))}")
+    applies, value, default = table[name]
+    return value if applies else default
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
