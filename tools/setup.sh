@@ -19,8 +19,14 @@ fi
 echo "setup: installing areal_plugins (editable) with verl 0.9.1 and dev tools"
 .venv/bin/python -m pip install --quiet -e ".[dev]"
 .venv/bin/python - <<'PY'
-import torch, verl
+# Import what a CPU run imports, with the CPU platform on, so a missing dependency fails here, not mid-run.
+import os
+import torch
+if not torch.cuda.is_available():
+    os.environ["VERL_PLATFORM"] = "cpu"
+import verl
+import verl.trainer.main_ppo  # noqa: F401
 import areal_plugins.verl_plugin as plugin
 assert plugin.LOADED, "areal_plugins did not register with verl; see the error above"
-print(f"setup: ok (torch {torch.__version__}, verl {verl.__version__}, cuda={torch.cuda.is_available()})")
+print(f"setup: ok (torch {torch.__version__}, verl {verl.__version__}, platform {os.environ.get('VERL_PLATFORM', 'auto')})")
 PY

@@ -28,3 +28,23 @@ def run_cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 def tiny_dir() -> Path:
     run_cli("build-tiny", "--out", str(TINY_DIR))
     return TINY_DIR
+
+
+def train_tiny(recipe: str, run_dir: Path, tiny_dir: Path, steps: int, *overrides: str) -> list[dict]:
+    """Train ``recipe`` for ``steps`` steps without validation; return the per-step metrics."""
+    import json
+
+    run_cli(
+        "train",
+        str(REPO / "recipes" / recipe),
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        *overrides,
+        "--run-dir",
+        str(run_dir),
+        "--tiny-dir",
+        str(tiny_dir),
+    )
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["data"] for line in lines if line.strip()]

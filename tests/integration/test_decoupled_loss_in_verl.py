@@ -3,12 +3,9 @@ importance weights are exactly 1 on fresh samples and move away from 1 on stale 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-from tests.integration.conftest import REPO, run_cli
+from tests.integration.conftest import train_tiny
 
 pytestmark = pytest.mark.integration
 STEPS = 4
@@ -19,20 +16,7 @@ WEIGHT_MEAN = "actor/areal/behav_imp_weight_mean"
 
 @pytest.fixture(scope="module")
 def async_run(tiny_dir, tmp_path_factory) -> list[dict]:
-    run_dir = tmp_path_factory.mktemp("async_run")
-    run_cli(
-        "train",
-        str(REPO / "recipes" / "grpo_cpu_async.yaml"),
-        f"trainer.total_training_steps={STEPS}",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=-1",
-        "--run-dir",
-        str(run_dir),
-        "--tiny-dir",
-        str(tiny_dir),
-    )
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["data"] for line in lines if line.strip()]
+    return train_tiny("grpo_cpu_async.yaml", tmp_path_factory.mktemp("async_run"), tiny_dir, STEPS)
 
 
 def test_decoupled_stats_are_logged_every_step(async_run):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from math_verify import parse, verify
 
-from tests.integration.conftest import REPO, run_cli
+from tests.integration.conftest import train_tiny
 
 pytestmark = pytest.mark.integration
 STEPS = 2
@@ -17,18 +17,7 @@ STEPS = 2
 @pytest.fixture(scope="module")
 def sync_run(tiny_dir, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("sync_run")
-    run_cli(
-        "train",
-        str(REPO / "recipes" / "grpo_cpu_sync.yaml"),
-        f"trainer.total_training_steps={STEPS}",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=-1",
-        f"trainer.rollout_data_dir={run_dir / 'rollouts'}",
-        "--run-dir",
-        str(run_dir),
-        "--tiny-dir",
-        str(tiny_dir),
-    )
+    train_tiny("grpo_cpu_sync.yaml", run_dir, tiny_dir, STEPS, f"trainer.rollout_data_dir={run_dir / 'rollouts'}")
     return run_dir
 
 
