@@ -8,7 +8,6 @@ with ``areal.enable: false`` every routed value is verl's own default, so verl r
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -104,11 +103,10 @@ def verl_setting(name: str, config: ArealConfig) -> Any:
         "loss_mode": (decoupled, "areal_decoupled", "vanilla"),
         "calculate_log_probs": (on, True, False),  # the engine's per-token behaviour log-probs
         "rollout_is": (decoupled, "token", None),
-        # The behaviour weight must reach the loss untruncated: our own cap applies there.
-        "rollout_is_threshold": (decoupled, 1e9, 2.0),
+        # verl truncates the behaviour weight before the loss sees it: that is our cap (DESIGN.md §1).
+        "rollout_is_threshold": (decoupled, cap_threshold(config.loss), 2.0),
         # Ablation: standard PPO against the behaviour policy, as a naive async system does.
         "bypass_mode": (on and not config.loss.decoupled, True, False),
-        "loss_settings_json": (on, json.dumps(_plain(config.loss)), ""),
     }
     if name not in table:
         raise ArealConfigError(f"areal_verl has no setting {name!r}; known: {', '.join(sorted(table))}")
@@ -116,5 +114,15 @@ def verl_setting(name: str, config: ArealConfig) -> Any:
     return value if applies else default
 
 
-def _plain(obj: Any) -> dict[str, Any]:
-    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+def cap_threshold(loss: LossConfig) -> float | str:
+    """verl's ``rollout_is_threshold`` that applies our cap to w = π_prox/π_behav.
+
+    ``clamp``: a plain upper bound (verl's truncated IS clamps w to it). ``mask``: verl's
+    ``"lower_upper"`` form zeroes w outside the band; the lower bound sits below anything verl can
+    produce (it clamps log w at -20, i.e. w >= 2e-9), so only w > cap is dropped. No cap: a bound
+    that never binds.
+    """
+    cap = loss.behav_imp_weight_cap
+    if cap is None:
+        return 1e9
+    return float(cap) if loss.behav_imp_weight_mode == "clamp" else f"1e-12_{float(cap)}"

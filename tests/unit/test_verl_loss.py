@@ -1,14 +1,13 @@
-"""The verl-facing decoupled loss: the global token mean across micro-batches, and its wiring."""
+"""The verl-facing decoupled loss: the global token mean across micro-batches, and verl's cap."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from areal_plugins.verl_loss import SETTINGS_ENV, areal_decoupled_policy_loss
+from areal_plugins.settings import ArealConfig, cap_threshold
+from areal_plugins.verl_loss import areal_decoupled_policy_loss
 
 
 def actor_config(global_tokens=None, dp_size=1):
@@ -28,24 +27,33 @@ def batch(seed):
     g = torch.Generator().manual_seed(seed)
     old = torch.randn(4, 6, generator=g, dtype=torch.float64) * 0.1 - 1
     new = old + torch.randn(4, 6, generator=g, dtype=torch.float64) * 0.1
-    behav = old + torch.randn(4, 6, generator=g, dtype=torch.float64) * 0.3
+    behav = old + torch.randn(4, 6, generator=g, dtype=torch.float64) * 0.5
     adv = torch.randn(4, 6, generator=g, dtype=torch.float64)
     mask = torch.tensor([[1] * 6, [1] * 2 + [0] * 4, [1] * 5 + [0], [1] + [0] * 5], dtype=torch.bool)
     return old, new, behav, adv, mask
 
 
-def reference_token_mean(old, new, behav, adv, mask, cap=5.0):
+def reference_token_mean(old, new, behav, adv, mask, cap=None, mode="mask"):
     """Independent formula of DESIGN.md §1 over the whole batch."""
     ratio = torch.exp(new - old)
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
     pg = torch.where(adv < 0, torch.minimum(pg, -3.0 * adv), pg)
     w = torch.exp(old - behav)
-    w = torch.where(w > cap, torch.zeros_like(w), w)
+    if cap is not None:
+        w = torch.where(w > cap, torch.zeros_like(w), w) if mode == "mask" else w.clamp(max=cap)
     return (w * pg * mask).sum() / mask.sum()
 
 
-def test_micro_batches_sum_to_the_global_token_mean(monkeypatch):
-    monkeypatch.delenv(SETTINGS_ENV, raising=False)
+def verl_truncated_weights(old, behav, mask, threshold):
+    """What verl's rollout correction hands the loss for ``threshold`` (its documented semantics)."""
+    w = torch.exp(old - behav) * mask
+    if isinstance(threshold, str):
+        lower, upper = (float(x) for x in threshold.split("_"))
+        return torch.where((w >= lower) & (w <= upper), w, torch.zeros_like(w))
+    return w.clamp(max=threshold)
+
+
+def test_micro_batches_sum_to_the_global_token_mean():
     old, new, behav, adv, mask = batch(0)
     weights = torch.exp(old - behav) * mask
     total_tokens = int(mask.sum())
@@ -59,13 +67,17 @@ def test_micro_batches_sum_to_the_global_token_mean(monkeypatch):
     assert "areal/behav_imp_weight_mean" in metrics and "actor/pg_clipfrac" in metrics
 
 
-def test_cap_settings_travel_through_the_environment(monkeypatch):
+@pytest.mark.parametrize("mode", ["mask", "clamp"])
+def test_cap_routed_through_verl_truncation_matches_the_formula(mode):
     old, new, behav, adv, mask = batch(1)
-    weights = torch.exp(old - behav) * mask
-    monkeypatch.setenv(SETTINGS_ENV, json.dumps({"behav_imp_weight_cap": 1.1, "behav_imp_weight_mode": "mask"}))
+    config = ArealConfig.from_dict(
+        {"enable": True, "loss": {"behav_imp_weight_cap": 1.5, "behav_imp_weight_mode": mode}}
+    )
+    weights = verl_truncated_weights(old, behav, mask, cap_threshold(config.loss))
     loss, metrics = areal_decoupled_policy_loss(old, new, adv, mask, "token-mean", actor_config(), weights)
-    torch.testing.assert_close(loss, reference_token_mean(old, new, behav, adv, mask, cap=1.1))
-    assert metrics["areal/behav_imp_weight_capped_frac"] > 0
+    torch.testing.assert_close(loss, reference_token_mean(old, new, behav, adv, mask, cap=1.5, mode=mode))
+    if mode == "mask":
+        assert metrics["areal/behav_imp_weight_capped_frac"] > 0
 
 
 def test_refuses_without_behaviour_weights_or_other_aggregation():
