@@ -34,7 +34,7 @@ class GenerationResult:
     stop_reason: str
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: requests are compared and hashed as objects
 class _Request:
     request_id: str
     prompt_ids: list[int]
@@ -195,27 +195,25 @@ class ContinuousBatchingEngine:
     @torch.no_grad()
     def _step(self, admitted: list[_Request]) -> list[tuple[_Request, str]]:
         """Prefill the admitted requests, decode one token for the others; return finished ones."""
-        finished: list[tuple[_Request, str]] = []
+        finished: dict[_Request, str] = {}
         with self._model_lock:
             version = self.version
             for request in admitted:
                 if request.aborted:
-                    finished.append((request, STOP_ABORTED))
-                    continue
-                logits = self._prefill(request)
-                if self._append_token(request, logits, version):
-                    finished.append((request, STOP_COMPLETED))
-            done = {id(r) for r, _ in finished}
-            decoding = [r for r in self._running if id(r) not in done and r not in admitted and not r.aborted]
+                    finished[request] = STOP_ABORTED
+                elif self._append_token(request, self._prefill(request), version):
+                    finished[request] = STOP_COMPLETED
+            fresh = set(admitted)
+            decoding = [r for r in self._running if r not in fresh and not r.aborted]
             if decoding:
                 logits = self._decode(decoding)
                 for row, request in enumerate(decoding):
                     if self._append_token(request, logits[row], version):
-                        finished.append((request, STOP_COMPLETED))
+                        finished[request] = STOP_COMPLETED
             for request in self._running:
-                if request.aborted and id(request) not in {id(r) for r, _ in finished}:
-                    finished.append((request, STOP_ABORTED))
-        return finished
+                if request.aborted and request not in finished:
+                    finished[request] = STOP_ABORTED
+        return list(finished.items())
 
     def _prefill(self, request: _Request) -> torch.Tensor:
         ids = torch.tensor([request.prompt_ids], dtype=torch.long)
