@@ -32,7 +32,8 @@ def areal_validate_config(config: Any) -> None:
 
     :param config: the whole composed recipe (verl's config with our ``areal:`` node).
 
-    Called from: the driver, before verl starts its workers.
+    Called from: verl's TaskRunner (the trainer's driver, a Ray actor), when the trainer initialises,
+    before any worker starts (``areal_plugins.trainer.HookedTrainerMixin.init``).
     Default: none (the built-in settings validate themselves in their dataclasses).
     """
 
@@ -123,7 +124,8 @@ def areal_on_weights_updated(version: int) -> None:
 
     :param version: the policy version the engines serve from now on.
 
-    Called from: the driver, after the checksum handshake with every engine.
+    Called from: verl's TaskRunner, after verl's weight sync returned (each engine has confirmed the
+    version and checksum it loaded): once for the initial sync, then after every step.
     Default: none.
     """
 
@@ -138,7 +140,7 @@ def areal_after_train_step(step: int, metrics: dict[str, Any]) -> None:
     :param step: the trainer's global step just completed (1-based).
     :param metrics: the step's metrics, mutable; keys are namespaced (``areal/...``).
 
-    Called from: the driver, after each optimizer step, before metrics are logged.
+    Called from: verl's TaskRunner, after each step's metrics are computed, before verl logs them.
     Default: none.
     """
 
@@ -152,6 +154,6 @@ def areal_on_shutdown(reason: str) -> None:
 
     :param reason: ``"completed"``, ``"error"`` or ``"interrupted"``.
 
-    Called from: the driver, once, as the run ends.
+    Called from: verl's TaskRunner, once, as the trainer's ``fit`` returns or raises.
     Default: none.
     """

@@ -98,8 +98,9 @@ def verl_setting(name: str, config: ArealConfig) -> Any:
     on = config.enable
     decoupled = on and config.loss.decoupled
     table: dict[str, tuple[bool, Any, Any]] = {
-        # Interim until the AReaL trainer (issue 9) registers its own mode: verl's one-step-ahead mode.
-        "trainer_mode": (on and config.mode == "async", "colocate_async", "sync"),
+        # verl's trainers wrapped with our hooks (areal_plugins.trainer); async is verl's one-step-ahead
+        # mode until the AReaL staleness-bounded trainer (issue 9) registers its own.
+        "trainer_mode": (on, "areal_colocate_async" if config.mode == "async" else "areal_sync", "sync"),
         "loss_mode": (decoupled, "areal_decoupled", "vanilla"),
         "calculate_log_probs": (on, True, False),  # the engine's per-token behaviour log-probs
         "rollout_is": (decoupled, "token", None),

@@ -1,7 +1,7 @@
 """Loaded by verl in every process (entry point group ``verl.plugins``), Ray workers included.
 
 It only registers: the CPU platform, the ``areal_cpu`` rollout backend, the ``areal_decoupled`` policy
-loss, a config resolver and, when this process runs
+loss, the ``areal_*`` trainer modes, config resolvers and, when this process runs
 verl on the CPU platform (``VERL_PLATFORM=cpu``), the patches verl needs there. verl logs a
 plugin's load failure at debug level only, so failures here are logged as errors instead.
 """
@@ -29,11 +29,13 @@ def register_with_verl() -> None:
         return
     from areal_plugins.cpu.platform import cpu_platform_selected, register_cpu_platform
     from areal_plugins.rollout.verl_backend import register_rollout_backend
+    from areal_plugins.trainer import register_trainers
     from areal_plugins.verl_loss import register_policy_loss_with_verl
 
     register_cpu_platform()
     register_rollout_backend()
     register_policy_loss_with_verl()
+    register_trainers()
     _register_config_resolvers()
     if cpu_platform_selected():
         from areal_plugins.patches import apply_cpu_patches

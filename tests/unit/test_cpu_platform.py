@@ -38,3 +38,13 @@ def test_fsdp_engine_found_for_cpu():
     from verl.workers.engine import EngineRegistry
 
     assert EngineRegistry.get_engine_cls("language_model", "fsdp2").__name__.startswith("FSDP")
+
+
+def test_hooked_trainer_modes_wrap_verls_own():
+    from verl.trainer.ppo.v1 import PPOTrainerColocateAsync, PPOTrainerSync, get_trainer_cls
+
+    from areal_plugins.trainer import HookedTrainerMixin
+
+    assert issubclass(get_trainer_cls("areal_sync"), PPOTrainerSync)
+    assert issubclass(get_trainer_cls("areal_colocate_async"), PPOTrainerColocateAsync)
+    assert issubclass(get_trainer_cls("areal_sync"), HookedTrainerMixin)

@@ -160,3 +160,12 @@ def test_trajectory_versions_and_staleness():
     assert trajectory.staleness(5) == 3
     with pytest.raises(ValueError, match="one entry per response token"):
         Trajectory([1], [2, 3], [-0.1], [0, 0])
+
+
+def test_docs_are_regenerated_from_the_specs():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_hook_docs", DOCS.parents[1] / "tools" / "gen_hook_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert DOCS.read_text() == module.render(), "run: python tools/gen_hook_docs.py"

@@ -58,7 +58,7 @@ def test_one_flag_turns_the_decoupled_objective_on():
     assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "areal_decoupled"
     assert config.algorithm.rollout_correction.rollout_is == "token"
     assert config.algorithm.rollout_correction.rollout_is_threshold == "1e-12_5.0"  # cap 5, mask (paper)
-    assert config.trainer.v1.trainer_mode == "colocate_async"
+    assert config.trainer.v1.trainer_mode == "areal_colocate_async"
 
 
 def test_ablation_uses_the_behaviour_policy_as_old_policy():

@@ -40,5 +40,7 @@ def test_every_routed_setting_is_verl_default_when_disabled():
         None,
         False,
     ]
+    on = ArealConfig.from_dict({"enable": True, "mode": "sync"})
+    assert verl_setting("trainer_mode", on) == "areal_sync"
     with pytest.raises(ArealConfigError, match="no setting"):
         verl_setting("nope", off)

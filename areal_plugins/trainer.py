@@ -1,0 +1,74 @@
+"""verl trainer modes that run verl's own trainers and call our lifecycle hooks around them.
+
+Registered through verl's ``register_trainer`` seam as ``areal_sync`` and ``areal_colocate_async``;
+``areal.enable: true`` routes ``trainer.v1.trainer_mode`` to one of them (``settings.verl_setting``).
+They run in verl's TaskRunner process, where the whole composed recipe is available.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from areal_plugins.manager import call_hook, configure_plugins
+
+logger = logging.getLogger(__name__)
+
+#: verl trainer mode each of our modes wraps.
+WRAPPED_MODES = {"areal_sync": "sync", "areal_colocate_async": "colocate_async"}
+
+
+class HookedTrainerMixin:
+    """Calls the hooks of ``hookspecs`` at verl's trainer lifecycle points.
+
+    Weight updates reach the engines in verl's ``on_init_end`` (initial sync) and ``on_step_end``
+    (after each step), so ``areal_on_weights_updated`` follows those; ``_compute_metrics`` runs just
+    before verl logs a step, so plugins can add metrics in ``areal_after_train_step``.
+    """
+
+    config: Any
+    global_steps: int
+
+    def init(self) -> None:
+        plugins = self.config.areal.plugins
+        include = list(plugins.include) if plugins.include is not None else None
+        manager = configure_plugins(include=include, exclude=list(plugins.exclude))
+        logger.info("areal_plugins: plugins %s", [name for name, _ in manager.list_name_plugin()])
+        call_hook("areal_validate_config", config=self.config)
+        super().init()  # type: ignore[misc]
+
+    def on_init_end(self) -> None:
+        super().on_init_end()  # type: ignore[misc]
+        call_hook("areal_on_weights_updated", version=self.global_steps)
+
+    def on_step_end(self) -> None:
+        super().on_step_end()  # type: ignore[misc]
+        call_hook("areal_on_weights_updated", version=self.global_steps)
+
+    def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> Any:
+        result = super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)  # type: ignore[misc]
+        call_hook("areal_after_train_step", step=global_steps, metrics=metrics)
+        return result
+
+    def fit(self, agent_loop_manager: Any) -> None:
+        reason = "error"
+        try:
+            super().fit(agent_loop_manager)  # type: ignore[misc]
+            reason = "completed"
+        except KeyboardInterrupt:
+            reason = "interrupted"
+            raise
+        finally:
+            call_hook("areal_on_shutdown", reason=reason)
+
+
+def register_trainers() -> None:
+    """Register our trainer modes with verl (idempotent)."""
+    from verl.trainer.ppo.v1 import get_trainer_cls, register_trainer
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    for name, wrapped in WRAPPED_MODES.items():
+        if name in TRAINER_REGISTRY:
+            continue
+        base = get_trainer_cls(wrapped)
+        register_trainer(name)(type(f"Areal{base.__name__}", (HookedTrainerMixin, base), {}))

@@ -1,0 +1,41 @@
+"""An example third-party plugin, installed only through the ``areal_plugins`` entry-point group.
+
+It records the lifecycle hooks it sees to ``$AREAL_EXAMPLE_OBSERVER_LOG`` (JSON lines) and adds a
+metric to every step; with ``AREAL_EXAMPLE_OBSERVER_RAISE`` set it fails inside a hook, to show how a
+broken plugin stops a run. The integration tests put this folder on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from areal_plugins import hookimpl
+
+LOG_ENV = "AREAL_EXAMPLE_OBSERVER_LOG"
+RAISE_ENV = "AREAL_EXAMPLE_OBSERVER_RAISE"
+
+
+def _record(event: str, **fields: object) -> None:
+    path = os.environ.get(LOG_ENV)
+    if path:
+        with open(path, "a") as handle:
+            handle.write(json.dumps({"event": event, **fields}) + "\n")
+
+
+@hookimpl
+def areal_on_weights_updated(version):
+    _record("weights_updated", version=version)
+
+
+@hookimpl
+def areal_after_train_step(step, metrics):
+    if os.environ.get(RAISE_ENV):
+        raise RuntimeError("the example observer was told to fail")
+    metrics["example_observer/step_seen"] = step
+    _record("after_train_step", step=step)
+
+
+@hookimpl
+def areal_on_shutdown(reason):
+    _record("shutdown", reason=reason)

@@ -1,0 +1,66 @@
+"""A plugin installed only through the ``areal_plugins`` entry-point group takes part in a real run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.integration.conftest import REPO, run_cli, train_tiny, with_example_plugin
+
+pytestmark = pytest.mark.integration
+STEPS = 2
+
+
+def test_hooks_see_every_weight_version_and_step(tiny_dir, tmp_path):
+    log = tmp_path / "observer.jsonl"
+    steps = train_tiny(
+        "grpo_cpu_async.yaml",
+        tmp_path / "run",
+        tiny_dir,
+        STEPS,
+        "areal.mode=sync",
+        env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_LOG=str(log)),
+    )
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    # The initial sync serves version 0; each step then pushes its weights as version = step.
+    assert [e["version"] for e in events if e["event"] == "weights_updated"] == list(range(STEPS + 1))
+    assert [e["step"] for e in events if e["event"] == "after_train_step"] == list(range(1, STEPS + 1))
+    assert events[-1] == {"event": "shutdown", "reason": "completed"}
+    # A metric the plugin added in areal_after_train_step reached verl's logger.
+    assert [s["example_observer/step_seen"] for s in steps] == list(range(1, STEPS + 1))
+
+
+def test_a_raising_plugin_stops_the_run_naming_plugin_and_hook(tiny_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "train",
+        str(REPO / "recipes" / "grpo_cpu_async.yaml"),
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "--run-dir",
+        str(run_dir),
+        "--tiny-dir",
+        str(tiny_dir),
+        env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_RAISE="1"),
+        check=False,
+    )
+    assert result.returncode != 0
+    log = (run_dir / "train.log").read_text()
+    assert "plugin 'example_observer' raised in hook areal_after_train_step" in log
+    assert "the example observer was told to fail" in log
+
+
+def test_excluded_plugin_is_not_called(tiny_dir, tmp_path):
+    log = tmp_path / "observer.jsonl"
+    train_tiny(
+        "grpo_cpu_async.yaml",
+        tmp_path / "run",
+        tiny_dir,
+        1,
+        "areal.mode=sync",
+        "areal.plugins.exclude=[example_observer]",
+        env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_LOG=str(log), AREAL_EXAMPLE_OBSERVER_RAISE="1"),
+    )
+    assert not log.exists()
