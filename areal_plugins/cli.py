@@ -90,21 +90,30 @@ def _format_progress(step: int, total: str, fields: str) -> str:
     return "\n".join(parts)
 
 
+def _recipe_files(recipe: Path) -> list[Path]:
+    """The recipe and the shared files of its directory that its defaults list includes."""
+    import yaml
+
+    files = [recipe]
+    for entry in (yaml.safe_load(recipe.read_text()) or {}).get("defaults", []):
+        shared = recipe.parent / f"{entry}.yaml" if isinstance(entry, str) else None
+        if shared is not None and shared.exists():
+            files.append(shared)
+    return files
+
+
 def _total_steps(recipe: Path, overrides: list[str]) -> str:
-    """``trainer.total_training_steps`` from the overrides, the recipe, or the shared files it includes."""
+    """``trainer.total_training_steps`` from the overrides, else from the recipe's files."""
+    import yaml
+
     for override in overrides:
         if override.startswith("trainer.total_training_steps="):
             return override.split("=", 1)[1]
-    import yaml
-
-    document = yaml.safe_load(recipe.read_text()) or {}
-    steps = (document.get("trainer") or {}).get("total_training_steps")
-    if steps is None:
-        for entry in document.get("defaults", []):
-            shared = recipe.parent / f"{entry}.yaml" if isinstance(entry, str) else None
-            if shared is not None and shared.exists():
-                steps = ((yaml.safe_load(shared.read_text()) or {}).get("trainer") or {}).get("total_training_steps")
-    return str(steps if steps is not None else "?")
+    for path in _recipe_files(recipe):
+        steps = ((yaml.safe_load(path.read_text()) or {}).get("trainer") or {}).get("total_training_steps")
+        if steps is not None:
+            return str(steps)
+    return "?"
 
 
 def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Path) -> int:
@@ -118,7 +127,8 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
     run_dir = (run_dir or Path("runs") / f"{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    env["AREAL_TINY_DIR"] = str(ensure_tiny_assets(tiny_dir).resolve())
+    if any("AREAL_TINY_DIR" in path.read_text() for path in _recipe_files(recipe)):
+        env["AREAL_TINY_DIR"] = str(ensure_tiny_assets(tiny_dir).resolve())
     env["VERL_FILE_LOGGER_PATH"] = str(run_dir / "metrics.jsonl")
     env["AREAL_RUN_DIR"] = str(run_dir)
     if "VERL_PLATFORM" not in env and not has_accelerator():

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from areal_plugins.cli import _format_progress, _parse_metrics, _recipe_files, _total_steps
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def test_parses_verl_console_metrics():
+    fields = "critic/score/mean:0.25 - val-core/x/acc/mean@1:np.float64(0.5) - num_turns/min:np.int32(2) - a:b"
+    assert _parse_metrics(fields) == {"critic/score/mean": 0.25, "val-core/x/acc/mean@1": 0.5, "num_turns/min": 2.0}
+
+
+def test_progress_line_shows_training_and_validation():
+    fields = "critic/score/mean:0.25 - timing_s/step:11.04 - val-core/x/acc/mean@1:np.float64(0.5)"
+    assert _format_progress(15, "30", fields).splitlines() == [
+        "step 15/30  reward=0.25  step_s=11",
+        "validation after step 15: x/acc/mean@1=0.5",
+    ]
+
+
+def test_total_steps_from_overrides_or_the_shared_recipe_body():
+    recipe = RECIPES / "grpo_cpu_async.yaml"
+    assert [p.name for p in _recipe_files(recipe)] == ["grpo_cpu_async.yaml", "_cpu_grpo_tiny.yaml"]
+    assert _total_steps(recipe, ["trainer.total_training_steps=7"]) == "7"
+    assert _total_steps(recipe, []) == "30"  # set in _cpu_grpo_tiny.yaml
