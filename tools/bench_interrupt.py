@@ -30,20 +30,9 @@ from areal_plugins.rollout.hf_engine import STOP_ABORTED, ContinuousBatchingEngi
 
 
 def make_model(seed: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from areal_plugins.tiny.model import TinyModelSpec, random_qwen2
 
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=16448,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    )
-    return Qwen2ForCausalLM(config).eval()
+    return random_qwen2(TinyModelSpec(seed=seed), vocab_size=16448).eval()
 
 
 def long_tailed_lengths(count: int, seed: int, median: int, cap: int) -> list[int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from areal_plugins.tiny.task import make_problems
 from areal_plugins.tiny.tokenizer import write_tokenizer
@@ -34,16 +35,14 @@ class TinyModelSpec:
     seed: int = 0
 
 
-def build_tiny_model(out_dir: Path, spec: TinyModelSpec) -> dict[str, float]:
-    """Write tokenizer, config and weights to ``out_dir``; return warm-start metrics."""
+def random_qwen2(spec: TinyModelSpec, vocab_size: int, **config_overrides: Any) -> Any:
+    """A randomly initialised ``Qwen2ForCausalLM`` of ``spec``'s shape (seeded by ``spec.seed``), in float32."""
     import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    n_tokens = write_tokenizer(out_dir, spec.tokenizer_ranks)
-    tokenizer = AutoTokenizer.from_pretrained(out_dir)
     torch.manual_seed(spec.seed)
     config = Qwen2Config(
-        vocab_size=(n_tokens + 63) // 64 * 64,
+        vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
@@ -51,12 +50,25 @@ def build_tiny_model(out_dir: Path, spec: TinyModelSpec) -> dict[str, float]:
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
+        dtype="float32",
+        **config_overrides,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def build_tiny_model(out_dir: Path, spec: TinyModelSpec) -> dict[str, float]:
+    """Write tokenizer, config and weights to ``out_dir``; return warm-start metrics."""
+    from transformers import AutoTokenizer
+
+    n_tokens = write_tokenizer(out_dir, spec.tokenizer_ranks)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    model = random_qwen2(
+        spec,
+        vocab_size=(n_tokens + 63) // 64 * 64,
         bos_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
     )
-    model = Qwen2ForCausalLM(config)
     metrics = _warm_start(model, tokenizer, spec) if spec.warmstart_steps > 0 else {}
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -41,13 +41,9 @@ def tiny_dir() -> Path:
     return TINY_DIR
 
 
-def train_tiny(
-    recipe: str, run_dir: Path, tiny_dir: Path, steps: int, *overrides: str, env: dict[str, str] | None = None
-) -> list[dict]:
-    """Train ``recipe`` for ``steps`` steps without validation; return the per-step metrics."""
-    import json
-
-    run_cli(
+def train_args(recipe: str, run_dir: Path, tiny_dir: Path, steps: int, *overrides: str) -> list[str]:
+    """``areal-plugins train`` arguments for ``steps`` steps of ``recipe`` without validation."""
+    return [
         "train",
         str(REPO / "recipes" / recipe),
         f"trainer.total_training_steps={steps}",
@@ -58,7 +54,15 @@ def train_tiny(
         str(run_dir),
         "--tiny-dir",
         str(tiny_dir),
-        env=env,
-    )
+    ]
+
+
+def train_tiny(
+    recipe: str, run_dir: Path, tiny_dir: Path, steps: int, *overrides: str, env: dict[str, str] | None = None
+) -> list[dict]:
+    """Train ``recipe`` for ``steps`` steps without validation; return the per-step metrics."""
+    import json
+
+    run_cli(*train_args(recipe, run_dir, tiny_dir, steps, *overrides), env=env)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["data"] for line in lines if line.strip()]

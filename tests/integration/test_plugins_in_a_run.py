@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.integration.conftest import REPO, run_cli, train_tiny, with_example_plugin
+from tests.integration.conftest import run_cli, train_args, train_tiny, with_example_plugin
 
 pytestmark = pytest.mark.integration
 STEPS = 2
@@ -34,15 +34,7 @@ def test_hooks_see_every_weight_version_and_step(tiny_dir, tmp_path):
 def test_a_raising_plugin_stops_the_run_naming_plugin_and_hook(tiny_dir, tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli(
-        "train",
-        str(REPO / "recipes" / "grpo_cpu_async.yaml"),
-        "trainer.total_training_steps=1",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=-1",
-        "--run-dir",
-        str(run_dir),
-        "--tiny-dir",
-        str(tiny_dir),
+        *train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 1),
         env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_RAISE="1"),
         check=False,
     )
