@@ -40,29 +40,35 @@ def areal_validate_config(config: Any) -> None:
 
 @hookspec(firstresult=True)
 def areal_make_sample_buffer(config: Any) -> Any:
-    """Create the buffer that holds finished trajectories until the trainer consumes them.
+    """Create the buffer that holds finished, accepted rollout groups until the trainer takes them.
 
-    Return the buffer, or None to let the next implementation decide.
+    Return the buffer (an object with ``put(group)``, ``take(count, trainer_version, timeout)`` and
+    ``__len__``, like :class:`areal_plugins.buffer.SampleBuffer`), or None to let the next
+    implementation decide.
 
-    :param config: the composed recipe.
+    :param config: the composed recipe (``config.areal`` holds our settings).
 
-    Called from: the driver (rollout manager set-up).
-    Default: none yet; the built-in staleness-ordered buffer comes with the async trainer (issue 9).
+    Called from: verl's TaskRunner (the driver), when the async trainer is built.
+    Default: ``areal_plugins.builtin.async_rollout``: :class:`~areal_plugins.buffer.SampleBuffer`,
+    oldest head version first, ``areal.on_stale`` applied.
     """
 
 
 @hookspec(firstresult=True)
-def areal_make_rollout_manager(config: Any, engines: list[Any], buffer: Any) -> Any:
-    """Create the manager that admits rollouts, drives the engines and fills ``buffer``.
+def areal_make_rollout_manager(config: Any, buffer: Any, submit_prompts: Callable[[int], int]) -> Any:
+    """Create the manager that admits rollouts within the staleness bound and fills ``buffer``.
 
-    Return the manager, or None to let the next implementation decide.
+    Return the manager (an object with ``start()``, ``stop()``, ``pause()``, ``resume(version)``,
+    ``check_alive()`` and a ``controller`` holding ``running``/``accepted``/``rejected``, like
+    :class:`areal_plugins.verl_async.admission.AdmissionLoop`), or None to defer.
 
     :param config: the composed recipe.
-    :param engines: handles of the rollout servers.
     :param buffer: what ``areal_make_sample_buffer`` returned.
+    :param submit_prompts: submits ``n`` new prompt groups for generation; returns how many it sent.
 
-    Called from: the driver (trainer set-up).
-    Default: none yet; the built-in asynchronous rollout manager comes with the async trainer (issue 9).
+    Called from: verl's TaskRunner (the driver), when the async trainer starts training.
+    Default: ``areal_plugins.builtin.async_rollout``: :class:`AdmissionLoop` with
+    :class:`~areal_plugins.staleness.StalenessController` (DESIGN.md §1).
     """
 
 
@@ -102,7 +108,9 @@ def areal_accept_trajectory(trajectory: Trajectory) -> bool | None:
 
     :param trajectory: the finished trajectory, reward set.
 
-    Called from: the rollout manager on the driver, once per finished trajectory.
+    Called from: the rollout manager on the driver, once per finished trajectory of the async
+    trainer (``areal.mode: async``). A GRPO group is kept with its remaining members and rejected
+    as a whole (slot freed) only when every member is rejected.
     Default: none (every trajectory is kept).
     """
 
@@ -113,7 +121,8 @@ def areal_before_weight_update(version: int) -> None:
 
     :param version: the version about to be loaded.
 
-    Called from: the rollout manager on the driver.
+    Called from: verl's TaskRunner in the async trainer, after admission paused and before the
+    engines are interrupted.
     Default: none.
     """
 

@@ -14,6 +14,8 @@ from typing import Any
 from areal_plugins.losses import WEIGHT_MODES
 
 MODES = ("async", "sync")
+PLACEMENTS = ("colocated", "separate")
+ON_STALE = ("wait", "drop")
 
 
 class ArealConfigError(ValueError):
@@ -59,6 +61,22 @@ class ArealConfig:
 
     enable: bool = field(default=False, metadata={"help": "true turns our features on; false leaves verl as is"})
     mode: str = field(default="async", metadata={"help": "async or sync training"})
+    max_staleness: int = field(
+        default=4, metadata={"help": "η: most policy versions a consumed sample may lag; 0 = synchronous; paper: 4-8"}
+    )
+    placement: str = field(
+        default="colocated",
+        metadata={"help": "colocated: engines pause while the trainer trains; separate: both run all the time"},
+    )
+    on_stale: str = field(
+        default="wait", metadata={"help": "a buffered group beyond η at consumption: wait = train on it, drop = reject"}
+    )
+    max_concurrent_rollouts: int | None = field(
+        default=None, metadata={"help": "most prompt groups in flight; null: (max_staleness + 1) x train_batch_size"}
+    )
+    poll_interval_s: float = field(
+        default=0.05, metadata={"help": "seconds between the admission loop's looks at finished rollouts"}
+    )
     loss: LossConfig = field(default_factory=LossConfig)
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
 
@@ -67,6 +85,20 @@ class ArealConfig:
             raise ArealConfigError(f"areal.enable must be true or false, got {self.enable!r}")
         if self.mode not in MODES:
             raise ArealConfigError(f"areal.mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ArealConfigError(
+                f"areal.max_staleness must be an integer >= 0 (0 = synchronous), got {self.max_staleness!r}"
+            )
+        if self.placement not in PLACEMENTS:
+            raise ArealConfigError(f"areal.placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.on_stale not in ON_STALE:
+            raise ArealConfigError(f"areal.on_stale must be one of {ON_STALE}, got {self.on_stale!r}")
+        if self.max_concurrent_rollouts is not None and self.max_concurrent_rollouts < 1:
+            raise ArealConfigError(
+                f"areal.max_concurrent_rollouts must be >= 1 or null, got {self.max_concurrent_rollouts!r}"
+            )
+        if not self.poll_interval_s > 0:
+            raise ArealConfigError(f"areal.poll_interval_s must be > 0, got {self.poll_interval_s!r}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> ArealConfig:
@@ -98,9 +130,8 @@ def verl_setting(name: str, config: ArealConfig) -> Any:
     on = config.enable
     decoupled = on and config.loss.decoupled
     table: dict[str, tuple[bool, Any, Any]] = {
-        # verl's trainers wrapped with our hooks (areal_plugins.trainer); async is verl's one-step-ahead
-        # mode until the AReaL staleness-bounded trainer (issue 9) registers its own.
-        "trainer_mode": (on, "areal_colocate_async" if config.mode == "async" else "areal_sync", "sync"),
+        # async: our staleness-bounded trainer (areal_plugins.verl_async); sync: verl's, with our hooks.
+        "trainer_mode": (on, "areal_async" if config.mode == "async" else "areal_sync", "sync"),
         "loss_mode": (decoupled, "areal_decoupled", "vanilla"),
         "calculate_log_probs": (on, True, False),  # the engine's per-token behaviour log-probs
         "rollout_is": (decoupled, "token", None),

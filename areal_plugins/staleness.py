@@ -83,6 +83,14 @@ class StalenessController:
             self._running -= count
             self._rejected += count
 
+    def on_drop_accepted(self, count: int = 1) -> None:
+        """Accepted rollouts were dropped before training (``on_stale: drop``): count them rejected."""
+        with self._lock:
+            if count > self._accepted:
+                raise RuntimeError(f"cannot drop {count} accepted rollout(s): only {self._accepted} accepted")
+            self._accepted -= count
+            self._rejected += count
+
     def recover(self, version: int) -> None:
         """Restore the counters after resuming from a checkpoint taken at ``version``.
 

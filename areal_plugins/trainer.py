@@ -1,7 +1,9 @@
 """verl trainer modes that run verl's own trainers and call our lifecycle hooks around them.
 
-Registered through verl's ``register_trainer`` seam as ``areal_sync`` and ``areal_colocate_async``;
-``areal.enable: true`` routes ``trainer.v1.trainer_mode`` to one of them (``settings.verl_setting``).
+Registered through verl's ``register_trainer`` seam as ``areal_sync`` (verl's sync trainer plus our
+hooks) next to ``areal_async`` (``areal_plugins.verl_async``, the AReaL trainer, which reuses the
+mixin); ``areal.enable: true`` routes ``trainer.v1.trainer_mode`` to one of them
+(``settings.verl_setting``).
 They run in verl's TaskRunner process, where the whole composed recipe is available.
 """
 
@@ -15,7 +17,7 @@ from areal_plugins.manager import call_hook, configure_plugins
 logger = logging.getLogger(__name__)
 
 #: verl trainer mode each of our modes wraps.
-WRAPPED_MODES = {"areal_sync": "sync", "areal_colocate_async": "colocate_async"}
+WRAPPED_MODES = {"areal_sync": "sync"}
 
 
 class HookedTrainerMixin:
@@ -72,3 +74,6 @@ def register_trainers() -> None:
             continue
         base = get_trainer_cls(wrapped)
         register_trainer(name)(type(f"Areal{base.__name__}", (HookedTrainerMixin, base), {}))
+    from areal_plugins.verl_async.trainer import register_async_trainer
+
+    register_async_trainer()

@@ -38,12 +38,12 @@ def register_with_verl() -> None:
     register_trainers()
     _register_config_resolvers()
     if cpu_platform_selected():
-        from areal_plugins.patches import apply_cpu_patches
-
         # verl's FSDP engine is registered for cuda/npu only; its code is device-agnostic
         # through the platform, so look it up under "cuda" (verl's own override knob).
         os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
-        apply_cpu_patches()
+    from areal_plugins.patches import apply_enabled_patches
+
+    apply_enabled_patches()
     LOADED = True
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
-from areal_plugins.builtin import losses, rewards
+from areal_plugins.builtin import async_rollout, losses, rewards
 
-BUILTIN_PLUGINS = (("areal_plugins.builtin.rewards", rewards), ("areal_plugins.builtin.losses", losses))
+BUILTIN_PLUGINS = (
+    ("areal_plugins.builtin.rewards", rewards),
+    ("areal_plugins.builtin.losses", losses),
+    ("areal_plugins.builtin.async_rollout", async_rollout),
+)

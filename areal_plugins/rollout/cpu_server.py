@@ -181,7 +181,12 @@ class CPURolloutServer:
         return weights_checksum(self.engine.model.state_dict())
 
     async def get_stats(self) -> dict[str, Any]:
-        return {"generated_tokens": self.engine.generated_tokens, "in_flight": self.engine.num_in_flight}
+        return {
+            "generated_tokens": self.engine.generated_tokens,
+            "in_flight": self.engine.num_in_flight,
+            "busy_s": self.engine.busy_seconds,
+            "version": self.engine.version,
+        }
 
     # ------------------------------------------------------------------ no-ops on CPU (memory is not scarce)
 

@@ -11,8 +11,11 @@ interruptible generation). It imports neither Ray nor verl.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +46,7 @@ class _Request:
     top_p: float
     top_k: int
     future: asyncio.Future
+    generator: torch.Generator
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -63,7 +67,10 @@ class ContinuousBatchingEngine:
         model: a causal LM (``transformers`` ``PreTrainedModel``) in eval mode.
         eos_token_ids: tokens that end a response (kept in the output, as vLLM does).
         max_batch_size: most requests decoded together; the rest wait their turn.
-        seed: seed of the sampling generator.
+        seed: base seed of sampling. Each request draws from its own generator seeded by this seed,
+            its prompt tokens and how many times that prompt was asked before, so the same requests
+            give the same samples whatever the batch they share or the order they arrive in (what
+            makes η = 0 reproduce synchronous training sample for sample).
         version: policy version of the initial weights.
     """
 
@@ -79,13 +86,15 @@ class ContinuousBatchingEngine:
         self.eos_token_ids = set(eos_token_ids)
         self.max_batch_size = max_batch_size
         self.version = version
-        self._generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._prompt_counts: Counter[str] = Counter()
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
         self._model_lock = threading.Lock()  # a step and a weight load never overlap
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self.generated_tokens = 0
+        self.busy_seconds = 0.0  # wall time spent in model steps (rollout idle ratio = 1 - busy / wall)
 
     # ------------------------------------------------------------------ public API
 
@@ -112,12 +121,20 @@ class ContinuousBatchingEngine:
             top_p=top_p,
             top_k=top_k,
             future=loop.create_future(),
+            generator=self._request_generator(prompt_ids),
         )
         self._waiting.append(request)
         self._ensure_loop()
         assert self._wakeup is not None
         self._wakeup.set()
         return await request.future
+
+    def _request_generator(self, prompt_ids: list[int]) -> torch.Generator:
+        prompt_key = hashlib.sha256(str(list(prompt_ids)).encode()).hexdigest()
+        occurrence = self._prompt_counts[prompt_key]
+        self._prompt_counts[prompt_key] += 1
+        digest = hashlib.sha256(f"{self.seed}:{occurrence}:{prompt_key}".encode()).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
     def abort_all(self) -> list[str]:
         """Finish every waiting and running request now with its partial output; return their ids."""
@@ -166,6 +183,7 @@ class ContinuousBatchingEngine:
                 await self._wakeup.wait()
                 continue
             admitted = self._admit()
+            started = time.perf_counter()
             try:
                 finished = await asyncio.to_thread(self._step, admitted)
             except Exception as error:  # fail the requests, keep the engine alive
@@ -175,6 +193,8 @@ class ContinuousBatchingEngine:
                         request.future.set_exception(error)
                 self._running.clear()
                 continue
+            finally:
+                self.busy_seconds += time.perf_counter() - started
             for request, reason in finished:
                 self._running.remove(request)
                 self._finish(request, reason)
@@ -250,7 +270,7 @@ class ContinuousBatchingEngine:
 
     def _append_token(self, request: _Request, logits: torch.Tensor, version: int) -> bool:
         """Sample one token into ``request``; return True when the request is complete."""
-        token, logprob = sample_token(logits, request.temperature, request.top_p, request.top_k, self._generator)
+        token, logprob = sample_token(logits, request.temperature, request.top_p, request.top_k, request.generator)
         request.token_ids.append(token)
         request.logprobs.append(logprob)
         request.versions.append(version)

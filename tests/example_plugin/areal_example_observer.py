@@ -1,7 +1,8 @@
 """An example third-party plugin, installed only through the ``areal_plugins`` entry-point group.
 
 It records the lifecycle hooks it sees to ``$AREAL_EXAMPLE_OBSERVER_LOG`` (JSON lines) and adds a
-metric to every step; with ``AREAL_EXAMPLE_OBSERVER_RAISE`` set it fails inside a hook, to show how a
+metric to every step; with ``AREAL_EXAMPLE_OBSERVER_MIN_REWARD`` set it rejects finished trajectories
+scoring below it; with ``AREAL_EXAMPLE_OBSERVER_RAISE`` set it fails inside a hook, to show how a
 broken plugin stops a run. The integration tests put this folder on ``PYTHONPATH``.
 """
 
@@ -14,6 +15,7 @@ from areal_plugins import hookimpl
 
 LOG_ENV = "AREAL_EXAMPLE_OBSERVER_LOG"
 RAISE_ENV = "AREAL_EXAMPLE_OBSERVER_RAISE"
+MIN_REWARD_ENV = "AREAL_EXAMPLE_OBSERVER_MIN_REWARD"
 
 
 def _record(event: str, **fields: object) -> None:
@@ -21,6 +23,16 @@ def _record(event: str, **fields: object) -> None:
     if path:
         with open(path, "a") as handle:
             handle.write(json.dumps({"event": event, **fields}) + "\n")
+
+
+@hookimpl
+def areal_accept_trajectory(trajectory):
+    threshold = os.environ.get(MIN_REWARD_ENV)
+    if threshold is None:
+        return None
+    keep = trajectory.reward is not None and trajectory.reward >= float(threshold)
+    _record("accept_trajectory", reward=trajectory.reward, head_version=trajectory.head_version, kept=keep)
+    return keep
 
 
 @hookimpl

@@ -19,10 +19,16 @@ def test_hooks_see_every_weight_version_and_step(tiny_dir, tmp_path):
         tmp_path / "run",
         tiny_dir,
         STEPS,
-        "areal.mode=sync",
-        env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_LOG=str(log)),
+        env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_LOG=str(log), AREAL_EXAMPLE_OBSERVER_MIN_REWARD="0.5"),
     )
     events = [json.loads(line) for line in log.read_text().splitlines()]
+    # The plugin judged finished, scored trajectories; the wrong ones it rejected never reached training.
+    verdicts = [e for e in events if e["event"] == "accept_trajectory"]
+    assert {e["reward"] for e in verdicts} == {0.0, 1.0}
+    assert all(e["kept"] == (e["reward"] >= 0.5) for e in verdicts)
+    rejected = steps[-1]["areal/rejected_trajectories"]
+    assert rejected > 0
+    assert all(s["critic/score/min"] == 1.0 for s in steps), "a rejected trajectory was trained on"
     # The initial sync serves version 0; each step then pushes its weights as version = step.
     assert [e["version"] for e in events if e["event"] == "weights_updated"] == list(range(STEPS + 1))
     assert [e["step"] for e in events if e["event"] == "after_train_step"] == list(range(1, STEPS + 1))

@@ -41,10 +41,11 @@ def test_fsdp_engine_found_for_cpu():
 
 
 def test_hooked_trainer_modes_wrap_verls_own():
-    from verl.trainer.ppo.v1 import PPOTrainerColocateAsync, PPOTrainerSync, get_trainer_cls
+    from verl.trainer.ppo.v1 import PPOTrainer, PPOTrainerSync, get_trainer_cls
 
     from areal_plugins.trainer import HookedTrainerMixin
 
     assert issubclass(get_trainer_cls("areal_sync"), PPOTrainerSync)
-    assert issubclass(get_trainer_cls("areal_colocate_async"), PPOTrainerColocateAsync)
     assert issubclass(get_trainer_cls("areal_sync"), HookedTrainerMixin)
+    assert issubclass(get_trainer_cls("areal_async"), PPOTrainer)
+    assert issubclass(get_trainer_cls("areal_async"), HookedTrainerMixin)

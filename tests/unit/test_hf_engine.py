@@ -139,3 +139,24 @@ def test_rejects_bad_requests(random_qwen2):
         run(engine.generate([1], max_tokens=0))
     with pytest.raises(ValueError, match="prompt_ids is empty"):
         run(engine.generate([], max_tokens=3))
+
+
+def test_samples_do_not_depend_on_batching_or_arrival_order(random_qwen2):
+    # η = 0 must reproduce synchronous training: the same requests must give the same samples
+    # whether they share a batch or not and in whatever order they arrive.
+    prompts = [[5, 6, 7], [9] * 11, [5, 6, 7], [42]]  # a repeated prompt gets two different draws
+
+    def sample(order: list[int], max_batch_size: int) -> dict[int, list[int]]:
+        engine = ContinuousBatchingEngine(random_qwen2, NO_EOS, max_batch_size=max_batch_size, seed=3)
+
+        async def go():
+            return await asyncio.gather(*[engine.generate(prompts[i], max_tokens=8) for i in order])
+
+        return dict(zip(order, [r.token_ids for r in run(go())], strict=True))
+
+    together = sample([0, 1, 2, 3], max_batch_size=4)
+    one_at_a_time = sample([3, 1, 0, 2], max_batch_size=1)
+    assert together[1] == one_at_a_time[1] and together[3] == one_at_a_time[3]
+    # The repeated prompt: first and second asks map to the same two draws, which differ.
+    assert together[0] == one_at_a_time[0] and together[2] == one_at_a_time[2]
+    assert together[0] != together[2]

@@ -58,7 +58,7 @@ def test_one_flag_turns_the_decoupled_objective_on():
     assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "areal_decoupled"
     assert config.algorithm.rollout_correction.rollout_is == "token"
     assert config.algorithm.rollout_correction.rollout_is_threshold == "1e-12_5.0"  # cap 5, mask (paper)
-    assert config.trainer.v1.trainer_mode == "areal_colocate_async"
+    assert config.trainer.v1.trainer_mode == "areal_async"
 
 
 def test_ablation_uses_the_behaviour_policy_as_old_policy():
@@ -72,3 +72,26 @@ def test_bad_setting_names_the_yaml_path():
 
     with pytest.raises(InterpolationResolutionError, match=r"areal\.mode must be one of"):
         compose("grpo_cpu_async", ["areal.mode=asynch"])
+
+
+def test_disabled_is_byte_for_byte_verl(tmp_path):
+    """``areal.enable: false``: the composed config equals the same recipe without our config group."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1 import PPOTrainerSync, get_trainer_cls
+
+    (tmp_path / "plain.yaml").write_text(
+        "hydra:\n  searchpath:\n    - pkg://verl.trainer.config\n"
+        f"    - file://{RECIPE_DIR}\n"
+        "defaults:\n  - ppo_trainer\n  - _cpu_grpo_tiny\n  - _self_\n"
+        "trainer:\n  experiment_name: grpo_cpu_sync\n"
+    )
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        plain = hydra_compose(config_name="plain")
+    OmegaConf.resolve(plain)
+    ours = OmegaConf.to_container(compose("grpo_cpu_sync"))
+    assert ours.pop("areal")["enable"] is False
+    assert ours == OmegaConf.to_container(plain)
+    # ... so verl instantiates its own trainer class, which calls none of our hooks.
+    assert get_trainer_cls(plain.trainer.v1.trainer_mode) is PPOTrainerSync

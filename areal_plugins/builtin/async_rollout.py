@@ -1,0 +1,41 @@
+"""Default sample buffer and rollout manager of the async trainer (AReaL semantics, DESIGN.md §1)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from areal_plugins.hookimpl import hookimpl
+
+
+def _settings(config: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    from areal_plugins.settings import ArealConfig
+
+    return ArealConfig.from_dict(OmegaConf.to_container(config.areal, resolve=True))  # type: ignore[arg-type]
+
+
+@hookimpl(trylast=True)
+def areal_make_sample_buffer(config: Any) -> Any:
+    from areal_plugins.buffer import SampleBuffer
+
+    settings = _settings(config)
+    return SampleBuffer(max_staleness=settings.max_staleness, on_stale=settings.on_stale)
+
+
+@hookimpl(trylast=True)
+def areal_make_rollout_manager(config: Any, buffer: Any, submit_prompts: Callable[[int], int]) -> Any:
+    import transfer_queue
+
+    from areal_plugins.staleness import StalenessController
+    from areal_plugins.verl_async.admission import AdmissionLoop
+
+    settings = _settings(config)
+    batch = int(config.data.train_batch_size)  # η and B count prompt groups: GRPO groups stay together
+    controller = StalenessController(
+        max_staleness=settings.max_staleness,
+        batch_size=batch,
+        max_concurrent=settings.max_concurrent_rollouts or (settings.max_staleness + 1) * batch,
+    )
+    return AdmissionLoop(controller, buffer, submit_prompts, settings.poll_interval_s, store=transfer_queue)

@@ -1,0 +1,186 @@
+"""Staleness-bounded admission of rollouts, running beside verl's trainer loop (DESIGN.md §1).
+
+A thread in verl's driver process. Every ``poll_interval`` seconds it reads the rollout state in
+verl's TransferQueue, turns every newly finished group into :class:`Trajectory` objects, asks the
+``areal_accept_trajectory`` hook about each, moves kept groups into the :class:`SampleBuffer`,
+frees the slots of rejected and failed ones, and submits as many new prompts as
+``StalenessController.capacity(version)`` allows. It never blocks the trainer: the trainer only
+waits on the buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from areal_plugins.buffer import BufferedGroup, SampleBuffer
+from areal_plugins.manager import call_hook
+from areal_plugins.staleness import StalenessController
+from areal_plugins.trajectory import Trajectory
+
+logger = logging.getLogger(__name__)
+
+PARTITION = "train"
+#: Trajectory fields read from TransferQueue to build the objects the accept hook sees.
+TRAJECTORY_FIELDS = ["prompts", "responses", "response_mask", "rollout_log_probs", "rm_scores", "extra_fields"]
+
+
+class AdmissionLoop:
+    """Keeps the rollout engines fed within the staleness bound, and the buffer filled.
+
+    Args:
+        controller: the admission counters (units: prompt groups).
+        buffer: where accepted groups wait for the trainer.
+        submit: submits ``n`` new prompts for generation (verl's ``_add_prompts_to_generate``).
+        poll_interval: seconds between looks at TransferQueue.
+        store: TransferQueue's module (``kv_list``, ``kv_batch_get``, ``kv_clear``).
+    """
+
+    def __init__(
+        self,
+        controller: StalenessController,
+        buffer: SampleBuffer,
+        submit: Callable[[int], int],
+        poll_interval: float,
+        store: Any,
+    ) -> None:
+        self.controller = controller
+        self.buffer = buffer
+        self.submit = submit
+        self.poll_interval = poll_interval
+        self.store = store
+        self.version = 0
+        self.rejected_trajectories = 0
+        self.failed_groups = 0
+        self._handled: set[str] = set()
+        self._admitting = threading.Event()
+        self._admitting.set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.last_progress = time.monotonic()
+
+    # ------------------------------------------------------------------ control (trainer thread)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="areal-admission", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def pause(self) -> None:
+        """Stop submitting (a weight update is under way); finished groups are still collected."""
+        self._admitting.clear()
+
+    def resume(self, version: int) -> None:
+        self.version = version
+        self._admitting.set()
+
+    def check_alive(self) -> None:
+        """Raise the admission thread's error in the trainer thread, where verl reports it."""
+        if self.error is not None:
+            raise RuntimeError(f"the areal admission loop failed: {self.error!r}") from self.error
+
+    # ------------------------------------------------------------------ the loop (admission thread)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.poll_once()
+                self._stop.wait(self.poll_interval)
+        except BaseException as error:  # surfaced to the trainer by check_alive()
+            logger.exception("areal admission loop failed")
+            self.error = error
+
+    def poll_once(self) -> None:
+        listing = (self.store.kv_list(partition_id=PARTITION) or {}).get(PARTITION, {})
+        trajectory_keys: dict[str, list[str]] = {}
+        for key in listing:
+            if not listing[key].get("is_prompt", False):
+                trajectory_keys.setdefault(key.split("_")[0], []).append(key)
+        for uid, tag in listing.items():
+            if not tag.get("is_prompt", False) or uid in self._handled:
+                continue
+            if tag.get("status") in ("finished", "failure"):
+                self._handled.add(uid)
+                keys = sorted(trajectory_keys.get(uid, []))
+                self._settle(uid, tag["status"], keys, [listing[k] for k in keys])
+                self.last_progress = time.monotonic()
+        if self._admitting.is_set():
+            room = self.controller.capacity(self.version)
+            if room > 0:
+                self.controller.on_submit(room)
+                try:
+                    self.submit(room)
+                except BaseException:
+                    self.controller.on_reject(room)
+                    raise
+
+    def _settle(self, uid: str, status: str, keys: list[str], tags: list[dict[str, Any]]) -> None:
+        if status == "failure" or not keys:
+            self.failed_groups += 1
+            logger.warning("rollout group %s failed (%d trajectories); its slot is freed", uid, len(keys))
+            self.store.kv_clear(keys=[uid, *keys], partition_id=PARTITION)
+            self.controller.on_reject()
+            return
+        data = self.store.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=TRAJECTORY_FIELDS)
+        kept_keys, kept_tags, info, heads, dropped = [], [], [], [], []
+        for row, (key, tag) in enumerate(zip(keys, tags, strict=True)):
+            trajectory = _trajectory(data, row, uid)
+            verdict = call_hook("areal_accept_trajectory", trajectory=trajectory)
+            if verdict is False:
+                dropped.append(key)
+                continue
+            kept_keys.append(key)
+            kept_tags.append(tag)
+            heads.append(trajectory.head_version)
+            info.append(
+                {
+                    "head_version": trajectory.head_version,
+                    "tail_version": max(trajectory.versions, default=trajectory.head_version),
+                    "num_interrupts": int(trajectory.extra.get("num_interrupts", 0)),
+                    "response_tokens": len(trajectory.response_ids),
+                    "reward": trajectory.reward,
+                }
+            )
+        self.rejected_trajectories += len(dropped)
+        if dropped:
+            self.store.kv_clear(keys=dropped, partition_id=PARTITION)
+        if not kept_keys:
+            self.store.kv_clear(keys=[uid], partition_id=PARTITION)
+            self.controller.on_reject()
+            return
+        self.controller.on_accept()
+        self.buffer.put(BufferedGroup(group_id=uid, head_versions=heads, keys=kept_keys, tags=kept_tags, info=info))
+
+
+def _trajectory(data: Any, row: int, uid: str) -> Trajectory:
+    """One TransferQueue row as the :class:`Trajectory` plugins see."""
+    mask = data["response_mask"][row].bool()
+    response = data["responses"][row][mask].tolist()
+    extra = data["extra_fields"][row]
+    extra = dict(getattr(extra, "data", extra) or {})
+    versions = list(extra.get("token_versions") or [])[: len(response)]
+    if len(versions) < len(response):  # backend without per-token versions: the served version
+        versions += [int(extra.get("global_steps") or 0)] * (len(response) - len(versions))
+    if "rollout_log_probs" in data.keys():
+        behav = data["rollout_log_probs"][row][mask].tolist()
+    else:
+        behav = [0.0] * len(response)
+    reward = float(data["rm_scores"][row].sum()) if "rm_scores" in data.keys() else None
+    prompt = data["prompts"][row].tolist()
+    return Trajectory(
+        prompt_ids=prompt,
+        response_ids=response,
+        behav_logprobs=behav,
+        versions=versions,
+        reward=reward,
+        group_id=uid,
+        extra=extra,
+    )

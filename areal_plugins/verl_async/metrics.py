@@ -1,0 +1,47 @@
+"""Per-step metrics of the async trainer (namespaced ``areal/``), computed from consumed groups."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from areal_plugins.buffer import BufferedGroup
+
+
+def consumed_metrics(groups: list[BufferedGroup], trainer_version: int) -> dict[str, float]:
+    """Staleness and version statistics of the trajectories a step consumed.
+
+    Staleness of a trajectory is ``trainer_version - head_version`` (DESIGN.md §1), where
+    ``trainer_version`` is the version of the weights this step starts from.
+    """
+    infos = [info for group in groups for info in group.info]
+    if not infos:
+        return {}
+    staleness = [trainer_version - info["head_version"] for info in infos]
+    metrics: dict[str, float] = {
+        "areal/staleness_mean": sum(staleness) / len(staleness),
+        "areal/staleness_max": float(max(staleness)),
+        "areal/head_version_min": float(min(info["head_version"] for info in infos)),
+        "areal/tail_version_max": float(max(info["tail_version"] for info in infos)),
+        "areal/trainer_version": float(trainer_version),
+        "areal/interrupted_fraction": sum(info["num_interrupts"] > 0 for info in infos) / len(infos),
+        "areal/multi_version_fraction": sum(info["tail_version"] > info["head_version"] for info in infos) / len(infos),
+        "areal/consumed_trajectories": float(len(infos)),
+        "areal/consumed_response_tokens": float(sum(info["response_tokens"] for info in infos)),
+    }
+    for value, count in sorted(Counter(staleness).items()):
+        metrics[f"areal/staleness_count/{value}"] = float(count)
+    return metrics
+
+
+def rollout_rates(before: dict[str, Any] | None, after: dict[str, Any] | None, wall_s: float) -> dict[str, float]:
+    """Engine-side rates between two ``get_stats`` snapshots summed over replicas."""
+    if not before or not after or wall_s <= 0:
+        return {}
+    replicas = max(1, int(after.get("replicas", 1)))
+    busy = after["busy_s"] - before["busy_s"]
+    tokens = after["generated_tokens"] - before["generated_tokens"]
+    return {
+        "areal/rollout_idle_ratio": max(0.0, 1.0 - busy / (wall_s * replicas)),
+        "areal/gen_tokens_per_s": tokens / wall_s,
+    }

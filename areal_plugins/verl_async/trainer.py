@@ -1,0 +1,247 @@
+"""``areal_async``: verl's V1 PPO trainer, run the AReaL way (arXiv 2505.24298 §4-5, DESIGN.md §1).
+
+Registered through verl's ``register_trainer`` seam; ``areal.enable: true`` with ``areal.mode:
+async`` selects it. verl's step pipeline (old log-probs, advantages, actor update, weight sync,
+validation, checkpoints, loggers) is reused as is; what changes:
+
+- generation is fed continuously by an admission loop bounded by the staleness η
+  (``StalenessController``), instead of one batch per step;
+- the trainer takes the oldest accepted groups from a :class:`SampleBuffer`;
+- a weight update pauses admission, interrupts in-flight requests (they come back as partial
+  output and are re-submitted as prompt + partial by :class:`InterruptibleLLMClient`), loads the
+  new weights and resumes; per-token versions record which policy produced each token;
+- ``areal.placement: colocated`` also pauses the engines while the trainer computes (they share
+  the devices); ``separate`` lets them generate throughout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import transfer_queue as tq
+from omegaconf import OmegaConf
+from transfer_queue import KVBatchMeta
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+from verl.utils.debug import marked_timer
+
+from areal_plugins.manager import call_hook
+from areal_plugins.settings import ArealConfig
+from areal_plugins.trainer import HookedTrainerMixin
+from areal_plugins.verl_async.client import InterruptibleLLMClient
+from areal_plugins.verl_async.metrics import consumed_metrics, rollout_rates
+from areal_plugins.verl_async.recorder import RunRecorder
+
+logger = logging.getLogger(__name__)
+
+TRAINER_MODE = "areal_async"
+#: How often the trainer, while waiting for samples, checks that the admission loop is alive.
+WAIT_CHECK_S = 1.0
+
+
+class _ArealReplayBuffer(ReplayBuffer):
+    """verl's sampler interface; training batches come from our buffer, validation from verl's."""
+
+    def __init__(self, take_train_batch: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._take_train_batch = take_train_batch
+
+    def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
+        if partition_id != "train":
+            return super().sample(global_steps, partition_id, batch_size)
+        return self._take_train_batch(batch_size)
+
+
+class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
+    """verl's PPO trainer with staleness-bounded asynchronous generation (see module docstring)."""
+
+    def __init__(self, config: Any) -> None:
+        self.areal = ArealConfig.from_dict(OmegaConf.to_container(config.areal, resolve=True))  # type: ignore[arg-type]
+        super().__init__(config)
+        self.version = 0  # the policy version the engines serve
+        self.recorder = RunRecorder()
+        self.manager: Any = None
+        self._last_stats: dict[str, Any] | None = None
+        self._last_stats_time = time.time()
+        self._wait_s = 0.0
+        self._consumed_groups = 0
+
+    # ------------------------------------------------------------------ construction
+
+    def _build_replay_buffer(self) -> ReplayBuffer:
+        sampler = self.config.trainer.v1.sampler
+        return _ArealReplayBuffer(
+            take_train_batch=self._take_train_batch,
+            trainer_mode="sync",  # verl's sync semantics for the validation partition
+            trainer_config={},
+            max_off_policy_threshold=None,
+            max_off_policy_strategy=sampler.max_off_policy_strategy,
+            sampler_kwargs=sampler.sampler_kwargs,
+            poll_interval=self.areal.poll_interval_s,
+            refill_fn=self._add_prompts_to_generate,
+        )
+
+    def get_llm_client(self) -> Any:
+        return self.llm_server_manager.get_client(client_cls=InterruptibleLLMClient)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def on_init_end(self) -> None:
+        self.checkpoint_manager.update_weights(self.global_steps)
+        self.version = self.global_steps
+        super().on_init_end()  # HookedTrainerMixin: areal_on_weights_updated(version)
+
+    def on_train_begin(self) -> None:
+        # Built here, not in __init__: the plugin set is configured in init() (areal.plugins).
+        self.sample_buffer = call_hook("areal_make_sample_buffer", config=self.config)
+        self.manager = call_hook(
+            "areal_make_rollout_manager",
+            config=self.config,
+            buffer=self.sample_buffer,
+            submit_prompts=self._add_prompts_to_generate,
+        )
+        if self.version > 0:  # resumed: restore the counters (DESIGN.md §1, accepted = v * B)
+            self.manager.controller.recover(self.version)
+        self.manager.resume(self.version)
+        self.manager.start()
+        self._last_stats, self._last_stats_time = self._rollout_stats(), time.time()
+        logger.info(
+            "areal_async: max_staleness=%d placement=%s batch=%d groups",
+            self.areal.max_staleness,
+            self.areal.placement,
+            self.config.data.train_batch_size,
+        )
+
+    def prepare_step(self) -> dict:
+        return {}  # the admission loop submits prompts; nothing to do per step
+
+    def on_sample_end(self) -> None:
+        if self.areal.placement == "colocated":
+            # The engines share the devices with training: interrupt them until the new weights are in.
+            self.manager.pause()
+            with self.recorder.span("rollout", "paused_for_training"):
+                self.checkpoint_manager.abort_replicas()
+
+    def on_step_end(self) -> None:
+        new_version = self.global_steps
+        with marked_timer("update_weights", self.timing_raw, color="red"), self.recorder.span("trainer", "update"):
+            self.manager.pause()
+            call_hook("areal_before_weight_update", version=new_version)
+            if self.areal.placement == "separate":
+                self.checkpoint_manager.abort_replicas()  # interrupt: do not wait for the longest request
+            self.checkpoint_manager.update_weights(new_version)
+            self.version = new_version
+            self.checkpoint_manager.resume_generation_replicas()
+            self.manager.resume(new_version)
+        call_hook("areal_on_weights_updated", version=new_version)
+
+    def fit(self, agent_loop_manager: Any) -> None:
+        try:
+            super().fit(agent_loop_manager)
+        finally:
+            if self.manager is not None:
+                self.manager.stop()
+                self._write_accounting()
+
+    def _write_accounting(self) -> None:
+        """Where every submitted rollout group ended up (``areal_accounting.json`` lines)."""
+        counts = self.manager.controller.state_dict()
+        record = {
+            "submitted": counts["accepted"] + counts["rejected"] + counts["running"],
+            **counts,
+            "consumed": self._consumed_groups,
+            "buffered": len(self.sample_buffer),
+            "failed_groups": getattr(self.manager, "failed_groups", 0),
+            "rejected_trajectories": getattr(self.manager, "rejected_trajectories", 0),
+            "version": self.version,
+        }
+        self.recorder.write("areal_accounting.jsonl", record)
+        logger.info("areal_async accounting: %s", record)
+
+    # ------------------------------------------------------------------ sampling
+
+    def _take_train_batch(self, batch_size: int) -> tuple[KVBatchMeta, dict]:
+        """Block until ``batch_size`` accepted groups are buffered; hand out the oldest."""
+        trainer_version = self.version
+        started = time.time()
+        with self.recorder.span("trainer", "wait"):
+            while True:
+                self.manager.check_alive()
+                groups, stale = self.sample_buffer.take(batch_size, trainer_version, timeout=WAIT_CHECK_S)
+                if stale:
+                    self.manager.controller.on_drop_accepted(len(stale))
+                    tq.kv_clear(keys=[k for g in stale for k in (g.group_id, *g.keys)], partition_id="train")
+                if groups:
+                    break
+        self._wait_s = time.time() - started
+        self._consumed_groups += len(groups)
+        tq.kv_clear(keys=[g.group_id for g in groups], partition_id="train")
+        keys = [key for group in groups for key in group.keys]
+        tags = [tag for group in groups for tag in group.tags]
+        metrics = consumed_metrics(groups, trainer_version)
+        controller = self.manager.controller
+        metrics.update(
+            {
+                "areal/buffer_size": float(len(self.sample_buffer)),
+                "areal/running": float(controller.running),
+                "areal/accepted": float(controller.accepted),
+                "areal/rejected": float(controller.rejected),
+                "areal/dropped_stale": float(len(stale)),
+                "areal/rejected_trajectories": float(getattr(self.manager, "rejected_trajectories", 0)),
+            }
+        )
+        for group in groups:
+            for key, info in zip(group.keys, group.info, strict=True):
+                self.recorder.write(
+                    "areal_samples.jsonl",
+                    {"step": self.global_steps, "trainer_version": trainer_version, "group": group.group_id}
+                    | {"key": key}
+                    | info,
+                )
+        return KVBatchMeta(partition_id="train", keys=keys, tags=tags), metrics
+
+    # ------------------------------------------------------------------ metrics
+
+    def _rollout_stats(self) -> dict[str, Any] | None:
+        """Summed ``get_stats`` of our CPU servers (None for backends without it)."""
+        import ray
+
+        servers = [s for replica in self.llm_server_manager.get_replicas() for s in getattr(replica, "servers", [])]
+        try:
+            stats = ray.get([server.get_stats.remote() for server in servers], timeout=10)
+        except Exception:  # a backend without get_stats: no engine-side rates
+            return None
+        if not stats:
+            return None
+        total = {"replicas": len(stats), "busy_s": 0.0, "generated_tokens": 0}
+        for item in stats:
+            total["busy_s"] += item["busy_s"]
+            total["generated_tokens"] += item["generated_tokens"]
+        return total
+
+    def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> Any:
+        now = time.time()
+        stats = self._rollout_stats()
+        wall = now - self._last_stats_time
+        metrics.update(rollout_rates(self._last_stats, stats, wall))
+        self._last_stats, self._last_stats_time = stats, now
+        step_s = timing_raw.get("step", 0.0)
+        if step_s > 0:
+            metrics["areal/trainer_idle_ratio"] = min(1.0, self._wait_s / step_s)
+            metrics["areal/train_tokens_per_s"] = metrics.get("areal/consumed_response_tokens", 0.0) / step_s
+        result = super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+        self.recorder.write(
+            "areal_steps.jsonl",
+            {"step": global_steps, "time": now} | {k: v for k, v in metrics.items() if k.startswith("areal/")},
+        )
+        return result
+
+
+def register_async_trainer() -> None:
+    """Register ``areal_async`` with verl (idempotent)."""
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
+
+    if TRAINER_MODE not in TRAINER_REGISTRY:
+        register_trainer(TRAINER_MODE)(ArealAsyncTrainer)

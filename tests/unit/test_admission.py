@@ -1,0 +1,143 @@
+"""The admission loop's bookkeeping against an in-memory key-value store shaped like TransferQueue.
+
+The integration tests run it against verl's real TransferQueue; here the point is the accounting:
+submitted = accepted + rejected + running at every poll, capacity respected, rejections free slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from areal_plugins.buffer import SampleBuffer
+from areal_plugins.hookimpl import hookimpl
+from areal_plugins.staleness import StalenessController
+from areal_plugins.testing import plugin_registered
+from areal_plugins.verl_async.admission import AdmissionLoop
+
+
+class MemoryStore:
+    """``kv_list`` / ``kv_batch_get`` / ``kv_clear`` over dicts, one partition."""
+
+    def __init__(self) -> None:
+        self.tags: dict[str, dict] = {}
+        self.rows: dict[str, dict] = {}
+
+    def kv_list(self, partition_id: str):
+        return {partition_id: {k: dict(v) for k, v in self.tags.items()}}
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        return {name: [self.rows[k][name] for k in keys] for name in select_fields}
+
+    def kv_clear(self, keys, partition_id):
+        for key in keys:
+            self.tags.pop(key, None)
+            self.rows.pop(key, None)
+
+    # what verl's agent loop does --------------------------------------------------------
+
+    def add_prompt(self, uid: str) -> None:
+        self.tags[uid] = {"is_prompt": True, "status": "running", "global_steps": 1}
+
+    def finish(self, uid: str, rewards: list[float], versions: list[list[int]], status: str = "finished") -> None:
+        for i, (reward, token_versions) in enumerate(zip(rewards, versions, strict=True)):
+            key = f"{uid}_{i}_0"
+            n = len(token_versions)
+            self.tags[key] = {"status": "success", "min_global_steps": min(token_versions)}
+            self.rows[key] = {
+                "prompts": torch.tensor([1, 2, 3]),
+                "responses": torch.arange(n),
+                "response_mask": torch.ones(n, dtype=torch.long),
+                "rollout_log_probs": torch.full((n,), -0.5),
+                "rm_scores": torch.tensor([0.0] * (n - 1) + [reward]),
+                "extra_fields": {"token_versions": token_versions, "num_interrupts": int(len(set(token_versions)) > 1)},
+            }
+        self.tags[uid]["status"] = status
+
+
+def make_loop(store: MemoryStore, eta: int = 1, batch: int = 2):
+    submitted: list[str] = []
+
+    def submit(n: int) -> int:
+        for _ in range(n):
+            uid = f"p{len(submitted)}"
+            submitted.append(uid)
+            store.add_prompt(uid)
+        return n
+
+    controller = StalenessController(max_staleness=eta, batch_size=batch, max_concurrent=100)
+    loop = AdmissionLoop(controller, SampleBuffer(eta), submit, poll_interval=0.01, store=store)
+    return loop, submitted
+
+
+def check_accounting(loop: AdmissionLoop, submitted: list[str]) -> None:
+    c = loop.controller
+    assert len(submitted) == c.accepted + c.rejected + c.running
+
+
+def test_admits_eta_plus_one_batches_then_waits_for_a_version():
+    store = MemoryStore()
+    loop, submitted = make_loop(store, eta=1, batch=2)
+    loop.poll_once()
+    assert submitted == ["p0", "p1", "p2", "p3"]  # (η + 0 + 1) * B = 4 groups at version 0
+    store.finish("p0", [1.0, 0.0], [[0, 0], [0]])
+    loop.poll_once()
+    assert len(submitted) == 4  # accepted + running still 4: no room until the version moves
+    check_accounting(loop, submitted)
+    loop.resume(version=1)
+    loop.poll_once()
+    assert len(submitted) == 6  # (1 + 1 + 1) * 2 - 4
+    check_accounting(loop, submitted)
+    taken, _ = loop.buffer.take(1, trainer_version=1)
+    assert taken[0].group_id == "p0" and taken[0].head_versions == [0, 0]
+    assert [info["reward"] for info in taken[0].info] == [1.0, 0.0]
+
+
+class RejectWrongAnswers:
+    @staticmethod
+    @hookimpl
+    def areal_accept_trajectory(trajectory):
+        return trajectory.reward > 0.5
+
+
+def test_rejected_and_failed_groups_free_their_slots():
+    store = MemoryStore()
+    loop, submitted = make_loop(store, eta=0, batch=2)
+    with plugin_registered(RejectWrongAnswers()):
+        loop.poll_once()
+        assert submitted == ["p0", "p1"]
+        store.finish("p0", [0.0, 0.0], [[0], [0]])  # both members rejected: the group goes
+        store.finish("p1", [], [], status="failure")  # the agent loop failed
+        loop.poll_once()
+    assert loop.controller.rejected == 2 and loop.controller.accepted == 0
+    assert loop.rejected_trajectories == 2 and loop.failed_groups == 1
+    assert submitted == ["p0", "p1", "p2", "p3"]  # both slots refilled at the same version
+    assert "p0" not in store.tags and "p0_0_0" not in store.tags  # nothing left behind in the store
+    check_accounting(loop, submitted)
+
+
+def test_partly_rejected_group_keeps_its_other_members():
+    store = MemoryStore()
+    loop, _ = make_loop(store, eta=0, batch=1)
+    with plugin_registered(RejectWrongAnswers()):
+        loop.poll_once()
+        store.finish("p0", [1.0, 0.0, 1.0], [[0, 0], [0], [0, 1]])
+        loop.poll_once()
+    taken, _ = loop.buffer.take(1, trainer_version=0)
+    assert taken[0].keys == ["p0_0_0", "p0_2_0"]
+    assert [info["tail_version"] for info in taken[0].info] == [0, 1]
+    assert loop.controller.accepted == 1 and loop.rejected_trajectories == 1
+
+
+def test_paused_loop_collects_but_does_not_submit():
+    store = MemoryStore()
+    loop, submitted = make_loop(store, eta=0, batch=1)
+    loop.poll_once()
+    loop.pause()
+    store.finish("p0", [1.0], [[0]])
+    loop.resume(version=0)
+    loop.pause()
+    loop.poll_once()
+    assert len(loop.buffer) == 1
+    loop.resume(version=1)
+    loop.poll_once()
+    assert submitted == ["p0", "p1"]

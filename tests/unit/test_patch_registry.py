@@ -1,0 +1,26 @@
+"""``apply_enabled_patches``: only the features in use get patched, in the listed order."""
+
+from __future__ import annotations
+
+from areal_plugins import patches
+from areal_plugins.patches import gloo_backend
+
+
+def test_nothing_is_patched_off_the_cpu_platform(monkeypatch):
+    monkeypatch.setenv("VERL_PLATFORM", "cuda")
+    assert patches.enabled_patches(None) == []
+    assert patches.enabled_patches({"areal": {"enable": True}}) == []
+
+
+def test_cpu_platform_needs_the_gloo_patch(monkeypatch):
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    assert patches.enabled_patches(None) == [gloo_backend]
+
+
+def test_every_patch_module_follows_the_patch_contract():
+    for feature, _, patch in patches.PATCHES:
+        assert feature
+        doc = patch.__doc__ or ""
+        for section in ("Why", "Upstream", "Remove when"):
+            assert section in doc, f"{patch.__name__}: docstring lacks {section!r}"
+        assert callable(patch.apply) and callable(patch.revert) and callable(patch.is_applied)
