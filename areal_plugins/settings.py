@@ -16,6 +16,7 @@ from areal_plugins.losses import WEIGHT_MODES
 MODES = ("async", "sync")
 PLACEMENTS = ("colocated", "separate")
 ON_STALE = ("wait", "drop")
+PROX_LOGP = ("recompute", "loglinear")
 
 
 class ArealConfigError(ValueError):
@@ -36,11 +37,20 @@ class LossConfig:
     behav_imp_weight_mode: str = field(
         default="mask", metadata={"help": "mask: drop tokens with w > cap; clamp: use min(w, cap)"}
     )
+    prox_logp: str = field(
+        default="recompute",
+        metadata={
+            "help": "recompute: a forward pass gives π_prox; loglinear: interpolate from per-token versions "
+            "(no forward pass; exact with one optimizer step per batch)"
+        },
+    )
 
     def __post_init__(self) -> None:
         cap = self.behav_imp_weight_cap
         if cap is not None and cap <= 1:
             raise ArealConfigError(f"areal.loss.behav_imp_weight_cap must be > 1 or null, got {cap}")
+        if self.prox_logp not in PROX_LOGP:
+            raise ArealConfigError(f"areal.loss.prox_logp must be one of {PROX_LOGP}, got {self.prox_logp!r}")
         if self.behav_imp_weight_mode not in WEIGHT_MODES:
             raise ArealConfigError(
                 f"areal.loss.behav_imp_weight_mode must be one of {WEIGHT_MODES}, got {self.behav_imp_weight_mode!r}"
@@ -129,21 +139,41 @@ def verl_setting(name: str, config: ArealConfig) -> Any:
     """The value of the verl setting ``name`` under ``config`` (verl's default when disabled)."""
     on = config.enable
     decoupled = on and config.loss.decoupled
+    loglinear = decoupled and config.loss.prox_logp == "loglinear"
+    recompute = decoupled and not loglinear
     table: dict[str, tuple[bool, Any, Any]] = {
         # async: our staleness-bounded trainer (areal_plugins.verl_async); sync: verl's, with our hooks.
         "trainer_mode": (on, "areal_async" if config.mode == "async" else "areal_sync", "sync"),
-        "loss_mode": (decoupled, "areal_decoupled", "vanilla"),
+        "loss_mode": (decoupled, LOGLINEAR_LOSS_NAME if loglinear else RECOMPUTE_LOSS_NAME, "vanilla"),
         "calculate_log_probs": (on, True, False),  # the engine's per-token behaviour log-probs
-        "rollout_is": (decoupled, "token", None),
+        "rollout_is": (recompute, "token", None),
         # verl truncates the behaviour weight before the loss sees it: that is our cap (DESIGN.md §1).
-        "rollout_is_threshold": (decoupled, cap_threshold(config.loss), 2.0),
-        # Ablation: standard PPO against the behaviour policy, as a naive async system does.
-        "bypass_mode": (on and not config.loss.decoupled, True, False),
+        "rollout_is_threshold": (recompute, cap_threshold(config.loss), 2.0),
+        # loglinear: the loss computes w itself and reads the cap from the actor's own copy.
+        "actor_rollout_is_threshold": (loglinear, cap_threshold(config.loss), 2.0),
+        # bypass: verl skips the proximal forward pass and hands the loss the behaviour log-probs. That
+        # is the ablation (standard PPO against the behaviour policy, as a naive async system does)
+        # and what the loglinear loss needs.
+        "bypass_mode": (on and (not config.loss.decoupled or loglinear), True, False),
     }
     if name not in table:
         raise ArealConfigError(f"areal_verl has no setting {name!r}; known: {', '.join(sorted(table))}")
     applies, value, default = table[name]
     return value if applies else default
+
+
+RECOMPUTE_LOSS_NAME = "areal_decoupled"
+LOGLINEAR_LOSS_NAME = "areal_decoupled_loglinear"
+#: ``cap_threshold`` without a cap: a bound that never binds.
+NO_CAP = 1e9
+
+
+def parse_cap_threshold(threshold: float | str) -> tuple[float | None, str]:
+    """Invert :func:`cap_threshold`: ``(cap or None, mode)``."""
+    if isinstance(threshold, str) and "_" in threshold:
+        return float(threshold.split("_")[1]), "mask"
+    value = float(threshold)
+    return (None, "clamp") if value >= NO_CAP else (value, "clamp")
 
 
 def cap_threshold(loss: LossConfig) -> float | str:
@@ -156,5 +186,5 @@ def cap_threshold(loss: LossConfig) -> float | str:
     """
     cap = loss.behav_imp_weight_cap
     if cap is None:
-        return 1e9
+        return NO_CAP
     return float(cap) if loss.behav_imp_weight_mode == "clamp" else f"1e-12_{float(cap)}"

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from areal_plugins.losses import decoupled_ppo_loss
+from areal_plugins.settings import LOGLINEAR_LOSS_NAME, RECOMPUTE_LOSS_NAME, parse_cap_threshold
 
-LOSS_NAME = "areal_decoupled"
+LOSS_NAME = RECOMPUTE_LOSS_NAME
 
 
 def areal_decoupled_policy_loss(
@@ -54,34 +55,82 @@ def areal_decoupled_policy_loss(
     kept = mask & ~dropped
     weights = torch.where(kept, rollout_is_weights, torch.ones_like(rollout_is_weights))
     behav_log_prob = old_log_prob - torch.log(weights)
-    clip_low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
-    clip_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
-    loss, stats = decoupled_ppo_loss(
-        log_prob,
-        old_log_prob,
-        behav_log_prob,
-        advantages,
-        kept,
-        eps_clip=clip_low,
-        eps_clip_higher=clip_high,
-        c_clip=config.get("clip_ratio_c", 3.0),
-    )
+    loss, stats = decoupled_ppo_loss(log_prob, old_log_prob, behav_log_prob, advantages, kept, **_clips(config))
     # That is the mean over kept tokens; the paper's denominator counts every token of the global
     # batch (per rank: global tokens / dp size), dropped ones included.
+    loss = loss * kept.sum() / _local_denominator(config, mask)
+    stats["behav_imp_weight_capped_frac"] = float(dropped.sum()) / max(int(mask.sum()), 1)
+    return loss, _metrics(stats)
+
+
+def areal_decoupled_loglinear_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl ``PolicyLossFn`` of the decoupled objective with π_prox from the log-linear rule (no forward pass).
+
+    verl runs in bypass mode here: ``old_log_prob`` holds the behaviour log-probs. DESIGN.md §1:
+    logp_prox = logp_behav + α (logp_θ - logp_behav) with α = clamp((v_prox - v_behav) / (v_θ - v_behav), 0, 1).
+    With one optimizer step per batch (checked by the trainer) θ *is* the proximal policy, v_θ = v_prox,
+    so α = 1 for every token a past version generated, and for tokens of the current version
+    logp_behav = logp_θ: in both cases logp_prox = logp_θ (no gradient), exactly, without recomputing it.
+    The cap comes from ``actor.policy_loss.rollout_correction.rollout_is_threshold`` (routed by ``areal.loss``).
+    """
+    if loss_agg_mode != "token-mean":
+        raise ValueError(
+            f"policy loss {LOGLINEAR_LOSS_NAME} implements the paper's global token mean; set "
+            f"actor_rollout_ref.actor.loss_agg_mode=token-mean (got {loss_agg_mode!r})"
+        )
+    correction = config.policy_loss.get("rollout_correction", None) or {}
+    cap, mode = parse_cap_threshold(correction.get("rollout_is_threshold", 2.0))
+    mask = response_mask.to(torch.bool)
+    proximal = log_prob.detach()
+    loss, stats = decoupled_ppo_loss(
+        log_prob,
+        proximal,
+        old_log_prob,
+        advantages,
+        mask,
+        behav_imp_weight_cap=cap,
+        behav_imp_weight_mode=mode,
+        **_clips(config),
+    )
+    loss = loss * mask.sum() / _local_denominator(config, mask)
+    return loss, _metrics(stats)
+
+
+def _clips(config: Any) -> dict[str, Any]:
+    clip_low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    clip_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    return {"eps_clip": clip_low, "eps_clip_higher": clip_high, "c_clip": config.get("clip_ratio_c", 3.0)}
+
+
+def _local_denominator(config: Any, mask: torch.Tensor) -> torch.Tensor | float:
+    """This rank's share of the global batch's token count (verl's ``global_batch_info``)."""
     info = getattr(config, "global_batch_info", None) or {}
     global_tokens = info.get("batch_num_tokens")
-    denominator = mask.sum().clamp(min=1) if global_tokens is None else global_tokens / info.get("dp_size", 1)
-    loss = loss * kept.sum() / denominator
-    stats["behav_imp_weight_capped_frac"] = float(dropped.sum()) / max(int(mask.sum()), 1)
+    return mask.sum().clamp(min=1) if global_tokens is None else global_tokens / info.get("dp_size", 1)
+
+
+def _metrics(stats: dict[str, float]) -> dict[str, Any]:
     metrics = {f"areal/{key}": value for key, value in stats.items() if key != "num_tokens"}
     metrics["actor/pg_clipfrac"] = stats["clip_frac"]
     metrics["actor/pg_clipfrac_lower"] = stats["dual_clip_frac"]
-    return loss, metrics
+    return metrics
 
 
 def register_policy_loss_with_verl() -> None:
-    """Register ``areal_decoupled`` in verl's policy-loss registry (idempotent)."""
+    """Register ``areal_decoupled`` and ``areal_decoupled_loglinear`` with verl (idempotent)."""
     from verl.trainer.ppo import core_algos
 
-    if LOSS_NAME not in core_algos.POLICY_LOSS_REGISTRY:
-        core_algos.register_policy_loss(LOSS_NAME)(areal_decoupled_policy_loss)
+    for name, loss in (
+        (RECOMPUTE_LOSS_NAME, areal_decoupled_policy_loss),
+        (LOGLINEAR_LOSS_NAME, areal_decoupled_loglinear_policy_loss),
+    ):
+        if name not in core_algos.POLICY_LOSS_REGISTRY:
+            core_algos.register_policy_loss(name)(loss)

@@ -79,6 +79,7 @@ def test_disabled_is_byte_for_byte_verl(tmp_path):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.trainer.ppo.v1 import PPOTrainerSync, get_trainer_cls
 
     (tmp_path / "plain.yaml").write_text(
@@ -92,6 +93,29 @@ def test_disabled_is_byte_for_byte_verl(tmp_path):
     OmegaConf.resolve(plain)
     ours = OmegaConf.to_container(compose("grpo_cpu_sync"))
     assert ours.pop("areal")["enable"] is False
+    # One key verl's YAML leaves to its dataclass default; we route it, disabled = that very default.
+    routed = ours["actor_rollout_ref"]["actor"]["policy_loss"].pop("rollout_correction")
+    assert routed == {"rollout_is_threshold": RolloutCorrectionConfig().rollout_is_threshold}
     assert ours == OmegaConf.to_container(plain)
     # ... so verl instantiates its own trainer class, which calls none of our hooks.
     assert get_trainer_cls(plain.trainer.v1.trainer_mode) is PPOTrainerSync
+
+
+def test_loglinear_skips_the_proximal_forward_pass():
+    config = compose("grpo_cpu_async", ["areal.loss.prox_logp=loglinear"])
+    assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "areal_decoupled_loglinear"
+    assert config.algorithm.rollout_correction.bypass_mode is True  # verl skips the old_log_prob pass
+    assert config.algorithm.rollout_correction.rollout_is is None
+    assert config.actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is_threshold == "1e-12_5.0"
+
+
+def test_loglinear_with_several_optimizer_steps_is_refused():
+    from areal_plugins.builtin.validation import areal_validate_config
+    from areal_plugins.settings import ArealConfigError
+
+    config = compose(
+        "grpo_cpu_async", ["areal.loss.prox_logp=loglinear", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
+    )
+    with pytest.raises(ArealConfigError, match="ppo_mini_batch_size"):
+        areal_validate_config(config)
+    areal_validate_config(compose("grpo_cpu_async", ["areal.loss.prox_logp=loglinear"]))  # one step: fine

@@ -92,3 +92,44 @@ def test_registered_in_verl():
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
     assert get_policy_loss_fn("areal_decoupled") is areal_decoupled_policy_loss
+
+
+# ---------------------------------------------------------------- prox_logp: loglinear
+
+
+def loglinear_config(threshold, global_tokens=None):
+    config = actor_config(global_tokens)
+    config.policy_loss = {"rollout_correction": {"rollout_is_threshold": threshold}}
+    return config
+
+
+@pytest.mark.parametrize(("cap", "mode"), [(1.5, "mask"), (1.5, "clamp"), (None, "mask")])
+def test_loglinear_equals_the_recomputed_objective_when_theta_is_prox(cap, mode):
+    # One optimizer step per batch: at that step θ is π_prox, so the forward pass verl skips would
+    # have returned exactly logp_θ. The loss must equal the reference with old := new.
+    from areal_plugins.verl_loss import areal_decoupled_loglinear_policy_loss
+
+    _, new, behav, adv, mask = batch(3)
+    threshold = cap_threshold(
+        ArealConfig.from_dict({"loss": {"behav_imp_weight_cap": cap, "behav_imp_weight_mode": mode}}).loss
+    )
+    theta = new.clone().requires_grad_(True)
+    loss, metrics = areal_decoupled_loglinear_policy_loss(behav, theta, adv, mask, config=loglinear_config(threshold))
+    expected = reference_token_mean(new, new, behav, adv, mask, cap=cap, mode=mode)
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-10, atol=1e-12)
+    # Gradient: with r = 1 nothing is clipped, d/dθ [w · (-A r)] = -A w per token.
+    loss.backward()
+    w = torch.exp(new - behav)
+    if cap is not None:
+        w = torch.where(w > cap, torch.zeros_like(w), w) if mode == "mask" else w.clamp(max=cap)
+    torch.testing.assert_close(theta.grad, -adv * w * mask / mask.sum(), rtol=1e-10, atol=1e-12)
+    assert metrics["areal/behav_imp_weight_max"] == pytest.approx(float(torch.exp(new - behav)[mask].max()))
+
+
+@pytest.mark.parametrize(
+    ("threshold", "expected"), [("1e-12_5.0", (5.0, "mask")), (5.0, (5.0, "clamp")), (1e9, (None, "clamp"))]
+)
+def test_cap_threshold_round_trips(threshold, expected):
+    from areal_plugins.settings import parse_cap_threshold
+
+    assert parse_cap_threshold(threshold) == expected

@@ -1,0 +1,35 @@
+"""Built-in checks of setting combinations that span the ``areal:`` node and verl's own settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from areal_plugins.hookimpl import hookimpl
+from areal_plugins.settings import ArealConfigError
+
+
+@hookimpl(trylast=True)
+def areal_validate_config(config: Any) -> None:
+    areal = config.areal
+    if not areal.enable:
+        return
+    actor = config.actor_rollout_ref.actor
+    if areal.loss.decoupled and areal.loss.prox_logp == "loglinear":
+        # The log-linear π_prox is exact only while θ is still the proximal policy (DESIGN.md §1).
+        if actor.ppo_epochs != 1 or actor.ppo_mini_batch_size != config.data.train_batch_size:
+            raise ArealConfigError(
+                "areal.loss.prox_logp=loglinear needs one optimizer step per batch: set "
+                "actor_rollout_ref.actor.ppo_mini_batch_size = data.train_batch_size "
+                f"({config.data.train_batch_size}, got {actor.ppo_mini_batch_size}) and "
+                f"actor_rollout_ref.actor.ppo_epochs=1 (got {actor.ppo_epochs}), or use areal.loss.prox_logp=recompute"
+            )
+    if actor.loss_agg_mode != "token-mean" and areal.loss.decoupled:
+        raise ArealConfigError(
+            "the decoupled objective is a global token mean: set actor_rollout_ref.actor.loss_agg_mode=token-mean "
+            f"(got {actor.loss_agg_mode!r}) or areal.loss.decoupled=false"
+        )
+    if areal.mode == "async" and not config.actor_rollout_ref.rollout.calculate_log_probs:
+        raise ArealConfigError(
+            "async training needs the engine's per-token behaviour log-probs: remove the override "
+            "actor_rollout_ref.rollout.calculate_log_probs=false"
+        )
