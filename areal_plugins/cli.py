@@ -185,6 +185,18 @@ def _report(run_dir: Path) -> None:
     logger.info("reward curve: %s", plot_run(metrics_path, run_dir / "reward.png"))
 
 
+def _run_tool(name: str, argv: list[str]) -> int:
+    """Run a script of the repository's ``tools/`` (benchmarks live there, not in the package)."""
+    import runpy
+
+    path = Path(__file__).resolve().parents[1] / "tools" / name
+    if not path.exists():
+        raise SystemExit(f"{path} not found: `areal-plugins {name[:-3]}` needs a source checkout (pip install -e .)")
+    sys.argv = [str(path), *argv]
+    namespace = runpy.run_path(str(path))
+    return int(namespace["main"](argv) or 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s areal-plugins: %(message)s", datefmt="%H:%M:%S")
     parser = argparse.ArgumentParser(prog="areal-plugins", description=__doc__)
@@ -197,7 +209,25 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.total_training_steps=10")
     run.add_argument("--run-dir", type=Path, default=None)
     run.add_argument("--tiny-dir", type=Path, default=DEFAULT_TINY_DIR)
-    args = parser.parse_args(argv)
+    plot = commands.add_parser("plot", help="draw reward, staleness and timeline pictures of a run directory")
+    plot.add_argument("run_dir", type=Path)
+    commands.add_parser("bench", help="async vs sync benchmark (tools/bench.py; --help there)", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return _run_tool("bench.py", rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "plot":
+        from areal_plugins.run_plots import plot_all
+
+        if not args.run_dir.is_dir():
+            raise SystemExit(f"{args.run_dir} is not a directory; pass a run directory made by areal-plugins train")
+        written = plot_all(args.run_dir)
+        if not written:
+            raise SystemExit(f"{args.run_dir} holds no metrics.jsonl or areal_*.jsonl to draw")
+        for path in written:
+            logger.info("wrote %s", path)
+        return 0
     if args.command == "build-tiny":
         ensure_tiny_assets(args.out, force=args.force)
         logger.info("tiny model and data in %s", args.out)

@@ -78,9 +78,12 @@ def areal_make_reward_fn(config: Any) -> Callable[..., float] | None:
 
     Return None to let the next implementation decide.
 
-    :param config: the composed recipe.
+    :param config: ``{"areal": {"enable": ..., "plugins": ...}}``: the settings the reward worker
+        receives through ``reward.custom_reward_function.reward_kwargs`` (it has no other config).
 
-    Called from: each reward worker process.
+    Called from: each reward worker process, once, on its first reward
+    (``areal_plugins.rewards.hooked.compute_score``, the recipes' custom reward function); never when
+    ``areal.enable`` is false.
     Default: ``builtin.rewards``: the math-verify exact-answer reward (``trylast``).
     """
 

@@ -17,6 +17,7 @@ validation, checkpoints, loggers) is reused as is; what changes:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 TRAINER_MODE = "areal_async"
 #: How often the trainer, while waiting for samples, checks that the admission loop is alive.
 WAIT_CHECK_S = 1.0
+#: How often the engines' activity is sampled for the timeline.
+MONITOR_S = 0.5
 
 
 class _ArealReplayBuffer(ReplayBuffer):
@@ -67,6 +70,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self._last_stats_time = time.time()
         self._wait_s = 0.0
         self._consumed_groups = 0
+        self._monitor_stop = threading.Event()
+        self._step_started = time.time()
 
     # ------------------------------------------------------------------ construction
 
@@ -107,6 +112,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self.manager.resume(self.version)
         self.manager.start()
         self._last_stats, self._last_stats_time = self._rollout_stats(), time.time()
+        threading.Thread(target=self._monitor_rollout, name="areal-rollout-monitor", daemon=True).start()
         logger.info(
             "areal_async: max_staleness=%d placement=%s batch=%d groups",
             self.areal.max_staleness,
@@ -141,6 +147,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         try:
             super().fit(agent_loop_manager)
         finally:
+            self._monitor_stop.set()
             if self.manager is not None:
                 self.manager.stop()
                 self._write_accounting()
@@ -215,11 +222,25 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             return None
         if not stats:
             return None
-        total = {"replicas": len(stats), "busy_s": 0.0, "generated_tokens": 0}
+        total = {"replicas": len(stats), "busy_s": 0.0, "generated_tokens": 0, "in_flight": 0}
         for item in stats:
-            total["busy_s"] += item["busy_s"]
-            total["generated_tokens"] += item["generated_tokens"]
+            for key in ("busy_s", "generated_tokens", "in_flight"):
+                total[key] += item[key]
         return total
+
+    def _monitor_rollout(self) -> None:
+        """Sample the engines' activity for the timeline picture (own thread, every MONITOR_S)."""
+        while self.manager is not None and not self._monitor_stop.wait(MONITOR_S):
+            stats = self._rollout_stats()
+            if stats is None:
+                return
+            self.recorder.write(
+                "timeline.jsonl",
+                {"who": "rollout", "time": time.time(), "in_flight": stats["in_flight"], "busy_s": stats["busy_s"]},
+            )
+
+    def on_step_begin(self) -> None:
+        self._step_started = time.time()
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> Any:
         now = time.time()
@@ -232,6 +253,10 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             metrics["areal/trainer_idle_ratio"] = min(1.0, self._wait_s / step_s)
             metrics["areal/train_tokens_per_s"] = metrics.get("areal/consumed_response_tokens", 0.0) / step_s
         result = super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+        self.recorder.write(
+            "timeline.jsonl",
+            {"who": "trainer", "what": "step", "start": self._step_started, "end": now, "step": global_steps},
+        )
         self.recorder.write(
             "areal_steps.jsonl",
             {"step": global_steps, "time": now} | {k: v for k, v in metrics.items() if k.startswith("areal/")},

@@ -19,3 +19,26 @@ from areal_plugins.rewards.math_verify_reward import compute_score
 )
 def test_exact_answers(response, truth, expected):
     assert compute_score("areal/addition", response, truth) == expected
+
+
+def test_recipes_reward_asks_the_hook_only_when_enabled():
+    from areal_plugins.hookimpl import hookimpl
+    from areal_plugins.rewards import hooked
+    from areal_plugins.testing import plugin_registered
+
+    class LengthReward:
+        @staticmethod
+        @hookimpl
+        def areal_make_reward_fn(config):
+            assert config["areal"]["enable"] is True
+            return lambda data_source, solution, truth, extra: float(len(solution))
+
+    hooked._chosen.clear()
+    try:
+        with plugin_registered(LengthReward()):
+            assert hooked.compute_score("a", "12345", "7", areal_enable=True, areal_plugins={"exclude": []}) == 5.0
+            # disabled: math-verify directly, no hook called
+            assert hooked.compute_score("a", "12345", "7", areal_enable=False) == 0.0
+            assert hooked.compute_score("a", "the answer is 7", "7", areal_enable=False) == 1.0
+    finally:
+        hooked._chosen.clear()

@@ -1,0 +1,225 @@
+"""Async vs sync on the same hardware: ``areal-plugins bench`` (or ``python tools/bench.py``).
+
+Trains the same recipe body (task, model, seeds, batch) in synchronous verl (``grpo_cpu_sync``,
+our features off) and in our async trainer at each η and placement, repeats every configuration,
+and writes ``bench.json`` + ``bench.png`` with medians and spread:
+
+- wall time of steps 2..N (step 1 also starts verl's agent-loop workers; it is excluded on both sides)
+  and the tokens trained in those steps; ``speedup`` = sync seconds per trained token / async
+  seconds per trained token (the same number of trained tokens on both sides, to first order:
+  both consume the same batches of the same prompts);
+- the ideal overlap bound from sync's own phase times, (T_gen + T_train) / max(T_gen, T_train);
+- trainer and rollout idle ratios of the async runs, final reward (last 3 steps' mean).
+
+``--quick`` (sync and one async configuration, 2 repeats, 5 steps) fits in 10 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+
+
+@dataclass
+class Config:
+    name: str
+    recipe: str
+    overrides: list[str] = field(default_factory=list)
+    eta: int | None = None
+    placement: str | None = None
+
+
+def configs(etas: list[int], placements: list[str], prox_logp: str) -> list[Config]:
+    out = [Config("sync", "grpo_cpu_sync.yaml")]
+    for placement in placements:
+        recipe = "grpo_cpu_async_separate.yaml" if placement == "separate" else "grpo_cpu_async.yaml"
+        for eta in etas:
+            overrides = [f"areal.max_staleness={eta}", f"areal.loss.prox_logp={prox_logp}"]
+            out.append(Config(f"async-{placement}-eta{eta}", recipe, overrides, eta, placement))
+    return out
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def measure(run_dir: Path) -> dict:
+    """Per-run figures from verl's metrics.jsonl (+ our areal_steps.jsonl for async runs)."""
+    steps = [row["data"] for row in read_jsonl(run_dir / "metrics.jsonl") if "timing_s/step" in row["data"]]
+    counted = steps[1:]  # step 1 includes starting verl's agent-loop workers
+    if not counted:
+        raise RuntimeError(f"{run_dir}: fewer than 2 steps in metrics.jsonl; see {run_dir / 'train.log'}")
+    wall = sum(s["timing_s/step"] for s in counted)
+    tokens = sum(s["perf/total_num_tokens"] for s in counted)
+    gen = [s.get("timing_s/gen", 0.0) for s in counted]
+    train = [s["timing_s/step"] - g for s, g in zip(counted, gen, strict=True)]
+    result = {
+        "wall_s": wall,
+        "trained_tokens": tokens,
+        "s_per_1k_tokens": 1000 * wall / tokens,
+        "step_s_median": statistics.median(s["timing_s/step"] for s in counted),
+        "gen_s_median": statistics.median(gen),
+        "train_s_median": statistics.median(train),
+        "overlap_bound": statistics.median((g + t) / max(g, t) for g, t in zip(gen, train, strict=True)),
+        "final_reward": statistics.mean(s["critic/score/mean"] for s in steps[-3:]),
+    }
+    ours = read_jsonl(run_dir / "areal_steps.jsonl")[1:]
+    for key in ("areal/trainer_idle_ratio", "areal/rollout_idle_ratio", "areal/staleness_mean"):
+        values = [row[key] for row in ours if key in row]
+        if values:
+            result[key.split("/")[1]] = statistics.mean(values)
+    return result
+
+
+def run_one(config: Config, steps: int, repeat: int, seed: int, out_dir: Path, tiny_dir: Path) -> dict:
+    run_dir = out_dir / f"{config.name}-r{repeat}"
+    command = [
+        sys.executable,
+        "-m",
+        "areal_plugins.cli",
+        "train",
+        str(RECIPES / config.recipe),
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        f"data.seed={seed}",
+        f"actor_rollout_ref.rollout.seed={seed}",
+        *config.overrides,
+        "--run-dir",
+        str(run_dir),
+        "--tiny-dir",
+        str(tiny_dir),
+    ]
+    started = time.monotonic()
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"{config.name} repeat {repeat} failed (exit {result.returncode}); see {run_dir / 'train.log'}"
+        )
+    figures = measure(run_dir)
+    figures["process_s"] = time.monotonic() - started
+    return figures
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarise(name: str, runs: list[dict], sync_runs: list[dict]) -> dict:
+    keys = sorted({key for run in runs for key in run})
+    row = {"config": name, **{key: spread([run[key] for run in runs if key in run]) for key in keys}}
+    if sync_runs is not runs:
+        sync_cost = statistics.median(run["s_per_1k_tokens"] for run in sync_runs)
+        row["speedup"] = spread([sync_cost / run["s_per_1k_tokens"] for run in runs])
+    return row
+
+
+def plot(bench: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = bench["rows"]
+    names = [row["config"] for row in rows]
+    cost = [row["s_per_1k_tokens"] for row in rows]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    medians = [c["median"] for c in cost]
+    errors = [
+        [m - c["min"] for m, c in zip(medians, cost, strict=True)],
+        [c["max"] - m for m, c in zip(medians, cost, strict=True)],
+    ]
+    left.bar(names, medians, yerr=errors, capsize=4, color=["#8c8c8c"] + ["#4c72b0"] * (len(rows) - 1))
+    left.set_ylabel("seconds per 1k trained tokens (lower is better)")
+    left.set_title("training cost, median and min-max over repeats")
+    left.tick_params(axis="x", rotation=30)
+    async_rows = [row for row in rows if "speedup" in row]
+    right.bar([row["config"] for row in async_rows], [row["speedup"]["median"] for row in async_rows], color="#55a868")
+    right.axhline(
+        bench["sync_overlap_bound"]["median"], color="#c44e52", ls="--", label="ideal overlap bound (sync phases)"
+    )
+    right.axhline(1.0, color="grey", lw=0.8)
+    right.set_ylabel("speedup vs sync (same trained tokens)")
+    right.set_title(bench["machine"])
+    right.tick_params(axis="x", rotation=30)
+    right.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="areal-plugins bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="sync + async separate eta=4, 2 repeats, 5 steps")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--etas", default="0,1,2,4,8")
+    parser.add_argument("--placements", default="separate,colocated")
+    parser.add_argument("--prox-logp", default="loglinear", choices=("recompute", "loglinear"))
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
+    parser.add_argument("--tiny-dir", type=Path, default=REPO / ".areal" / "tiny")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats, args.etas, args.placements = 5, 2, "4", "separate"
+    etas = [int(x) for x in args.etas.split(",") if x]
+    placements = [p for p in args.placements.split(",") if p]
+    args.out.mkdir(parents=True, exist_ok=True)
+    plan = configs(etas, placements, args.prox_logp)
+    results: dict[str, list[dict]] = {c.name: [] for c in plan}
+    total = len(plan) * args.repeats
+    done = 0
+    for repeat in range(args.repeats):  # interleave configurations so drift in the machine hits all alike
+        for config in plan:
+            figures = run_one(config, args.steps, repeat, seed=repeat, out_dir=args.out, tiny_dir=args.tiny_dir)
+            results[config.name].append(figures)
+            done += 1
+            print(
+                f"[{done}/{total}] {config.name} repeat {repeat}: {figures['s_per_1k_tokens']:.2f} s/1k tokens, "
+                f"step {figures['step_s_median']:.1f} s, reward {figures['final_reward']:.3f}",
+                flush=True,
+            )
+    sync_runs = results["sync"]
+    rows = [summarise(name, runs, sync_runs) for name, runs in results.items()]
+    bench = {
+        "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, "
+        f"{__import__('os').cpu_count()} CPUs, no GPU",
+        "steps_per_run": args.steps,
+        "counted_steps": args.steps - 1,
+        "repeats": args.repeats,
+        "prox_logp": args.prox_logp,
+        "sync_wall_s": spread([r["wall_s"] for r in sync_runs]),
+        "sync_overlap_bound": spread([r["overlap_bound"] for r in sync_runs]),
+        "rows": rows,
+        "runs": results,
+    }
+    best = max((row for row in rows if "speedup" in row), key=lambda row: row["speedup"]["median"])
+    bench["async_wall_s"] = best["wall_s"]
+    bench["speedup"] = best["speedup"]
+    bench["best_async_config"] = best["config"]
+    bench["bound_reached"] = best["speedup"]["median"] / bench["sync_overlap_bound"]["median"]
+    (args.out / "bench.json").write_text(json.dumps(bench, indent=2))
+    plot(bench, args.out / "bench.png")
+    print(
+        f"sync {bench['sync_wall_s']['median']:.1f} s for {args.steps - 1} steps; best async {best['config']}: "
+        f"speedup {best['speedup']['median']:.2f}x "
+        f"(min {best['speedup']['min']:.2f}, max {best['speedup']['max']:.2f}); "
+        f"ideal overlap bound {bench['sync_overlap_bound']['median']:.2f}x"
+    )
+    print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""A discrete-event model of synchronous vs asynchronous (AReaL) RL training: ``python tools/simulate.py``.
+
+What it models (one run = ``steps`` PPO steps of ``batch`` prompt groups x ``group`` responses):
+
+- **Generation**: every rollout device decodes up to ``slots`` sequences at once, each at ``decode_tps``
+  tokens/s (decode is memory-bound: per-sequence speed does not depend on the batch), after a serial
+  per-trajectory ``overhead_s`` on that device (tokenise, reward, bookkeeping: on the CPU box this
+  Python work, not decoding, is most of generation time).
+  Response lengths come from a log-normal with median ``length_median`` and shape ``length_sigma``
+  (the long tail), capped at ``length_max``.
+- **Training**: ``train_tps`` trained tokens/s per device, plus ``train_fixed_s`` per step.
+- **Sync** (verl's default): all ``devices`` generate the whole batch, wait for the longest response,
+  then all train. **Async separate** (AReaL): ``rollout_devices`` generate all the time under the
+  staleness bound capacity(v) = (η + v + 1)·B - (accepted + running); the other devices train as soon
+  as B groups are buffered; weight updates interrupt in-flight requests (cost ``interrupt_s``).
+
+Calibrated on this repository's CPU runs (``--calibration cpu``): per-trajectory overhead and
+training speed measured with verl on 2 cores; ``--calibration gpu`` uses figures typical of a 1.5B
+model on H100-class GPUs (paper scale). Prints a table; ``--plot PNG`` draws the trends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import sys
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class Workload:
+    steps: int = 20
+    batch: int = 16  # prompt groups per step
+    group: int = 8  # responses per prompt
+    length_median: float = 3.0
+    length_sigma: float = 0.4
+    length_max: int = 16
+    prompt_len: int = 17
+
+
+@dataclass(frozen=True)
+class Hardware:
+    devices: int = 2
+    rollout_devices: int = 1  # async separate: the rest train
+    slots: int = 128  # concurrent sequences per rollout device
+    decode_tps: float = 150.0  # tokens/s of one sequence
+    overhead_s: float = 0.094  # serial per-trajectory work on a rollout device
+    train_tps: float = 284.0  # trained tokens/s per training device
+    train_fixed_s: float = 0.6
+    interrupt_s: float = 0.15
+
+
+CALIBRATIONS = {
+    # verl on the 2-core box, tiny model, two cores as two "devices": sync gen ~6 s for 128 trajectories
+    # of ~2.5 tokens (verl's per-trajectory Python work, 2 x 6 / 128 s each), train (old log-prob +
+    # update) ~5 s for ~2,500 tokens. On the real box the two sides share both cores rather than one
+    # each, which this model does not capture (see the README).
+    "cpu": (Workload(), Hardware()),
+    # Paper scale: 1.5B model, long reasoning (median 4k tokens, long tail to 28k), 512 x 16 per step.
+    "gpu": (
+        Workload(steps=6, batch=512, group=16, length_median=4000, length_sigma=0.6, length_max=28000, prompt_len=300),
+        # ~650 s of generation (the longest response) vs ~300 s of training per sync step.
+        Hardware(
+            devices=64,
+            rollout_devices=40,
+            slots=256,
+            decode_tps=45.0,
+            overhead_s=0.0,
+            train_tps=2100.0,
+            train_fixed_s=5.0,
+            interrupt_s=2.0,
+        ),
+    ),
+}
+
+
+def sample_lengths(workload: Workload, count: int, rng: random.Random) -> list[int]:
+    mu = math.log(workload.length_median)
+    return [
+        max(1, min(workload.length_max, round(rng.lognormvariate(mu, workload.length_sigma)))) for _ in range(count)
+    ]
+
+
+class RolloutPool:
+    """``devices`` x ``slots`` decode slots, each device with a serial per-trajectory overhead queue."""
+
+    def __init__(self, hw: Hardware, devices: int) -> None:
+        self.hw = hw
+        self.devices = devices
+        self.slots = [[0.0] * hw.slots for _ in range(devices)]
+        self.overhead_free = [0.0] * devices
+        self.next_device = 0
+
+    def submit(self, length: int, now: float) -> float:
+        """Return when a trajectory of ``length`` tokens submitted at ``now`` is finished."""
+        device = self.next_device
+        self.next_device = (device + 1) % self.devices
+        ready = max(now, self.overhead_free[device]) + self.hw.overhead_s
+        self.overhead_free[device] = ready
+        slots = self.slots[device]
+        start = max(heapq.heappop(slots), ready)
+        end = start + length / self.hw.decode_tps
+        heapq.heappush(slots, end)
+        return end
+
+
+def generation_time(lengths: list[int], hw: Hardware, devices: int) -> float:
+    """Finish time of a batch submitted at once, longest first."""
+    pool = RolloutPool(hw, devices)
+    return max(pool.submit(length, 0.0) for length in sorted(lengths, reverse=True))
+
+
+def train_time(tokens: int, hw: Hardware, devices: int) -> float:
+    return hw.train_fixed_s + tokens / (hw.train_tps * devices)
+
+
+def simulate_sync(workload: Workload, hw: Hardware, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    clock = 0.0
+    tokens = 0
+    gen_total = train_total = 0.0
+    for _ in range(workload.steps):
+        lengths = sample_lengths(workload, workload.batch * workload.group, rng)
+        gen = generation_time(lengths, hw, hw.devices)
+        step_tokens = sum(lengths) + workload.prompt_len * len(lengths)
+        train = train_time(step_tokens, hw, hw.devices)
+        clock += gen + train
+        gen_total += gen
+        train_total += train
+        tokens += step_tokens
+    return {"wall_s": clock, "tokens": tokens, "gen_s": gen_total, "train_s": train_total}
+
+
+def simulate_async(workload: Workload, hw: Hardware, eta: int, seed: int = 0) -> dict:
+    """Event simulation of the staleness-bounded pipeline on disjoint rollout and training devices."""
+    rng = random.Random(seed)
+    train_devices = max(1, hw.devices - hw.rollout_devices)
+    pool = RolloutPool(hw, hw.rollout_devices)
+    finished: list[tuple[float, int, int]] = []  # (finish time, tokens, submit version) per group
+    accepted_submitted = 0
+    version = 0
+    trainer_free = 0.0
+    tokens = 0
+    staleness = []
+    clock = 0.0
+    for _ in range(workload.steps):
+        # Admission: submit every group the bound allows at this version (time = when it was allowed).
+        limit = (eta + version + 1) * workload.batch
+        while accepted_submitted < limit:
+            lengths = sample_lengths(workload, workload.group, rng)
+            ends = [pool.submit(length, clock) for length in lengths]
+            group_tokens = sum(lengths) + workload.prompt_len * len(lengths)
+            finished.append((max(ends), group_tokens, version))
+            accepted_submitted += 1
+        # The trainer takes the B oldest groups once they are done.
+        batch = finished[: workload.batch]
+        del finished[: workload.batch]
+        ready = max(end for end, _, _ in batch)
+        start = max(ready, trainer_free)
+        step_tokens = sum(t for _, t, _ in batch)
+        trainer_free = start + train_time(step_tokens, hw, train_devices) + hw.interrupt_s
+        staleness += [version - v for _, _, v in batch]
+        tokens += step_tokens
+        version += 1
+        clock = trainer_free  # the next admissions happen at this version, from now
+    return {"wall_s": trainer_free, "tokens": tokens, "staleness_mean": sum(staleness) / len(staleness)}
+
+
+def speedup(workload: Workload, hw: Hardware, eta: int, seeds: int = 3) -> float:
+    ratios = []
+    for seed in range(seeds):
+        sync = simulate_sync(workload, hw, seed)
+        run = simulate_async(workload, hw, eta, seed)
+        ratios.append((sync["wall_s"] / sync["tokens"]) / (run["wall_s"] / run["tokens"]))
+    return sorted(ratios)[len(ratios) // 2]
+
+
+def best_split(workload: Workload, hw: Hardware, eta: int, seeds: int = 1) -> tuple[Hardware, float]:
+    """The rollout/training device split that maximises the async speedup (the paper tunes it too)."""
+    if hw.devices <= 2:
+        return hw, speedup(workload, hw, eta, seeds)
+    counts = sorted({max(1, min(hw.devices - 1, round(hw.devices * f / 8))) for f in range(1, 8)})
+    options = [(speedup(workload, replace(hw, rollout_devices=r), eta, seeds), r) for r in counts]
+    best, rollout = max(options)
+    return replace(hw, rollout_devices=rollout), best
+
+
+def trends(workload: Workload, hw: Hardware, seeds: int) -> dict:
+    out: dict = {"eta": {}, "tail_sigma": {}, "devices": {}}
+    for eta in (0, 1, 2, 4, 8):
+        out["eta"][eta] = speedup(workload, hw, eta, seeds)
+    for sigma in (0.1, 0.3, 0.6, 0.9):
+        out["tail_sigma"][sigma] = speedup(replace(workload, length_sigma=sigma), hw, 4, seeds)
+    base = simulate_sync(workload, hw)
+    for scale in (1, 2, 4, 8):
+        scaled = replace(hw, devices=hw.devices * scale, rollout_devices=max(1, hw.rollout_devices * scale))
+        big = replace(workload, batch=workload.batch * scale)
+        run = simulate_async(big, scaled, 4)
+        out["devices"][scale] = {
+            "async_tokens_per_s": run["tokens"] / run["wall_s"],
+            "throughput_vs_1x_sync": (run["tokens"] / run["wall_s"]) / (base["tokens"] / base["wall_s"]),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calibration", choices=sorted(CALIBRATIONS), default="gpu")
+    parser.add_argument("--eta", type=int, default=4)
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args(argv)
+    workload, hw = CALIBRATIONS[args.calibration]
+    seeds = 1 if args.calibration == "gpu" else 3
+    hw, _ = best_split(workload, hw, args.eta, seeds)
+    sync = simulate_sync(workload, hw)
+    run = simulate_async(workload, hw, args.eta)
+    result = {
+        "calibration": args.calibration,
+        "workload": asdict(workload),
+        "hardware": asdict(hw),
+        "sync": sync,
+        "async": run,
+        "speedup": (sync["wall_s"] / sync["tokens"]) / (run["wall_s"] / run["tokens"]),
+        "sync_overlap_bound": (sync["gen_s"] + sync["train_s"]) / max(sync["gen_s"], sync["train_s"]),
+        "trends": trends(workload, hw, seeds),
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(
+        f"{args.calibration}: sync {sync['wall_s']:.1f} s, async eta={args.eta} {run['wall_s']:.1f} s "
+        f"-> speedup {result['speedup']:.2f}x (sync phase overlap bound {result['sync_overlap_bound']:.2f}x), "
+        f"mean staleness {run['staleness_mean']:.2f}"
+    )
+    print("speedup by eta:        " + "  ".join(f"{k}: {v:.2f}x" for k, v in result["trends"]["eta"].items()))
+    print(
+        "speedup by length tail: "
+        + "  ".join(f"sigma {k}: {v:.2f}x" for k, v in result["trends"]["tail_sigma"].items())
+    )
+    print(
+        "async scaling:          "
+        + "  ".join(f"{k}x devices: {v['throughput_vs_1x_sync']:.2f}x" for k, v in result["trends"]["devices"].items())
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
