@@ -87,6 +87,10 @@ class ArealConfig:
     poll_interval_s: float = field(
         default=0.05, metadata={"help": "seconds between the admission loop's looks at finished rollouts"}
     )
+    watchdog_s: float = field(
+        default=900.0,
+        metadata={"help": "stop with a report when the trainer waits this long with no rollout progress"},
+    )
     loss: LossConfig = field(default_factory=LossConfig)
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
 
@@ -107,6 +111,8 @@ class ArealConfig:
             raise ArealConfigError(
                 f"areal.max_concurrent_rollouts must be >= 1 or null, got {self.max_concurrent_rollouts!r}"
             )
+        if not self.watchdog_s > 0:
+            raise ArealConfigError(f"areal.watchdog_s must be > 0 seconds, got {self.watchdog_s!r}")
         if not self.poll_interval_s > 0:
             raise ArealConfigError(f"areal.poll_interval_s must be > 0, got {self.poll_interval_s!r}")
 

@@ -173,9 +173,11 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         """Block until ``batch_size`` accepted groups are buffered; hand out the oldest."""
         trainer_version = self.version
         started = time.time()
+        watchdog = Watchdog(self.areal.watchdog_s)
         with self.recorder.span("trainer", "wait"):
             while True:
                 self.manager.check_alive()
+                watchdog.check(self._progress_marker, self._stuck_report)
                 groups, stale = self.sample_buffer.take(batch_size, trainer_version, timeout=WAIT_CHECK_S)
                 if stale:
                     self.manager.controller.on_drop_accepted(len(stale))
@@ -208,6 +210,32 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                     | info,
                 )
         return KVBatchMeta(partition_id="train", keys=keys, tags=tags), metrics
+
+    def _progress_marker(self) -> tuple:
+        """Changes whenever rollout work moves: groups settled, tokens generated."""
+        stats = self._rollout_stats() or {}
+        return (getattr(self.manager, "last_progress", None), stats.get("generated_tokens"))
+
+    def _stuck_report(self, waited: float) -> str:
+        controller = self.manager.controller
+        stats = self._rollout_stats()
+        engines = (
+            f"engines: {stats['in_flight']} requests in flight, {stats['generated_tokens']} tokens generated in total"
+            if stats
+            else "engines: no activity statistics (not the areal_cpu backend)"
+        )
+        return (
+            f"areal watchdog: the trainer waited {waited:.0f} s (areal.watchdog_s) for "
+            f"{self.config.data.train_batch_size} groups at version {self.version} and no rollout progressed. "
+            f"Admission: {controller.running} groups in flight, {controller.accepted} accepted, "
+            f"{controller.rejected} rejected, {len(self.sample_buffer)} buffered; "
+            f"{engines}. Likely stuck: "
+            + (
+                "the rollout engines or agent-loop workers (requests in flight, no tokens)"
+                if controller.running
+                else "admission (nothing in flight: is areal.max_concurrent_rollouts or the staleness bound too tight?)"
+            )
+        )
 
     # ------------------------------------------------------------------ metrics
 
@@ -262,6 +290,26 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             {"step": global_steps, "time": now} | {k: v for k, v in metrics.items() if k.startswith("areal/")},
         )
         return result
+
+
+class Watchdog:
+    """Raises once ``marker()`` has not changed for ``limit_s`` seconds."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self._marker: Any = None
+        self._since = time.monotonic()
+        self._started = self._since
+
+    def check(self, marker: Any, report: Any) -> None:
+        now = time.monotonic()
+        if now - self._started < WAIT_CHECK_S:  # no statistics calls on every fast wait
+            return
+        current = marker()
+        if current != self._marker:
+            self._marker, self._since = current, now
+        elif now - self._since > self.limit_s:
+            raise TimeoutError(report(now - self._since))
 
 
 def register_async_trainer() -> None:
