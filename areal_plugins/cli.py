@@ -102,6 +102,28 @@ def _recipe_files(recipe: Path) -> list[Path]:
     return files
 
 
+def _plugin_selection_env(recipe: Path, overrides: list[str]) -> dict[str, str]:
+    """``areal.plugins`` of the run as environment variables, so every process loads the same plugins."""
+    import yaml
+
+    from areal_plugins.manager import EXCLUDE_ENV, INCLUDE_ENV
+
+    selection: dict[str, object] = {}
+    for path in reversed(_recipe_files(recipe)):  # the recipe itself wins over the shared files
+        plugins = ((yaml.safe_load(path.read_text()) or {}).get("areal") or {}).get("plugins") or {}
+        selection.update(plugins)
+    for override in overrides:
+        for key in ("include", "exclude"):
+            if override.startswith(f"areal.plugins.{key}="):
+                selection[key] = yaml.safe_load(override.split("=", 1)[1])
+    env = {}
+    if selection.get("include") is not None:
+        env[INCLUDE_ENV] = ",".join(selection["include"])  # type: ignore[arg-type]
+    if selection.get("exclude"):
+        env[EXCLUDE_ENV] = ",".join(selection["exclude"])  # type: ignore[arg-type]
+    return env
+
+
 def _total_steps(recipe: Path, overrides: list[str]) -> str:
     """``trainer.total_training_steps`` from the overrides, else from the recipe's files."""
     import yaml
@@ -129,6 +151,7 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
     env = dict(os.environ)
     if any("AREAL_TINY_DIR" in path.read_text() for path in _recipe_files(recipe)):
         env["AREAL_TINY_DIR"] = str(ensure_tiny_assets(tiny_dir).resolve())
+    env.update(_plugin_selection_env(recipe, overrides))
     env["VERL_FILE_LOGGER_PATH"] = str(run_dir / "metrics.jsonl")
     env["AREAL_RUN_DIR"] = str(run_dir)
     if "VERL_PLATFORM" not in env and not has_accelerator():

@@ -92,9 +92,14 @@ def areal_make_reward_fn(config: Any) -> Callable[..., float] | None:
 def areal_make_policy_loss(config: Any) -> Callable[..., Any] | None:
     """Return the policy loss the trainer optimises, or None to let the next implementation decide.
 
-    :param config: the composed recipe.
+    The function takes the arguments of :func:`areal_plugins.losses.decoupled_ppo_loss`
+    (``logprobs, proximal_logprobs, behav_logprobs, advantages, loss_mask, **clip/cap options``) and
+    returns ``(token-mean loss, stats)``; verl's global-batch weighting is applied around it.
 
-    Called from: each trainer worker, when its actor is built.
+    :param config: None (trainer workers have no recipe; ``areal.loss`` reaches the loss through verl).
+
+    Called from: each trainer worker process, once, at its first loss computation with the policy
+    losses ``areal_decoupled`` / ``areal_decoupled_loglinear`` (``areal.enable: true``).
     Default: ``builtin.losses``: the decoupled PPO objective (``trylast``).
     """
 

@@ -6,6 +6,7 @@ Hooks are called through :func:`call_hook`, which names the plugin when one rais
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterable
 from importlib.metadata import entry_points
@@ -81,12 +82,29 @@ def check_plugins(manager: pluggy.PluginManager) -> None:
         ) from error
 
 
+#: Environment variables with the ``areal.plugins`` selection (comma-separated entry-point names).
+#: ``areal-plugins train`` exports them, so every process of the run (Ray workers included) starts
+#: from the driver's plugin set; unset means every installed plugin.
+INCLUDE_ENV = "AREAL_PLUGINS_INCLUDE"
+EXCLUDE_ENV = "AREAL_PLUGINS_EXCLUDE"
+
+
+def selection_from_env() -> tuple[list[str] | None, list[str]]:
+    """``(include, exclude)`` from :data:`INCLUDE_ENV` / :data:`EXCLUDE_ENV`."""
+    include = os.environ.get(INCLUDE_ENV)
+    exclude = os.environ.get(EXCLUDE_ENV, "")
+    return (
+        None if include is None else [n for n in include.split(",") if n],
+        [n for n in exclude.split(",") if n],
+    )
+
+
 def get_plugin_manager() -> pluggy.PluginManager:
-    """The process-wide manager (built lazily, once, with every installed plugin)."""
+    """The process-wide manager (built lazily, once, with the plugin selection of the environment)."""
     global _manager
     with _lock:
         if _manager is None:
-            _manager = build_plugin_manager()
+            _manager = build_plugin_manager(*selection_from_env())
         return _manager
 
 

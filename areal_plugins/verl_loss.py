@@ -55,7 +55,7 @@ def areal_decoupled_policy_loss(
     kept = mask & ~dropped
     weights = torch.where(kept, rollout_is_weights, torch.ones_like(rollout_is_weights))
     behav_log_prob = old_log_prob - torch.log(weights)
-    loss, stats = decoupled_ppo_loss(log_prob, old_log_prob, behav_log_prob, advantages, kept, **_clips(config))
+    loss, stats = pure_loss()(log_prob, old_log_prob, behav_log_prob, advantages, kept, **_clips(config))
     # That is the mean over kept tokens; the paper's denominator counts every token of the global
     # batch (per rank: global tokens / dp size), dropped ones included.
     loss = loss * kept.sum() / _local_denominator(config, mask)
@@ -90,7 +90,7 @@ def areal_decoupled_loglinear_policy_loss(
     cap, mode = parse_cap_threshold(correction.get("rollout_is_threshold", 2.0))
     mask = response_mask.to(torch.bool)
     proximal = log_prob.detach()
-    loss, stats = decoupled_ppo_loss(
+    loss, stats = pure_loss()(
         log_prob,
         proximal,
         old_log_prob,
@@ -102,6 +102,19 @@ def areal_decoupled_loglinear_policy_loss(
     )
     loss = loss * mask.sum() / _local_denominator(config, mask)
     return loss, _metrics(stats)
+
+
+_pure_loss: Any = None
+
+
+def pure_loss() -> Any:
+    """The loss the ``areal_make_policy_loss`` hook chose in this worker (asked once per process)."""
+    global _pure_loss
+    if _pure_loss is None:
+        from areal_plugins.manager import call_hook
+
+        _pure_loss = call_hook("areal_make_policy_loss", config=None) or decoupled_ppo_loss
+    return _pure_loss
 
 
 def _clips(config: Any) -> dict[str, Any]:

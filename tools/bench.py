@@ -146,7 +146,14 @@ def plot(bench: dict, out: Path) -> None:
     left.set_title("training cost, median and min-max over repeats")
     left.tick_params(axis="x", rotation=30)
     async_rows = [row for row in rows if "speedup" in row]
-    right.bar([row["config"] for row in async_rows], [row["speedup"]["median"] for row in async_rows], color="#55a868")
+    speed = [row["speedup"] for row in async_rows]
+    right.bar(
+        [row["config"] for row in async_rows],
+        [x["median"] for x in speed],
+        yerr=[[x["median"] - x["min"] for x in speed], [x["max"] - x["median"] for x in speed]],
+        capsize=4,
+        color="#55a868",
+    )
     right.axhline(
         bench["sync_overlap_bound"]["median"], color="#c44e52", ls="--", label="ideal overlap bound (sync phases)"
     )
@@ -162,7 +169,9 @@ def plot(bench: dict, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="areal-plugins bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="sync + async separate eta=4, 2 repeats, 4 steps (~10 min on 2 cores)")
+    parser.add_argument(
+        "--quick", action="store_true", help="sync + async separate eta=4, 2 repeats, 4 steps (~10 min on 2 cores)"
+    )
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--etas", default="0,1,2,4,8")

@@ -169,3 +169,39 @@ def test_docs_are_regenerated_from_the_specs():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert DOCS.read_text() == module.render(), "run: python tools/gen_hook_docs.py"
+
+
+def test_process_plugin_set_follows_the_environment(monkeypatch):
+    from areal_plugins.manager import selection_from_env
+
+    monkeypatch.delenv("AREAL_PLUGINS_INCLUDE", raising=False)
+    monkeypatch.delenv("AREAL_PLUGINS_EXCLUDE", raising=False)
+    assert selection_from_env() == (None, [])
+    monkeypatch.setenv("AREAL_PLUGINS_INCLUDE", "")
+    monkeypatch.setenv("AREAL_PLUGINS_EXCLUDE", "x,y")
+    assert selection_from_env() == ([], ["x", "y"])
+
+
+def test_policy_loss_hook_chooses_the_workers_loss():
+    from areal_plugins import verl_loss
+    from areal_plugins.hookimpl import hookimpl
+    from areal_plugins.losses import decoupled_ppo_loss
+    from areal_plugins.testing import plugin_registered
+
+    def my_loss(*args, **kwargs):
+        return decoupled_ppo_loss(*args, **kwargs)
+
+    class MyLoss:
+        @staticmethod
+        @hookimpl
+        def areal_make_policy_loss(config):
+            return my_loss
+
+    verl_loss._pure_loss = None
+    try:
+        with plugin_registered(MyLoss()):
+            assert verl_loss.pure_loss() is my_loss
+        verl_loss._pure_loss = None
+        assert verl_loss.pure_loss() is decoupled_ppo_loss  # the built-in default
+    finally:
+        verl_loss._pure_loss = None
