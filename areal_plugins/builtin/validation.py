@@ -28,6 +28,12 @@ def areal_validate_config(config: Any) -> None:
             "the decoupled objective is a global token mean: set actor_rollout_ref.actor.loss_agg_mode=token-mean "
             f"(got {actor.loss_agg_mode!r}) or areal.loss.decoupled=false"
         )
+    limit = areal.get("max_concurrent_rollouts", None)
+    if areal.mode == "async" and limit is not None and limit < config.data.train_batch_size:
+        raise ArealConfigError(
+            f"areal.max_concurrent_rollouts={limit} can never fill a batch of data.train_batch_size="
+            f"{config.data.train_batch_size} prompt groups: raise it to at least {config.data.train_batch_size} or null"
+        )
     if areal.mode == "async" and not config.actor_rollout_ref.rollout.calculate_log_probs:
         raise ArealConfigError(
             "async training needs the engine's per-token behaviour log-probs: remove the override "

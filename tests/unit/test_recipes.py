@@ -123,3 +123,12 @@ def test_loglinear_with_several_optimizer_steps_is_refused():
     with pytest.raises(ArealConfigError, match="ppo_mini_batch_size"):
         areal_validate_config(config)
     areal_validate_config(compose("grpo_cpu_async", ["areal.loss.prox_logp=loglinear"]))  # one step: fine
+
+
+def test_a_concurrency_limit_below_one_batch_is_refused():
+    from areal_plugins.builtin.validation import areal_validate_config
+    from areal_plugins.settings import ArealConfigError
+
+    with pytest.raises(ArealConfigError, match="max_concurrent_rollouts=8 can never fill"):
+        areal_validate_config(compose("grpo_cpu_async", ["areal.max_concurrent_rollouts=8"]))
+    areal_validate_config(compose("grpo_cpu_async", ["areal.max_concurrent_rollouts=16"]))
