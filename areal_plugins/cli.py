@@ -197,7 +197,8 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
 
 def _report(run_dir: Path) -> None:
     """Log what the run achieved and draw its reward curve."""
-    from areal_plugins.run_report import plot_run, summarize_run
+    from areal_plugins.run_plots import plot_all
+    from areal_plugins.run_report import summarize_run
 
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.exists():
@@ -205,7 +206,8 @@ def _report(run_dir: Path) -> None:
         return
     for line in summarize_run(metrics_path):
         logger.info(line)
-    logger.info("reward curve: %s", plot_run(metrics_path, run_dir / "reward.png"))
+    for picture in plot_all(run_dir):
+        logger.info("picture: %s", picture)
 
 
 def _run_tool(name: str, argv: list[str]) -> int:
