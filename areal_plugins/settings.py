@@ -58,6 +58,26 @@ class LossConfig:
 
 
 @dataclass(frozen=True)
+class RewardConfig:
+    """``areal.reward``: where and how long rewards are computed."""
+
+    service: bool = field(
+        default=True, metadata={"help": "score in worker processes with a time limit (a hung verifier costs 0)"}
+    )
+    num_workers: int = field(default=1, metadata={"help": "reward worker processes per verl reward worker"})
+    timeout_s: float = field(default=10.0, metadata={"help": "most seconds one reward may take"})
+    retries: int = field(default=1, metadata={"help": "further attempts after a timeout or a crashed worker"})
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ArealConfigError(f"areal.reward.num_workers must be >= 1, got {self.num_workers}")
+        if not self.timeout_s > 0:
+            raise ArealConfigError(f"areal.reward.timeout_s must be > 0, got {self.timeout_s}")
+        if self.retries < 0:
+            raise ArealConfigError(f"areal.reward.retries must be >= 0, got {self.retries}")
+
+
+@dataclass(frozen=True)
 class PluginsConfig:
     """``areal.plugins``: which installed third-party plugins to load."""
 
@@ -92,6 +112,7 @@ class ArealConfig:
         metadata={"help": "stop with a report when the trainer waits this long with no rollout progress"},
     )
     loss: LossConfig = field(default_factory=LossConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
 
     def __post_init__(self) -> None:
@@ -129,7 +150,7 @@ def _build(cls: type, values: dict[str, Any], path: str) -> Any:
             close = difflib.get_close_matches(key, list(known), n=1)
             hint = f"; did you mean {path}.{close[0]}?" if close else f"; valid keys: {', '.join(sorted(known))}"
             raise ArealConfigError(f"unknown setting {path}.{key}{hint}")
-    nested = {"loss": LossConfig, "plugins": PluginsConfig}
+    nested = {"loss": LossConfig, "reward": RewardConfig, "plugins": PluginsConfig}
     kwargs = {}
     for key, value in values.items():
         if key in nested and cls is ArealConfig:

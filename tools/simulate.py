@@ -51,6 +51,12 @@ class Hardware:
     train_tps: float = 284.0  # trained tokens/s per training device
     train_fixed_s: float = 0.6
     interrupt_s: float = 0.15
+    # Training speed grows as devices**train_scaling (1.0: linear; the 2-core box: ~0.5, one core trains
+    # only 1.35x slower than two).
+    train_scaling: float = 1.0
+    # True: one serial queue for the per-trajectory overhead whatever the device count (verl's single
+    # agent-loop worker process on the CPU box); False: one queue per rollout device.
+    overhead_shared: bool = False
 
 
 CALIBRATIONS = {
@@ -58,7 +64,10 @@ CALIBRATIONS = {
     # of ~2.5 tokens (verl's per-trajectory Python work, 2 x 6 / 128 s each), train (old log-prob +
     # update) ~5 s for ~2,500 tokens. On the real box the two sides share both cores rather than one
     # each, which this model does not capture (see the README).
-    "cpu": (Workload(), Hardware()),
+    "cpu": (
+        Workload(),
+        Hardware(overhead_s=0.047, train_tps=403.0, train_scaling=0.5, overhead_shared=True),
+    ),
     # Paper scale: 1.5B model, long reasoning (median 4k tokens, long tail to 28k), 512 x 16 per step.
     "gpu": (
         Workload(steps=6, batch=512, group=16, length_median=4000, length_sigma=0.6, length_max=28000, prompt_len=300),
@@ -91,15 +100,16 @@ class RolloutPool:
         self.hw = hw
         self.devices = devices
         self.slots = [[0.0] * hw.slots for _ in range(devices)]
-        self.overhead_free = [0.0] * devices
+        self.overhead_free = [0.0] * (1 if hw.overhead_shared else devices)
         self.next_device = 0
 
     def submit(self, length: int, now: float) -> float:
         """Return when a trajectory of ``length`` tokens submitted at ``now`` is finished."""
         device = self.next_device
         self.next_device = (device + 1) % self.devices
-        ready = max(now, self.overhead_free[device]) + self.hw.overhead_s
-        self.overhead_free[device] = ready
+        queue = 0 if self.hw.overhead_shared else device
+        ready = max(now, self.overhead_free[queue]) + self.hw.overhead_s
+        self.overhead_free[queue] = ready
         slots = self.slots[device]
         start = max(heapq.heappop(slots), ready)
         end = start + length / self.hw.decode_tps
@@ -114,7 +124,7 @@ def generation_time(lengths: list[int], hw: Hardware, devices: int) -> float:
 
 
 def train_time(tokens: int, hw: Hardware, devices: int) -> float:
-    return hw.train_fixed_s + tokens / (hw.train_tps * devices)
+    return hw.train_fixed_s + tokens / (hw.train_tps * devices**hw.train_scaling)
 
 
 def simulate_sync(workload: Workload, hw: Hardware, seed: int = 0) -> dict:
@@ -230,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
+    print(f"devices: {hw.devices}, of which {hw.rollout_devices} generate in async mode (best split)")
     print(
         f"{args.calibration}: sync {sync['wall_s']:.1f} s, async eta={args.eta} {run['wall_s']:.1f} s "
         f"-> speedup {result['speedup']:.2f}x (sync phase overlap bound {result['sync_overlap_bound']:.2f}x), "

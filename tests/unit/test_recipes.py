@@ -88,7 +88,7 @@ def test_disabled_is_byte_for_byte_verl(tmp_path):
         "defaults:\n  - ppo_trainer\n  - _cpu_grpo_tiny\n  - _self_\n"
         "trainer:\n  experiment_name: grpo_cpu_sync\n"
         # the shared body hands these to the reward worker (reward_kwargs)
-        "areal:\n  enable: false\n  plugins:\n    include: null\n    exclude: []\n"
+        "areal:\n  enable: false\n  reward: {}\n  plugins:\n    include: null\n    exclude: []\n"
     )
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
         plain = hydra_compose(config_name="plain")
@@ -100,6 +100,8 @@ def test_disabled_is_byte_for_byte_verl(tmp_path):
     assert routed == {"rollout_is_threshold": RolloutCorrectionConfig().rollout_is_threshold}
     plain_dict = OmegaConf.to_container(plain)
     plain_dict.pop("areal")
+    ours["reward"]["custom_reward_function"]["reward_kwargs"].pop("areal_reward")
+    plain_dict["reward"]["custom_reward_function"]["reward_kwargs"].pop("areal_reward")
     assert ours == plain_dict
     # ... so verl instantiates its own trainer class, which calls none of our hooks.
     assert get_trainer_cls(plain.trainer.v1.trainer_mode) is PPOTrainerSync

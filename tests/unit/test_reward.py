@@ -42,3 +42,20 @@ def test_recipes_reward_asks_the_hook_only_when_enabled():
             assert hooked.compute_score("a", "the answer is 7", "7", areal_enable=False) == 1.0
     finally:
         hooked._chosen.clear()
+
+
+def test_enabled_recipes_score_in_a_time_limited_worker_process():
+    from areal_plugins.rewards import hooked
+
+    hooked._chosen.clear()
+    hooked._services.clear()
+    try:
+        settings = {"service": True, "num_workers": 1, "timeout_s": 30.0, "retries": 0}
+        assert hooked.compute_score("a", "the answer is 7", "7", areal_enable=True, areal_reward=settings) == 1.0
+        (service,) = hooked._services.values()
+        assert service.stats()["areal/reward_calls"] == 1.0
+    finally:
+        for service in hooked._services.values():
+            service.close()
+        hooked._services.clear()
+        hooked._chosen.clear()

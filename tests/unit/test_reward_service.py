@@ -1,0 +1,51 @@
+"""The reward service with a hanging, a raising and a process-killing reward function."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_plugins.rewards.service import RewardService
+from tests.unit import reward_fns
+
+
+@pytest.fixture
+def service():
+    service = RewardService(reward_fns.misbehaving, num_workers=2, timeout_s=1.0, retries=1)
+    yield service
+    service.close()
+
+
+def test_hang_raise_and_crash_give_zero_counted_and_the_service_goes_on(service):
+    assert service.score("d", "7", "7", None) == 1.0
+    assert service.score("d", "hang", "7", None) == 0.0  # killed after 1 s, retried once, given up
+    assert service.score("d", "raise", "7", None) == 0.0
+    assert service.score("d", "crash", "7", None) == 0.0
+    # Every worker still answers afterwards: nothing is stuck.
+    assert [service.score("d", "7", "7", None) for _ in range(4)] == [1.0] * 4
+    stats = service.stats()
+    assert stats["areal/reward_timeouts"] == 2  # first attempt + one retry
+    assert stats["areal/reward_failures"] == 1
+    assert stats["areal/reward_crashes"] == 2
+    assert stats["areal/reward_calls"] == 8
+    assert stats["areal/reward_latency_s_max"] >= 2.0
+
+
+def test_a_crash_is_retried_on_a_fresh_worker(tmp_path):
+    service = RewardService(reward_fns.crash_once, num_workers=1, timeout_s=5.0, retries=1)
+    try:
+        assert service.score("d", "x", "y", {"marker": str(tmp_path / "m")}) == 1.0
+        assert service.stats()["areal/reward_crashes"] == 1
+    finally:
+        service.close()
+
+
+def test_concurrent_callers_share_the_workers():
+    from concurrent.futures import ThreadPoolExecutor
+
+    service = RewardService(reward_fns.well_behaved, num_workers=2, timeout_s=5.0)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            scores = list(pool.map(lambda i: service.score("d", str(i % 3), "1", None), range(30)))
+        assert scores == [1.0 if i % 3 == 1 else 0.0 for i in range(30)]
+    finally:
+        service.close()
