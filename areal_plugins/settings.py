@@ -11,11 +11,11 @@ import difflib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from areal_plugins.buffer import ON_STALE
 from areal_plugins.losses import WEIGHT_MODES
 
 MODES = ("async", "sync")
 PLACEMENTS = ("colocated", "separate")
-ON_STALE = ("wait", "drop")
 PROX_LOGP = ("recompute", "loglinear")
 
 
@@ -141,6 +141,14 @@ class ArealConfig:
     def from_dict(cls, values: dict[str, Any] | None) -> ArealConfig:
         """Build from the plain ``areal:`` mapping; unknown keys fail with the closest valid key."""
         return _build(cls, dict(values or {}), "areal")
+
+    @classmethod
+    def from_node(cls, node: Any) -> ArealConfig:
+        """Build from the recipe's ``areal`` node: an OmegaConf node (resolved here) or a plain mapping."""
+        from omegaconf import OmegaConf
+
+        values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        return cls.from_dict(values)  # type: ignore[arg-type]
 
 
 def _build(cls: type, values: dict[str, Any], path: str) -> Any:

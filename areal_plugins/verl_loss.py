@@ -37,11 +37,7 @@ def areal_decoupled_policy_loss(
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl ``PolicyLossFn`` computing :func:`decoupled_ppo_loss` over the global batch."""
-    if loss_agg_mode != "token-mean":
-        raise ValueError(
-            f"policy loss {LOSS_NAME} implements the paper's global token mean; set "
-            f"actor_rollout_ref.actor.loss_agg_mode=token-mean (got {loss_agg_mode!r})"
-        )
+    _require_token_mean(LOSS_NAME, loss_agg_mode)
     if rollout_is_weights is None:
         raise ValueError(
             f"policy loss {LOSS_NAME} needs the behaviour importance weights: set "
@@ -81,11 +77,7 @@ def areal_decoupled_loglinear_policy_loss(
     logp_behav = logp_θ: in both cases logp_prox = logp_θ (no gradient), exactly, without recomputing it.
     The cap comes from ``actor.policy_loss.rollout_correction.rollout_is_threshold`` (routed by ``areal.loss``).
     """
-    if loss_agg_mode != "token-mean":
-        raise ValueError(
-            f"policy loss {LOGLINEAR_LOSS_NAME} implements the paper's global token mean; set "
-            f"actor_rollout_ref.actor.loss_agg_mode=token-mean (got {loss_agg_mode!r})"
-        )
+    _require_token_mean(LOGLINEAR_LOSS_NAME, loss_agg_mode)
     correction = config.policy_loss.get("rollout_correction", None) or {}
     cap, mode = parse_cap_threshold(correction.get("rollout_is_threshold", 2.0))
     mask = response_mask.to(torch.bool)
@@ -102,6 +94,14 @@ def areal_decoupled_loglinear_policy_loss(
     )
     loss = loss * mask.sum() / _local_denominator(config, mask)
     return loss, _metrics(stats)
+
+
+def _require_token_mean(loss_name: str, loss_agg_mode: str) -> None:
+    if loss_agg_mode != "token-mean":
+        raise ValueError(
+            f"policy loss {loss_name} implements the paper's global token mean; set "
+            f"actor_rollout_ref.actor.loss_agg_mode=token-mean (got {loss_agg_mode!r})"
+        )
 
 
 _pure_loss: Any = None

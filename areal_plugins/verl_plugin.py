@@ -65,8 +65,7 @@ def _register_config_resolvers() -> None:
     if not OmegaConf.has_resolver("areal_verl"):
 
         def areal_verl(name: str, node: object) -> object:
-            values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-            return verl_setting(name, ArealConfig.from_dict(values))  # type: ignore[arg-type]
+            return verl_setting(name, ArealConfig.from_node(node))
 
         OmegaConf.register_new_resolver("areal_verl", areal_verl)
 

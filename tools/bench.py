@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -202,8 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     sync_runs = results["sync"]
     rows = [summarise(name, runs, sync_runs) for name, runs in results.items()]
     bench = {
-        "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, "
-        f"{__import__('os').cpu_count()} CPUs, no GPU",
+        "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, no GPU",
         "steps_per_run": args.steps,
         "counted_steps": args.steps - 1,
         "repeats": args.repeats,

@@ -9,11 +9,9 @@ from areal_plugins.hookimpl import hookimpl
 
 
 def _settings(config: Any) -> Any:
-    from omegaconf import OmegaConf
-
     from areal_plugins.settings import ArealConfig
 
-    return ArealConfig.from_dict(OmegaConf.to_container(config.areal, resolve=True))  # type: ignore[arg-type]
+    return ArealConfig.from_node(config.areal)
 
 
 @hookimpl(trylast=True)

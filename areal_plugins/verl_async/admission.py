@@ -130,7 +130,8 @@ class AdmissionLoop:
             self.controller.on_reject()
             return
         data = self.store.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=TRAJECTORY_FIELDS)
-        kept_keys, kept_tags, info, heads, dropped = [], [], [], [], []
+        kept_keys, kept_tags, dropped = [], [], []
+        info: list[dict[str, Any]] = []
         for row, (key, tag) in enumerate(zip(keys, tags, strict=True)):
             trajectory = _trajectory(data, row, uid)
             verdict = call_hook("areal_accept_trajectory", trajectory=trajectory)
@@ -139,7 +140,6 @@ class AdmissionLoop:
                 continue
             kept_keys.append(key)
             kept_tags.append(tag)
-            heads.append(trajectory.head_version)
             info.append(
                 {
                     "head_version": trajectory.head_version,
@@ -157,6 +157,7 @@ class AdmissionLoop:
             self.controller.on_reject()
             return
         self.controller.on_accept()
+        heads = [item["head_version"] for item in info]
         self.buffer.put(BufferedGroup(group_id=uid, head_versions=heads, keys=kept_keys, tags=kept_tags, info=info))
 
 

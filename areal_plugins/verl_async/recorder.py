@@ -23,7 +23,6 @@ class RunRecorder:
         run_dir = run_dir if run_dir is not None else os.environ.get("AREAL_RUN_DIR")
         self.run_dir = Path(run_dir) if run_dir else None
         self._lock = threading.Lock()
-        self.t0 = time.time()
 
     def write(self, name: str, record: dict[str, Any]) -> None:
         if self.run_dir is None:

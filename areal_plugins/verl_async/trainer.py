@@ -22,7 +22,6 @@ import time
 from typing import Any
 
 import transfer_queue as tq
-from omegaconf import OmegaConf
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
@@ -61,7 +60,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     """verl's PPO trainer with staleness-bounded asynchronous generation (see module docstring)."""
 
     def __init__(self, config: Any) -> None:
-        self.areal = ArealConfig.from_dict(OmegaConf.to_container(config.areal, resolve=True))  # type: ignore[arg-type]
+        self.areal = ArealConfig.from_node(config.areal)
         super().__init__(config)
         self.version = 0  # the policy version the engines serve
         self.recorder = RunRecorder()
@@ -172,9 +171,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     def _take_train_batch(self, batch_size: int) -> tuple[KVBatchMeta, dict]:
         """Block until ``batch_size`` accepted groups are buffered; hand out the oldest."""
         trainer_version = self.version
-        started = time.time()
         watchdog = Watchdog(self.areal.watchdog_s)
-        with self.recorder.span("trainer", "wait"):
+        with self.recorder.span("trainer", "wait") as started:
             while True:
                 self.manager.check_alive()
                 watchdog.check(self._progress_marker, self._stuck_report)
