@@ -152,7 +152,12 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
     if any("AREAL_TINY_DIR" in path.read_text() for path in _recipe_files(recipe)):
         env["AREAL_TINY_DIR"] = str(ensure_tiny_assets(tiny_dir).resolve())
     env.update(_plugin_selection_env(recipe, overrides))
-    env["VERL_FILE_LOGGER_PATH"] = str(run_dir / "metrics.jsonl")
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():  # verl's file logger truncates: keep the earlier run's metrics beside it
+        kept = run_dir / f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+        metrics.rename(kept)
+        logger.info("run directory exists (resuming?): earlier metrics kept as %s", kept.name)
+    env["VERL_FILE_LOGGER_PATH"] = str(metrics)
     env["AREAL_RUN_DIR"] = str(run_dir)
     if "VERL_PLATFORM" not in env and not has_accelerator():
         env["VERL_PLATFORM"] = "cpu"
@@ -170,7 +175,7 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
     total = _total_steps(recipe, overrides)
     logger.info("run directory %s (full log: train.log, metrics: metrics.jsonl)", run_dir)
     started = time.monotonic()
-    with open(run_dir / "train.log", "w") as log_file:
+    with open(run_dir / "train.log", "a") as log_file:  # a resumed run continues the log
         process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert process.stdout is not None
         for line in process.stdout:

@@ -78,6 +78,25 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class MicroBatchConfig:
+    """``areal.micro_batch``: how the trainer splits a batch for forward/backward."""
+
+    max_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "token budget of one micro-batch, packed by first-fit-decreasing (paper's Algorithm 1); "
+            "null: verl's own micro-batching"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
+            raise ArealConfigError(
+                f"areal.micro_batch.max_tokens must be a positive integer or null, got {self.max_tokens!r}"
+            )
+
+
+@dataclass(frozen=True)
 class PluginsConfig:
     """``areal.plugins``: which installed third-party plugins to load."""
 
@@ -113,6 +132,7 @@ class ArealConfig:
     )
     loss: LossConfig = field(default_factory=LossConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    micro_batch: MicroBatchConfig = field(default_factory=MicroBatchConfig)
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
 
     def __post_init__(self) -> None:
@@ -158,7 +178,7 @@ def _build(cls: type, values: dict[str, Any], path: str) -> Any:
             close = difflib.get_close_matches(key, list(known), n=1)
             hint = f"; did you mean {path}.{close[0]}?" if close else f"; valid keys: {', '.join(sorted(known))}"
             raise ArealConfigError(f"unknown setting {path}.{key}{hint}")
-    nested = {"loss": LossConfig, "reward": RewardConfig, "plugins": PluginsConfig}
+    nested = {"loss": LossConfig, "reward": RewardConfig, "micro_batch": MicroBatchConfig, "plugins": PluginsConfig}
     kwargs = {}
     for key, value in values.items():
         if key in nested and cls is ArealConfig:
@@ -176,6 +196,7 @@ def verl_setting(name: str, config: ArealConfig) -> Any:
     decoupled = on and config.loss.decoupled
     loglinear = decoupled and config.loss.prox_logp == "loglinear"
     recompute = decoupled and not loglinear
+    ffd = on and config.micro_batch.max_tokens is not None
     table: dict[str, tuple[bool, Any, Any]] = {
         # async: our staleness-bounded trainer (areal_plugins.verl_async); sync: verl's, with our hooks.
         "trainer_mode": (on, "areal_async" if config.mode == "async" else "areal_sync", "sync"),
@@ -190,6 +211,10 @@ def verl_setting(name: str, config: ArealConfig) -> Any:
         # is the ablation (standard PPO against the behaviour policy, as a naive async system does)
         # and what the loglinear loss needs.
         "bypass_mode": (on and (not config.loss.decoupled or loglinear), True, False),
+        # FFD packs within verl's token-budget micro-batching (patches/ffd_micro_batches.py); the
+        # proximal recompute and the reference follow the actor's values (verl's own interpolation).
+        "use_dynamic_bsz": (ffd, True, False),
+        "ppo_max_token_len_per_gpu": (ffd, config.micro_batch.max_tokens, 16384),
     }
     if name not in table:
         raise ArealConfigError(f"areal_verl has no setting {name!r}; known: {', '.join(sorted(table))}")

@@ -38,6 +38,11 @@ class HookedTrainerMixin:
         logger.info("areal_plugins: plugins %s", [name for name, _ in manager.list_name_plugin()])
         call_hook("areal_validate_config", config=self.config)
         super().init()  # type: ignore[misc]
+        from areal_plugins.patches import apply_in_workers
+
+        applied = apply_in_workers(self.config, [self.actor_rollout_wg])  # type: ignore[attr-defined]
+        if applied:
+            logger.info("areal_plugins: applied %s in the trainer's worker processes", applied)
 
     def on_init_end(self) -> None:
         super().on_init_end()  # type: ignore[misc]

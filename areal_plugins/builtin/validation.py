@@ -39,3 +39,10 @@ def areal_validate_config(config: Any) -> None:
             "async training needs the engine's per-token behaviour log-probs: remove the override "
             "actor_rollout_ref.rollout.calculate_log_probs=false"
         )
+    budget = (areal.get("micro_batch") or {}).get("max_tokens", None)
+    longest = config.data.max_prompt_length + config.data.max_response_length
+    if budget is not None and budget < longest:
+        raise ArealConfigError(
+            f"areal.micro_batch.max_tokens={budget} cannot hold one sequence of up to {longest} tokens "
+            f"(data.max_prompt_length + data.max_response_length): raise it to at least {longest}"
+        )

@@ -5,9 +5,11 @@ sampler, LLM client) is registered, not patched. A module here exists only where
 no seam; each says why, where upstream stands and when to delete it.
 
 ``apply_enabled_patches(config)`` is the one entry point: it walks :data:`PATCHES` in order and
-applies each patch whose feature is enabled. Today the only patch belongs to the CPU platform
-(selected by ``VERL_PLATFORM=cpu``); no ``areal:`` feature needs a patch, so ``areal.enable:
-false`` on a GPU machine patches nothing.
+applies each patch whose feature is enabled. Two exist: the CPU platform's (selected by
+``VERL_PLATFORM=cpu``, applied at plugin load in every process) and FFD micro-batching (selected
+by ``areal.micro_batch.max_tokens``; the trainer applies it in its worker processes with
+:func:`apply_in_workers`, since only the driver sees the recipe). ``areal.enable: false`` on a GPU
+machine patches nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from areal_plugins.patches import gloo_backend
+from areal_plugins.patches import ffd_micro_batches, gloo_backend
 
 
 def _cpu_platform(config: Any) -> bool:
@@ -25,9 +27,20 @@ def _cpu_platform(config: Any) -> bool:
     return cpu_platform_selected()
 
 
+def _ffd_micro_batches(config: Any) -> bool:
+    node = None if config is None else config.get("areal")
+    if node is None:
+        return False
+    from areal_plugins.settings import ArealConfig
+
+    areal = ArealConfig.from_node(node)
+    return areal.enable and areal.micro_batch.max_tokens is not None
+
+
 #: (feature, is it enabled for this run?, patch), in the order they are applied.
 PATCHES: tuple[tuple[str, Callable[[Any], bool], ModuleType], ...] = (
     ("cpu platform (VERL_PLATFORM=cpu)", _cpu_platform, gloo_backend),
+    ("areal.micro_batch.max_tokens", _ffd_micro_batches, ffd_micro_batches),
 )
 
 
@@ -43,6 +56,29 @@ def apply_enabled_patches(config: Any = None) -> list[str]:
         patch.apply()
         applied.append(patch.__name__)
     return applied
+
+
+def apply_in_workers(config: Any, worker_groups: list[Any]) -> list[str]:
+    """Apply the run's enabled patches inside every process of ``worker_groups`` (verl Ray worker groups).
+
+    Worker processes load our plugin without the recipe, so features chosen in the recipe reach them
+    from the driver, through Ray's ``__ray_call__`` on each worker actor.
+    """
+    import ray
+
+    names = [patch.__name__ for patch in enabled_patches(config)]
+    if not names:
+        return names
+    handles = {id(handle): handle for group in worker_groups for handle in group.workers}
+    ray.get([handle.__ray_call__.remote(_apply_by_name, names) for handle in handles.values()])
+    return names
+
+
+def _apply_by_name(_actor: Any, names: list[str]) -> None:
+    import importlib
+
+    for name in names:
+        importlib.import_module(name).apply()
 
 
 def applied_patches() -> list[str]:

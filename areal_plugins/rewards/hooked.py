@@ -71,10 +71,16 @@ def compute_score(
     areal_plugins: dict[str, Any] | None = None,
     areal_reward: dict[str, Any] | None = None,
     **kwargs: Any,
-) -> float:
-    """The reward of ``solution_str`` from the hook-chosen function (math-verify by default)."""
+) -> float | dict[str, float]:
+    """The reward of ``solution_str`` from the hook-chosen function (math-verify by default).
+
+    Through the reward service the result is verl's dict form: ``score``, ``acc`` (what verl records
+    for a plain float) and the service's report (latency, failure, timeouts, crashes), which verl
+    keeps per trajectory in ``reward_extra_info`` and our trainer turns into ``areal/reward_*`` metrics.
+    """
     fn = _reward_fn(bool(areal_enable), dict(areal_plugins or {}))
     service = _service(fn, dict(areal_reward or {})) if areal_enable else None
     if service is not None:
-        return service.score(data_source, solution_str, ground_truth, extra_info)
+        report = service.score_with_report(data_source, solution_str, ground_truth, extra_info)
+        return {"score": report.score, "acc": report.score, **report.as_extra_info()}
     return float(fn(data_source, solution_str, ground_truth, extra_info))

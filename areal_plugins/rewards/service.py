@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,29 @@ class _Worker:
         self.process.kill()
         self.process.join(timeout=5)
         self.connection.close()
+
+
+@dataclass
+class ScoreReport:
+    """One :meth:`RewardService.score_with_report`: the reward and what it cost.
+
+    ``failed``: the reward is 0 because the function raised or every attempt timed out or crashed.
+    """
+
+    score: float = 0.0
+    latency_s: float = 0.0
+    failed: bool = False
+    timeouts: int = 0
+    crashes: int = 0
+
+    def as_extra_info(self) -> dict[str, float]:
+        """verl ``reward_extra_info`` fields (numbers, so verl can aggregate them)."""
+        return {
+            "areal_reward_latency_s": self.latency_s,
+            "areal_reward_failed": float(self.failed),
+            "areal_reward_timeouts": float(self.timeouts),
+            "areal_reward_crashes": float(self.crashes),
+        }
 
 
 class RewardService:
@@ -81,26 +105,36 @@ class RewardService:
 
     def score(self, *args: Any) -> float:
         """The reward for ``args``, or 0.0 after a counted failure, timeout or crash."""
+        return self.score_with_report(*args).score
+
+    def score_with_report(self, *args: Any) -> ScoreReport:
+        """The reward for ``args`` and what it took (never raises, never hangs past the retries)."""
         started = time.monotonic()
+        report = ScoreReport()
         worker = self._idle.get()
         try:
             for attempt in range(self.retries + 1):
                 worker.connection.send(args)
                 outcome = self._wait(worker)
                 if outcome[0] == "ok":
-                    return outcome[1]
+                    report.score = float(outcome[1])
+                    return report
                 if outcome[0] == "error":
                     self._count("failures")
+                    report.failed = True
                     logger.warning("reward function raised (reward 0): %s", outcome[1])
-                    return 0.0
+                    return report
                 self._count(outcome[0])
+                setattr(report, outcome[0], getattr(report, outcome[0]) + 1)
                 logger.warning("reward worker %s on attempt %d; replacing it", outcome[0][:-1], attempt + 1)
                 worker.stop()
                 worker = _Worker(self._context, self.fn)
-            return 0.0
+            report.failed = True
+            return report
         finally:
             self._idle.put(worker)
             elapsed = time.monotonic() - started
+            report.latency_s = elapsed
             with self._lock:
                 self.counts["calls"] += 1
                 self.latency_s_total += elapsed

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from areal_plugins.buffer import BufferedGroup, SampleBuffer
@@ -59,6 +60,7 @@ class AdmissionLoop:
         self._admitting = threading.Event()
         self._admitting.set()
         self._stop = threading.Event()
+        self._poll_lock = threading.Lock()  # held for one poll: quiesce() waits for it
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.last_progress = time.monotonic()
@@ -82,6 +84,16 @@ class AdmissionLoop:
         self.version = version
         self._admitting.set()
 
+    @contextmanager
+    def quiesce(self) -> Iterator[None]:
+        """Hold the loop between two polls: nothing is drawn, submitted or settled inside the block.
+
+        A checkpoint is taken inside it, so the dataloader position, TransferQueue and our counters
+        describe the same moment (a prompt drawn but not yet registered would be lost or doubled).
+        """
+        with self._poll_lock:
+            yield
+
     def check_alive(self) -> None:
         """Raise the admission thread's error in the trainer thread, where verl reports it."""
         if self.error is not None:
@@ -99,6 +111,10 @@ class AdmissionLoop:
             self.error = error
 
     def poll_once(self) -> None:
+        with self._poll_lock:
+            self._poll_locked()
+
+    def _poll_locked(self) -> None:
         listing = (self.store.kv_list(partition_id=PARTITION) or {}).get(PARTITION, {})
         trajectory_keys: dict[str, list[str]] = {}
         for key in listing:
@@ -147,6 +163,7 @@ class AdmissionLoop:
                     "num_interrupts": int(trajectory.extra.get("num_interrupts", 0)),
                     "response_tokens": len(trajectory.response_ids),
                     "reward": trajectory.reward,
+                    "reward_report": reward_report(trajectory.extra),
                 }
             )
         self.rejected_trajectories += len(dropped)
@@ -159,6 +176,12 @@ class AdmissionLoop:
         self.controller.on_accept()
         heads = [item["head_version"] for item in info]
         self.buffer.put(BufferedGroup(group_id=uid, head_versions=heads, keys=kept_keys, tags=kept_tags, info=info))
+
+
+def reward_report(extra: dict[str, Any]) -> dict[str, float]:
+    """The reward service's report on one trajectory (``areal_reward_*`` of verl's reward_extra_info)."""
+    info = extra.get("reward_extra_info") or {}
+    return {key: float(value) for key, value in dict(info).items() if key.startswith("areal_reward_")}
 
 
 def _trajectory(data: Any, row: int, uid: str) -> Trajectory:

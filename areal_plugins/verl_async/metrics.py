@@ -31,7 +31,23 @@ def consumed_metrics(groups: list[BufferedGroup], trainer_version: int) -> dict[
     }
     for value, count in sorted(Counter(staleness).items()):
         metrics[f"areal/staleness_count/{value}"] = float(count)
+    metrics.update(reward_service_metrics([info.get("reward_report") or {} for info in infos]))
     return metrics
+
+
+def reward_service_metrics(reports: list[dict[str, float]]) -> dict[str, float]:
+    """Latency and failures of the reward service over the step's trajectories (empty without it)."""
+    reports = [report for report in reports if "areal_reward_latency_s" in report]
+    if not reports:
+        return {}
+    latencies = [report["areal_reward_latency_s"] for report in reports]
+    return {
+        "areal/reward_latency_s_mean": sum(latencies) / len(latencies),
+        "areal/reward_latency_s_max": max(latencies),
+        "areal/reward_failed": sum(report.get("areal_reward_failed", 0.0) for report in reports),
+        "areal/reward_timeouts": sum(report.get("areal_reward_timeouts", 0.0) for report in reports),
+        "areal/reward_crashes": sum(report.get("areal_reward_crashes", 0.0) for report in reports),
+    }
 
 
 def rollout_rates(before: dict[str, Any] | None, after: dict[str, Any] | None, wall_s: float) -> dict[str, float]:

@@ -16,7 +16,10 @@ validation, checkpoints, loggers) is reused as is; what changes:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -41,6 +44,13 @@ TRAINER_MODE = "areal_async"
 WAIT_CHECK_S = 1.0
 #: How often the engines' activity is sampled for the timeline.
 MONITOR_S = 0.5
+#: Our part of a checkpoint, next to verl's files in ``global_step_N/``.
+ASYNC_STATE_FILE = "areal_state.json"
+
+
+def prompt_digest(prompt: Any) -> str:
+    """A short content id of a prompt (chat messages or text), to trace prompts across a resume."""
+    return hashlib.sha1(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 class _ArealReplayBuffer(ReplayBuffer):
@@ -69,6 +79,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self._last_stats_time = time.time()
         self._wait_s = 0.0
         self._consumed_groups = 0
+        self._submissions = 0  # prompt batches drawn from the dataloader (areal_submissions.jsonl lines)
         self._monitor_stop = threading.Event()
         self._step_started = time.time()
 
@@ -106,8 +117,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             buffer=self.sample_buffer,
             submit_prompts=self._add_prompts_to_generate,
         )
-        if self.version > 0:  # resumed: restore the counters (DESIGN.md §1, accepted = v * B)
-            self.manager.controller.recover(self.version)
+        if self.version > 0:
+            self._resume_async_state()
         self.manager.resume(self.version)
         self.manager.start()
         self._last_stats, self._last_stats_time = self._rollout_stats(), time.time()
@@ -121,6 +132,81 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
 
     def prepare_step(self) -> dict:
         return {}  # the admission loop submits prompts; nothing to do per step
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _add_prompts_to_generate(self, num_prompts: int) -> int:
+        """verl's submission, recording which prompts were drawn (``areal_submissions.jsonl``)."""
+        batch = self._next_train_batch(num_prompts)
+        self._submissions += 1
+        self.recorder.write(
+            "areal_submissions.jsonl",
+            {"time": time.time(), "version": self.version, "uids": list(batch["uid"])}
+            | {"prompts": [prompt_digest(prompt) for prompt in batch["raw_prompt"]]},
+        )
+        return self._submit_batch_to_rollout(batch)
+
+    def _save_checkpoint(self) -> None:
+        """verl's checkpoint (weights, dataloader, TransferQueue) plus ours, taken at one quiet moment.
+
+        The admission loop is held between polls, so no prompt is drawn from the dataloader without
+        being registered in TransferQueue (it would be lost) or registered after the dataloader
+        state was saved (it would be drawn twice). verl's TransferQueue checkpoint holds the accepted
+        groups and the prompts in flight; ``areal_state.json`` holds our counters for the audit.
+        """
+        if self.manager is None:
+            super()._save_checkpoint()
+            return
+        with self.manager.quiesce():
+            super()._save_checkpoint()
+            state = {
+                "version": self.global_steps,
+                "consumed_groups": self._consumed_groups,
+                "submissions": self._submissions,
+                "controller": self.manager.controller.state_dict(),
+                "buffered_groups": len(self.sample_buffer),
+            }
+            path = os.path.join(self._checkpoint_folder(self.global_steps), ASYNC_STATE_FILE)
+            with open(path, "w") as handle:
+                json.dump(state, handle)
+
+    def _checkpoint_folder(self, step: int) -> str:
+        trainer = self.config.trainer
+        if trainer.resume_mode == "resume_path" and step == self.version and trainer.resume_from_path:
+            return str(trainer.resume_from_path)
+        return os.path.join(trainer.default_local_dir, f"global_step_{step}")
+
+    def _resume_async_state(self) -> None:
+        """Counters after a resume at version v (DESIGN.md §1): accepted = v·B, then the restored groups.
+
+        verl restored TransferQueue (finished groups) and re-issued the prompts that were in flight;
+        all are counted as running, so the admission loop settles each exactly once and the
+        staleness bound holds from the first new submission.
+        """
+        path = os.path.join(self._checkpoint_folder(self.version), ASYNC_STATE_FILE)
+        if not os.path.exists(path):
+            raise RuntimeError(
+                f"resuming an areal_async run at step {self.version} needs {path}, which this checkpoint lacks "
+                "(it was written by another trainer mode); resume it with that mode or set trainer.resume_mode=disable"
+            )
+        with open(path) as handle:
+            saved = json.load(handle)
+        if saved["version"] != self.version:
+            raise RuntimeError(f"{path} is for version {saved['version']}, the weights are version {self.version}")
+        listing = (tq.kv_list(partition_id="train") or {}).get("train", {})
+        restored = sorted(uid for uid, tag in listing.items() if tag.get("is_prompt", False))
+        controller = self.manager.controller
+        controller.recover(self.version)
+        if restored:
+            controller.on_submit(len(restored))
+        self._consumed_groups = saved["consumed_groups"]
+        self._submissions = saved["submissions"]
+        self.recorder.write("areal_restored.jsonl", {"version": self.version, "uids": restored, "saved": saved})
+        logger.info(
+            "areal_async: resumed at version %d with %d restored prompt groups (finished or re-issued)",
+            self.version,
+            len(restored),
+        )
 
     def on_sample_end(self) -> None:
         if self.areal.placement == "colocated":

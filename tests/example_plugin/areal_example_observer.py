@@ -3,7 +3,9 @@
 It records the lifecycle hooks it sees to ``$AREAL_EXAMPLE_OBSERVER_LOG`` (JSON lines) and adds a
 metric to every step; with ``AREAL_EXAMPLE_OBSERVER_MIN_REWARD`` set it rejects finished trajectories
 scoring below it; with ``AREAL_EXAMPLE_OBSERVER_RAISE`` set it fails inside a hook, to show how a
-broken plugin stops a run. The integration tests put this folder on ``PYTHONPATH``.
+broken plugin stops a run; with ``AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER=N`` its policy loss (in the
+trainer workers) raises from its N+1-th call on, to show a trainer worker's error stopping a run.
+The integration tests put this folder on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from areal_plugins import hookimpl
 LOG_ENV = "AREAL_EXAMPLE_OBSERVER_LOG"
 RAISE_ENV = "AREAL_EXAMPLE_OBSERVER_RAISE"
 MIN_REWARD_ENV = "AREAL_EXAMPLE_OBSERVER_MIN_REWARD"
+LOSS_FAILS_AFTER_ENV = "AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER"
 
 
 def _record(event: str, **fields: object) -> None:
@@ -51,3 +54,21 @@ def areal_after_train_step(step, metrics):
 @hookimpl
 def areal_on_shutdown(reason):
     _record("shutdown", reason=reason)
+
+
+@hookimpl
+def areal_make_policy_loss(config):
+    if os.environ.get(LOSS_FAILS_AFTER_ENV) is None:
+        return None
+    from areal_plugins.losses import decoupled_ppo_loss
+
+    calls = {"n": 0}
+    limit = int(os.environ[LOSS_FAILS_AFTER_ENV])
+
+    def failing_after_a_while(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > limit:
+            raise FloatingPointError(f"example observer: loss call {calls['n']} hit a NaN (deliberate)")
+        return decoupled_ppo_loss(*args, **kwargs)
+
+    return failing_after_a_while

@@ -12,16 +12,28 @@ pytestmark = pytest.mark.integration
 STEPS = 2
 
 
-def test_hooks_see_every_weight_version_and_step(tiny_dir, tmp_path):
+#: Token budget of one micro-batch: a few of the run's sequences (prompt <= 32 + response <= 16 tokens).
+MICRO_BATCH_TOKENS = 96
+
+
+@pytest.fixture(scope="module")
+def observed_run(tiny_dir, tmp_path_factory):
+    """One async run with the example plugin observing (and filtering) and FFD micro-batching on."""
+    tmp_path = tmp_path_factory.mktemp("observed")
     log = tmp_path / "observer.jsonl"
     steps = train_tiny(
         "grpo_cpu_async.yaml",
         tmp_path / "run",
         tiny_dir,
         STEPS,
+        f"areal.micro_batch.max_tokens={MICRO_BATCH_TOKENS}",
         env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_LOG=str(log), AREAL_EXAMPLE_OBSERVER_MIN_REWARD="0.5"),
     )
-    events = [json.loads(line) for line in log.read_text().splitlines()]
+    return steps, [json.loads(line) for line in log.read_text().splitlines()], tmp_path / "run"
+
+
+def test_hooks_see_every_weight_version_and_step(observed_run):
+    steps, events, _ = observed_run
     # The plugin judged finished, scored trajectories; the wrong ones it rejected never reached training.
     verdicts = [e for e in events if e["event"] == "accept_trajectory"]
     assert {e["reward"] for e in verdicts} == {0.0, 1.0}
@@ -35,6 +47,17 @@ def test_hooks_see_every_weight_version_and_step(tiny_dir, tmp_path):
     assert events[-1] == {"event": "shutdown", "reason": "completed"}
     # A metric the plugin added in areal_after_train_step reached verl's logger.
     assert [s["example_observer/step_seen"] for s in steps] == list(range(1, STEPS + 1))
+
+
+def test_ffd_micro_batches_and_reward_service_metrics(observed_run):
+    steps, _, run_dir = observed_run
+    packs = [json.loads(line) for line in (run_dir / "micro_batches.jsonl").read_text().splitlines()]
+    # verl's actor split its batches through our FFD packing, within the budget, every sequence once.
+    assert packs and all(p["capacity"] == MICRO_BATCH_TOKENS for p in packs)
+    assert all(max(p["tokens"]) <= MICRO_BATCH_TOKENS and sum(p["sizes"]) == p["sequences"] for p in packs)
+    assert any(p["micro_batches"] > 1 for p in packs)
+    # The reward service's per-trajectory reports became step metrics in verl's logger.
+    assert all(s["areal/reward_latency_s_mean"] > 0 and s["areal/reward_failed"] == 0 for s in steps)
 
 
 def test_a_raising_plugin_stops_the_run_naming_plugin_and_hook(tiny_dir, tmp_path):

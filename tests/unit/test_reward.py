@@ -51,7 +51,9 @@ def test_enabled_recipes_score_in_a_time_limited_worker_process():
     hooked._services.clear()
     try:
         settings = {"service": True, "num_workers": 1, "timeout_s": 30.0, "retries": 0}
-        assert hooked.compute_score("a", "the answer is 7", "7", areal_enable=True, areal_reward=settings) == 1.0
+        result = hooked.compute_score("a", "the answer is 7", "7", areal_enable=True, areal_reward=settings)
+        assert result["score"] == result["acc"] == 1.0 and result["areal_reward_failed"] == 0.0
+        assert result["areal_reward_latency_s"] > 0
         (service,) = hooked._services.values()
         assert service.stats()["areal/reward_calls"] == 1.0
     finally:

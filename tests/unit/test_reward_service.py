@@ -49,3 +49,38 @@ def test_concurrent_callers_share_the_workers():
         assert scores == [1.0 if i % 3 == 1 else 0.0 for i in range(30)]
     finally:
         service.close()
+
+
+def test_each_score_reports_what_it_took(service):
+    ok = service.score_with_report("d", "7", "7", None)
+    assert (ok.score, ok.failed, ok.timeouts, ok.crashes) == (1.0, False, 0, 0)
+    hung = service.score_with_report("d", "hang", "7", None)
+    assert (hung.score, hung.failed, hung.timeouts) == (0.0, True, 2) and hung.latency_s >= 2.0
+    raised = service.score_with_report("d", "raise", "7", None)
+    assert (raised.failed, raised.timeouts, raised.crashes) == (True, 0, 0)
+    crashed = service.score_with_report("d", "crash", "7", None)
+    assert (crashed.failed, crashed.crashes) == (True, 2)
+    assert hung.as_extra_info() == {
+        "areal_reward_latency_s": hung.latency_s,
+        "areal_reward_failed": 1.0,
+        "areal_reward_timeouts": 2.0,
+        "areal_reward_crashes": 0.0,
+    }
+
+
+def test_step_metrics_aggregate_the_reports():
+    from areal_plugins.verl_async.metrics import reward_service_metrics
+
+    reports = [
+        {"areal_reward_latency_s": 0.5, "areal_reward_failed": 0.0, "areal_reward_timeouts": 0.0},
+        {"areal_reward_latency_s": 2.5, "areal_reward_failed": 1.0, "areal_reward_timeouts": 2.0},
+        {},  # scored without the service: not counted
+    ]
+    assert reward_service_metrics(reports) == {
+        "areal/reward_latency_s_mean": 1.5,
+        "areal/reward_latency_s_max": 2.5,
+        "areal/reward_failed": 1.0,
+        "areal/reward_timeouts": 2.0,
+        "areal/reward_crashes": 0.0,
+    }
+    assert reward_service_metrics([{}, {}]) == {}

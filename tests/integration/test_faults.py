@@ -1,0 +1,29 @@
+"""Faults inside a real run: a trainer worker that raises stops the run with its own error, checkpoint intact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.integration.conftest import run_cli, train_args, train_tiny, with_example_plugin
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_trainer_worker_error_stops_the_run_and_the_last_checkpoint_resumes(tiny_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        *train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 4, "trainer.save_freq=1"),
+        env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER="2"),
+        check=False,
+    )
+    assert result.returncode != 0
+    log = (run_dir / "train.log").read_text()
+    assert "hit a NaN (deliberate)" in log and "FloatingPointError" in log  # the worker's own error
+    completed = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    latest = int((run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
+    assert latest >= 1 and latest == max(completed)  # every completed step was saved, the failed one not
+    # The checkpoint is whole: the same run resumes from it (without the failing loss) and trains on.
+    steps = train_tiny("grpo_cpu_async.yaml", run_dir, tiny_dir, latest + 1, "trainer.save_freq=1")
+    assert [s["areal/trainer_version"] for s in steps] == [float(latest)]

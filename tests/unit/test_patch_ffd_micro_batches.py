@@ -1,0 +1,97 @@
+"""FFD micro-batching inside verl's engine: verl's own ``prepare_micro_batches`` packs by Algorithm 1."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine import utils as engine_utils
+
+from areal_plugins import patches
+from areal_plugins.patches import ffd_micro_batches
+
+
+@pytest.fixture
+def patched():
+    ffd_micro_batches.apply()
+    yield
+    ffd_micro_batches.revert()
+
+
+def padded_batch(lengths, width=10):
+    mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths])
+    ids = torch.arange(len(lengths)).unsqueeze(1).expand(-1, width).clone()  # row i holds token i
+    data = TensorDict({"input_ids": ids, "attention_mask": mask}, batch_size=[len(lengths)])
+    tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=10)
+    return data
+
+
+def test_verl_splits_by_the_papers_algorithm(patched, tmp_path, monkeypatch):
+    monkeypatch.setenv("AREAL_RUN_DIR", str(tmp_path))
+    # Hand-worked in test_microbatch: lengths 5,3,8,2,2 with budget 10 -> [[2, 3], [0, 1, 4]].
+    micro_batches, indices = engine_utils.prepare_micro_batches(padded_batch([5, 3, 8, 2, 2]))
+    assert indices == [[2, 3], [0, 1, 4]]
+    assert [mb["input_ids"][:, 0].tolist() for mb in micro_batches] == [[2, 3], [0, 1, 4]]
+    record = json.loads((tmp_path / "micro_batches.jsonl").read_text())
+    assert record["tokens"] == [10, 10] and record["padded_tokens"] == [16, 15] and record["capacity"] == 10
+
+
+def test_verl_would_partition_differently(patched):
+    # Lengths 4,4,3,3,3,3, budget 10. FFD: 4,4 share G0 (8); the 3s do not fit there: G1 = 3,3,3 (9),
+    # the last 3 opens G2. verl: ceil(20/10) = 2 micro-batches balancing sum of squares 68 -> {4,3,3} twice.
+    data = padded_batch([4, 4, 3, 3, 3, 3])
+    _, ffd_indices = engine_utils.prepare_micro_batches(data)
+    assert ffd_indices == [[0, 1], [2, 3, 4], [5]]
+    original = ffd_micro_batches.PATCH.original("verl.workers.engine.utils", "rearrange_micro_batches")
+    _, verl_indices = original(padded_batch([4, 4, 3, 3, 3, 3]), max_token_len=10)
+    assert len(verl_indices) == 2 and all(sorted(g)[0] in (0, 1) and len(g) == 3 for g in verl_indices)
+
+
+def test_revert_restores_verls_partitioner():
+    before = engine_utils.rearrange_micro_batches
+    ffd_micro_batches.apply()
+    assert engine_utils.rearrange_micro_batches is not before
+    ffd_micro_batches.revert()
+    assert engine_utils.rearrange_micro_batches is before
+
+
+def test_grouped_samples_keep_verls_partitioner(patched):
+    data = padded_batch([5, 3, 8, 2])
+    tu.assign_non_tensor(data, force_group_size=2)
+    _, indices = engine_utils.prepare_micro_batches(data)
+    assert all(len(group) % 2 == 0 for group in indices)  # verl's grouped split, whole pairs
+
+
+def test_enabled_only_by_the_setting():
+    assert ffd_micro_batches not in patches.enabled_patches({"areal": {"enable": True}})
+    on = {"areal": {"enable": True, "micro_batch": {"max_tokens": 512}}}
+    assert ffd_micro_batches in patches.enabled_patches(on)
+    off = {"areal": {"enable": False, "micro_batch": {"max_tokens": 512}}}
+    assert ffd_micro_batches not in patches.enabled_patches(off)
+
+
+def _agree(rank, port, lengths, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        results[rank] = ffd_micro_batches.ffd_partition_agreed(lengths[rank], 10, 1, dp_group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_ranks_agree_on_the_count():
+    # Rank 0: 8 and 8 need two micro-batches; rank 1: 2 and 2 fit one, so it re-packs with min_groups=2.
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.start_processes(_agree, args=(port, [[8, 8], [2, 2]], results), nprocs=2, start_method="fork")
+    assert results[0] == [[0], [1]] and results[1] == [[0], [1]]
