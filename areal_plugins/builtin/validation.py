@@ -41,6 +41,13 @@ def areal_validate_config(config: Any) -> None:
         )
     budget = (areal.get("micro_batch") or {}).get("max_tokens", None)
     longest = config.data.max_prompt_length + config.data.max_response_length
+    if budget is not None and not (actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu == budget):
+        raise ArealConfigError(
+            f"areal.micro_batch.max_tokens={budget} sets actor_rollout_ref.actor.use_dynamic_bsz=true and "
+            f"ppo_max_token_len_per_gpu={budget}, but the recipe overrides them (use_dynamic_bsz="
+            f"{actor.use_dynamic_bsz}, ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu}): remove those "
+            "two keys from the recipe"
+        )
     if budget is not None and budget < longest:
         raise ArealConfigError(
             f"areal.micro_batch.max_tokens={budget} cannot hold one sequence of up to {longest} tokens "

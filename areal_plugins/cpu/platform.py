@@ -28,6 +28,9 @@ def _make_device_module() -> types.ModuleType:
         get_device_name=lambda *args, **kwargs: "CPU",  # the flops counter looks up peak flops by name
         manual_seed=torch.manual_seed,
         manual_seed_all=torch.manual_seed,
+        # verl's checkpoint restores "the device RNG" under the device name, which is "cpu" here.
+        get_rng_state=torch.get_rng_state,
+        set_rng_state=torch.set_rng_state,
         empty_cache=lambda: None,
         memory_allocated=lambda *args, **kwargs: 0,
         memory_reserved=lambda *args, **kwargs: 0,

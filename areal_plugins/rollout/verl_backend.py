@@ -1,9 +1,13 @@
-"""Register the ``areal_cpu`` rollout backend with verl's rollout registries.
+"""Register our rollout backends with verl's rollout registries.
+
+``areal_cpu``: the in-process transformers engine (zero setup). ``areal_vllm``: a real vLLM server
+process from its own environment (``areal_plugins.vllm_server``). Select one with verl's own
+``actor_rollout_ref.rollout.name``.
 
 verl 0.9.1 resolves a rollout backend by ``actor_rollout_ref.rollout.name`` in two places:
 ``RolloutReplicaRegistry`` (the driver-side replica that launches server actors) and
 ``verl.workers.rollout.base._ROLLOUT_REGISTRY`` (the trainer-side adapter that pushes weights to
-the servers). Both are registries meant for extension; we add one entry to each.
+the servers). Both are registries meant for extension; we add one entry per backend to each.
 """
 
 from __future__ import annotations
@@ -19,43 +23,53 @@ from areal_plugins.rollout.cpu_server import CPURolloutServer, weights_checksum
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "areal_cpu"
+VLLM_BACKEND_NAME = "areal_vllm"
 ADAPTER_FQN = "areal_plugins.rollout.verl_backend.CPUServerAdapter"
+VLLM_ADAPTER_FQN = "areal_plugins.rollout.verl_backend.VLLMServerAdapter"
 #: CPU share Ray reserves for each server actor: fractional so that it never starves verl's own
 #: actors on a 2-core machine (DESIGN.md §4); torch threads are set separately.
 SERVER_NUM_CPUS = 0.1
 
 
-def server_actor_name(replica_rank: int, name_suffix: str = "") -> str:
-    return f"areal_cpu_server_{replica_rank}{name_suffix}"
+def server_actor_name(replica_rank: int, name_suffix: str = "", backend: str = BACKEND_NAME) -> str:
+    return f"{backend}_server_{replica_rank}{name_suffix}"
 
 
-def engine_options(rollout_config: Any) -> dict[str, Any]:
-    """Our knobs inside ``rollout.engine_kwargs.areal_cpu`` (num_threads, max_batch_size)."""
+def _server_class(backend: str) -> type:
+    if backend == VLLM_BACKEND_NAME:
+        from areal_plugins.vllm_server.rollout_server import VLLMRolloutServer
+
+        return VLLMRolloutServer
+    return CPURolloutServer
+
+
+def engine_options(rollout_config: Any, backend: str = BACKEND_NAME) -> dict[str, Any]:
+    """Our knobs inside ``rollout.engine_kwargs.<backend>`` (num_threads, max_batch_size)."""
     kwargs = getattr(rollout_config, "engine_kwargs", None) or {}
-    options = dict(kwargs.get(BACKEND_NAME, {}) or {})
+    options = dict(kwargs.get(backend, {}) or {})
     unknown = set(options) - {"num_threads", "max_batch_size"}
     if unknown:
         raise ValueError(
-            f"actor_rollout_ref.rollout.engine_kwargs.{BACKEND_NAME} has unknown keys {sorted(unknown)}; "
+            f"actor_rollout_ref.rollout.engine_kwargs.{backend} has unknown keys {sorted(unknown)}; "
             "valid keys: num_threads, max_batch_size"
         )
     return options
 
 
-def _make_replica_class() -> type:
+def _make_replica_class(backend: str = BACKEND_NAME) -> type:
     from verl.workers.rollout.replica import RolloutReplica
 
-    class CPURolloutReplica(RolloutReplica):
-        """A replica of one :class:`CPURolloutServer` actor (no accelerator needed)."""
+    class ArealRolloutReplica(RolloutReplica):
+        """A replica of one server actor of ``backend`` (no accelerator needed)."""
 
         def rollout_worker_use_gpu(self) -> bool:
             return False
 
         async def launch_servers(self) -> None:
-            options = engine_options(self.config)
+            options = engine_options(self.config, backend)
             model_path = getattr(self.model_config, "local_path", None) or self.model_config.path
-            name = server_actor_name(self.replica_rank, self.name_suffix)
-            server_cls: Any = ray.remote(CPURolloutServer)
+            name = server_actor_name(self.replica_rank, self.name_suffix, backend)
+            server_cls: Any = ray.remote(_server_class(backend))
             server: Any = server_cls.options(
                 name=name, num_cpus=SERVER_NUM_CPUS, max_concurrency=self.max_concurrency
             ).remote(
@@ -72,10 +86,11 @@ def _make_replica_class() -> type:
             self._server_handle = server
             self._server_address = name
 
-    return CPURolloutReplica
+    ArealRolloutReplica.__name__ = f"{'VLLM' if backend == VLLM_BACKEND_NAME else 'CPU'}RolloutReplica"
+    return ArealRolloutReplica
 
 
-def _make_adapter_class() -> type:
+def _make_adapter_class(backend: str = BACKEND_NAME) -> type:
     from verl.workers.rollout.base import BaseRollout
 
     class CPUServerAdapter(BaseRollout):
@@ -109,10 +124,15 @@ def _make_adapter_class() -> type:
             if not self.is_leader_rank:
                 return
             if self._server is None:
-                self._server = ray.get_actor(server_actor_name(self.replica_rank))
+                self._server = ray.get_actor(server_actor_name(self.replica_rank, backend=backend))
             version = int(kwargs.get("global_steps") or 0)
-            expected = weights_checksum(state)
             reply = await self._server.update_weights.remote(state, version)
+            if backend == VLLM_BACKEND_NAME:
+                from areal_plugins.vllm_server.rollout_server import check_sync, expected_checksum
+
+                check_sync(reply, version, expected_checksum(state), f"rollout replica {self.replica_rank}")
+                return
+            expected = weights_checksum(state)
             if reply["version"] != version or reply["checksum"] != expected:
                 raise RuntimeError(
                     f"weight sync to rollout replica {self.replica_rank} failed: the server reports version "
@@ -126,12 +146,14 @@ def _make_adapter_class() -> type:
 def __getattr__(name: str) -> Any:
     # verl imports the adapter by its fully qualified name; build the class on first use so
     # that importing this module does not import verl's worker stack.
-    if name == "CPUServerAdapter":
-        cls = _make_adapter_class()
-        globals()[name] = cls
-        return cls
-    if name == "CPURolloutReplica":
-        cls = _make_replica_class()
+    makers = {
+        "CPUServerAdapter": lambda: _make_adapter_class(BACKEND_NAME),
+        "VLLMServerAdapter": lambda: _make_adapter_class(VLLM_BACKEND_NAME),
+        "CPURolloutReplica": lambda: _make_replica_class(BACKEND_NAME),
+        "VLLMRolloutReplica": lambda: _make_replica_class(VLLM_BACKEND_NAME),
+    }
+    if name in makers:
+        cls = makers[name]()
         globals()[name] = cls
         return cls
     raise AttributeError(name)
@@ -143,4 +165,6 @@ def register_rollout_backend() -> None:
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
     base._ROLLOUT_REGISTRY[(BACKEND_NAME, "async")] = ADAPTER_FQN
+    base._ROLLOUT_REGISTRY[(VLLM_BACKEND_NAME, "async")] = VLLM_ADAPTER_FQN
     RolloutReplicaRegistry.register(BACKEND_NAME, lambda: __getattr__("CPURolloutReplica"))
+    RolloutReplicaRegistry.register(VLLM_BACKEND_NAME, lambda: __getattr__("VLLMRolloutReplica"))

@@ -12,8 +12,8 @@ pytestmark = pytest.mark.integration
 STEPS = 2
 
 
-#: Token budget of one micro-batch: a few of the run's sequences (prompt <= 32 + response <= 16 tokens).
-MICRO_BATCH_TOKENS = 96
+#: Token budget of one micro-batch: a few of the run's sequences (chat template + prompt + response: up to ~130 tokens).
+MICRO_BATCH_TOKENS = 512
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -56,7 +57,8 @@ def kill_after_checkpoint(run_dir, tiny_dir) -> None:
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-    subprocess.run(["ray", "stop", "--force"], capture_output=True)  # what a user does after a crash
+    ray = Path(sys.executable).with_name("ray")
+    subprocess.run([str(ray), "stop", "--force"], capture_output=True, check=True)  # what a user does after a crash
 
 
 @pytest.fixture(scope="module")

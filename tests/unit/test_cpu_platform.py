@@ -32,6 +32,17 @@ def test_rollout_backend_registered_in_both_registries():
 
     assert get_rollout_class("areal_cpu", "async").__name__ == "CPUServerAdapter"
     assert get_rollout_replica_class("areal_cpu").__name__ == "CPURolloutReplica"
+    assert get_rollout_replica_class("areal_vllm").__name__ == "VLLMRolloutReplica"
+    assert get_rollout_class("areal_vllm", "async") is not get_rollout_class("areal_cpu", "async")
+
+
+def test_checkpoint_rng_state_round_trips_on_the_cpu_platform():
+    from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+
+    state = BaseCheckpointManager.get_rng_state()
+    expected = torch.rand(3)
+    BaseCheckpointManager.load_rng_state(state)  # verl restores "the device RNG" too: the CPU one here
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_fsdp_engine_found_for_cpu():

@@ -134,3 +134,23 @@ def test_a_concurrency_limit_below_one_batch_is_refused():
     with pytest.raises(ArealConfigError, match="max_concurrent_rollouts=8 can never fill"):
         areal_validate_config(compose("grpo_cpu_async", ["areal.max_concurrent_rollouts=8"]))
     areal_validate_config(compose("grpo_cpu_async", ["areal.max_concurrent_rollouts=16"]))
+
+
+def test_token_budget_micro_batches_route_to_verls_dynamic_batching():
+    from areal_plugins.builtin.validation import areal_validate_config
+    from areal_plugins.settings import ArealConfigError
+
+    config = compose("grpo_cpu_async", ["areal.micro_batch.max_tokens=96"])
+    actor = config.actor_rollout_ref.actor
+    assert actor.use_dynamic_bsz is True and actor.ppo_max_token_len_per_gpu == 96
+    # verl's proximal recompute (rollout) and reference pass follow the actor's values.
+    assert config.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz is True
+    assert config.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu == 96
+    areal_validate_config(config)
+    with pytest.raises(ArealConfigError, match="cannot hold one sequence of up to 48 tokens"):
+        areal_validate_config(compose("grpo_cpu_async", ["areal.micro_batch.max_tokens=40"]))
+    overridden = ["areal.micro_batch.max_tokens=96", "actor_rollout_ref.actor.use_dynamic_bsz=false"]
+    with pytest.raises(ArealConfigError, match="remove those two keys"):
+        areal_validate_config(compose("grpo_cpu_async", overridden))
+    off = compose("grpo_cpu_sync", ["areal.micro_batch.max_tokens=96"])  # areal.enable false: verl as shipped
+    assert off.actor_rollout_ref.actor.use_dynamic_bsz is False

