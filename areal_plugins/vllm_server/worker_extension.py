@@ -7,6 +7,8 @@ imports only torch and is copied next to the server as a top-level module
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -33,6 +35,8 @@ class ArealWorkerExtension:
     vLLM packs linear weights into oneDNN handles and leaves empty parameters behind, so memory
     cannot be summed. A stale or skipped reload reports the old version or another checksum.
     """
+
+    model_runner: Any  # set by vLLM's worker, which this class is mixed into
 
     def areal_reload(self, weights_path: str, version: int) -> dict:
         from pathlib import Path

@@ -4,7 +4,8 @@ It records the lifecycle hooks it sees to ``$AREAL_EXAMPLE_OBSERVER_LOG`` (JSON 
 metric to every step; with ``AREAL_EXAMPLE_OBSERVER_MIN_REWARD`` set it rejects finished trajectories
 scoring below it; with ``AREAL_EXAMPLE_OBSERVER_RAISE`` set it fails inside a hook, to show how a
 broken plugin stops a run; with ``AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER=N`` its policy loss (in the
-trainer workers) raises from its N+1-th call on, to show a trainer worker's error stopping a run.
+trainer workers) raises from its N+1-th call on, to show a trainer worker's error stopping a run; with
+``AREAL_EXAMPLE_OBSERVER_REWARD=quarter`` its reward function (in the reward workers) scores everything 0.25.
 The integration tests put this folder on ``PYTHONPATH``.
 """
 
@@ -19,6 +20,7 @@ LOG_ENV = "AREAL_EXAMPLE_OBSERVER_LOG"
 RAISE_ENV = "AREAL_EXAMPLE_OBSERVER_RAISE"
 MIN_REWARD_ENV = "AREAL_EXAMPLE_OBSERVER_MIN_REWARD"
 LOSS_FAILS_AFTER_ENV = "AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER"
+REWARD_ENV = "AREAL_EXAMPLE_OBSERVER_REWARD"
 
 
 def _record(event: str, **fields: object) -> None:
@@ -72,3 +74,14 @@ def areal_make_policy_loss(config):
         return decoupled_ppo_loss(*args, **kwargs)
 
     return failing_after_a_while
+
+
+def quarter_reward(data_source, solution_str, ground_truth, extra_info):
+    """A third-party reward (module-level: the reward service sends it to its worker processes)."""
+    _record("reward", pid=os.getpid(), solution=solution_str)
+    return 0.25
+
+
+@hookimpl
+def areal_make_reward_fn(config):
+    return quarter_reward if os.environ.get(REWARD_ENV) == "quarter" else None
