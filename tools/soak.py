@@ -1,0 +1,111 @@
+"""Soak run: async training on CPU for a long while, with frequent interrupts and engine restarts, memory tracked.
+
+Starts ``areal-plugins train`` on a recipe (default: the vLLM one, so engine restarts are real), kills the
+vLLM server process every ``--kill-every`` seconds (the rollout server must replace it and continue its
+requests), samples the resident memory of the whole process tree every ``--sample-every`` seconds, and
+at the end checks the run's accounting (submitted = accepted + rejected + running; accepted = consumed
++ buffered) and every consumed sample's staleness against η.
+
+Writes ``soak.json`` (memory samples, growth, steps, restarts, accounting) in the run directory.
+
+Run: ``.venv/bin/python tools/soak.py --minutes 30 --steps 300`` (the figures in the issue note came from
+the command printed at the top of ``soak.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+
+def tree_rss_mb(root: psutil.Process) -> float:
+    total = 0
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            total += process.memory_info().rss
+        except psutil.Error:
+            continue
+    return total / 2**20
+
+
+def vllm_servers(root: psutil.Process) -> list[psutil.Process]:
+    found = []
+    for process in root.children(recursive=True):
+        try:
+            if "vllm.entrypoints.openai.api_server" in " ".join(process.cmdline()):
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="recipes/grpo_cpu_async_vllm.yaml")
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--max-staleness", type=int, default=1, help="small: weight updates interrupt often")
+    parser.add_argument("--kill-every", type=float, default=300.0, help="seconds between vLLM server kills (0: none)")
+    parser.add_argument("--sample-every", type=float, default=10.0)
+    parser.add_argument("--run-dir", type=Path, default=Path("runs/soak"))
+    args = parser.parse_args()
+    command = [
+        str(Path(sys.executable).with_name("areal-plugins")), "train", args.recipe,
+        f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false", "trainer.test_freq=-1",
+        f"areal.max_staleness={args.max_staleness}", "--run-dir", str(args.run_dir),
+    ]  # fmt: skip
+    print("soak:", " ".join(command), flush=True)
+    runner = subprocess.Popen(command, start_new_session=True)
+    root = psutil.Process(runner.pid)
+    started = time.monotonic()
+    deadline = started + args.minutes * 60
+    next_kill = started + args.kill_every if args.kill_every > 0 else float("inf")
+    samples, kills = [], []
+    while runner.poll() is None and time.monotonic() < deadline:
+        time.sleep(args.sample_every)
+        now = time.monotonic() - started
+        samples.append({"t_s": round(now, 1), "rss_mb": round(tree_rss_mb(root), 1)})
+        servers = vllm_servers(root)
+        if servers and time.monotonic() >= next_kill:
+            os.killpg(servers[0].pid, signal.SIGKILL)
+            kills.append(round(now, 1))
+            next_kill = time.monotonic() + args.kill_every
+            print(f"soak: {now:.0f} s: killed the vLLM server (pid {servers[0].pid})", flush=True)
+        print(f"soak: {now:.0f} s: process tree {samples[-1]['rss_mb']:.0f} MB", flush=True)
+    if runner.poll() is None:  # time is up: stop the run (its accounting is not written then)
+        os.killpg(runner.pid, signal.SIGTERM)
+        runner.wait(timeout=120)
+    steps = [json.loads(line) for line in (args.run_dir / "areal_steps.jsonl").read_text().splitlines()]
+    consumed = [json.loads(line) for line in (args.run_dir / "areal_samples.jsonl").read_text().splitlines()]
+    accounting_path = args.run_dir / "areal_accounting.jsonl"
+    accounting = json.loads(accounting_path.read_text().splitlines()[-1]) if accounting_path.exists() else None
+    warm = [s["rss_mb"] for s in samples if s["t_s"] >= samples[-1]["t_s"] * 0.25] or [s["rss_mb"] for s in samples]
+    report = {
+        "command": " ".join(command),
+        "minutes": (time.monotonic() - started) / 60,
+        "steps": len(steps),
+        "server_kills": kills,
+        "staleness_max": max((s["trainer_version"] - s["head_version"] for s in consumed), default=None),
+        "consumed_trajectories": len(consumed),
+        "duplicate_consumptions": len(consumed) - len({(s["group"], s["key"]) for s in consumed}),
+        "accounting": accounting,
+        "rss_mb_first": samples[0]["rss_mb"] if samples else None,
+        "rss_mb_warm_min": min(warm, default=None),
+        "rss_mb_warm_max": max(warm, default=None),
+        "rss_mb_last": samples[-1]["rss_mb"] if samples else None,
+        "samples": samples,
+    }
+    (args.run_dir / "soak.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
