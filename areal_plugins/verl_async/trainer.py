@@ -139,10 +139,11 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         """verl's submission, recording which prompts were drawn (``areal_submissions.jsonl``)."""
         batch = self._next_train_batch(num_prompts)
         self._submissions += 1
+        prompts = batch["raw_prompt"] if "raw_prompt" in batch.keys() else batch["uid"]
         self.recorder.write(
             "areal_submissions.jsonl",
             {"time": time.time(), "version": self.version, "uids": list(batch["uid"])}
-            | {"prompts": [prompt_digest(prompt) for prompt in batch["raw_prompt"]]},
+            | {"prompts": [prompt_digest(prompt) for prompt in prompts]},
         )
         return self._submit_batch_to_rollout(batch)
 
