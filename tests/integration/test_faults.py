@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_trainer_worker_error_stops_the_run_and_the_last_checkpoint_resumes(tiny_dir, tmp_path):
-    run_dir, log = tmp_path / "run", tmp_path / "observer.jsonl"
+    run_dir, observer_log = tmp_path / "run", tmp_path / "observer.jsonl"
     result = run_cli(
         *train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 4, "trainer.save_freq=1"),
         env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER="2"),
@@ -32,9 +32,9 @@ def test_a_trainer_worker_error_stops_the_run_and_the_last_checkpoint_resumes(ti
         tiny_dir,
         latest + 1,
         "trainer.save_freq=1",
-        env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_REWARD="quarter", AREAL_EXAMPLE_OBSERVER_LOG=str(log)),
+        env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_REWARD="quarter", AREAL_EXAMPLE_OBSERVER_LOG=str(observer_log)),
     )
     assert [s["areal/trainer_version"] for s in steps] == [float(latest)]
     # New rollouts were scored by the plugin's function, in the reward service's worker processes.
-    scored = [json.loads(line) for line in log.read_text().splitlines() if '"reward"' in line]
+    scored = [json.loads(line) for line in observer_log.read_text().splitlines() if '"reward"' in line]
     assert scored
