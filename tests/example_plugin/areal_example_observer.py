@@ -5,8 +5,7 @@ metric to every step; with ``AREAL_EXAMPLE_OBSERVER_MIN_REWARD`` set it rejects 
 scoring below it; with ``AREAL_EXAMPLE_OBSERVER_RAISE`` set it fails inside a hook, to show how a
 broken plugin stops a run; with ``AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER=N`` its policy loss (in the
 trainer workers) raises from its N+1-th call on, to show a trainer worker's error stopping a run; with
-``AREAL_EXAMPLE_OBSERVER_REWARD=quarter`` its reward function scores everything 0.25 (see the issue-5 note:
-in a real run verl's reward workers were not seen calling it yet).
+``AREAL_EXAMPLE_OBSERVER_REWARD=quarter`` its reward function scores everything 0.25.
 The integration tests put this folder on ``PYTHONPATH``.
 """
 

@@ -12,16 +12,24 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_trainer_worker_error_stops_the_run_and_the_last_checkpoint_resumes(tiny_dir, tmp_path):
-    run_dir = tmp_path / "run"
+    run_dir, observer_log = tmp_path / "run", tmp_path / "observer.jsonl"
+    plugin_env = with_example_plugin(
+        AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER="2",  # the trainer workers' loss fails at its 3rd call
+        AREAL_EXAMPLE_OBSERVER_REWARD="quarter",  # and a third party's reward scores every rollout 0.25
+        AREAL_EXAMPLE_OBSERVER_LOG=str(observer_log),
+    )
     result = run_cli(
-        *train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 4, "trainer.save_freq=1"),
-        env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER="2"),
-        check=False,
+        *train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 4, "trainer.save_freq=1"), env=plugin_env, check=False
     )
     assert result.returncode != 0
     log = (run_dir / "train.log").read_text()
     assert "hit a NaN (deliberate)" in log and "FloatingPointError" in log  # the worker's own error
-    completed = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    completed = [m["step"] for m in metrics]
+    # Every trained sample was scored by the plugin's function (through areal_make_reward_fn, in the
+    # reward service's worker processes), not by the built-in math-verify reward.
+    assert all(m["data"]["critic/score/min"] == m["data"]["critic/score/max"] == 0.25 for m in metrics)
+    assert any(json.loads(line)["event"] == "reward" for line in observer_log.read_text().splitlines())
     latest = int((run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
     assert latest >= 1 and latest == max(completed)  # every completed step was saved, the failed one not
     # The checkpoint is whole: the same run resumes from it (without the failing loss) and trains on.
