@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-import os
-import time
 from typing import Any
 
 import torch
 
 from areal_plugins.rollout.hf_engine import STOP_ABORTED, ContinuousBatchingEngine
+from areal_plugins.rollout.server_contract import CPUReplicaContract, record_weight_sync, token_budget, version_fields
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +30,7 @@ def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
-class CPURolloutServer:
+class CPURolloutServer(CPUReplicaContract):
     """One rollout server: a model copy on CPU serving token-in/token-out generation.
 
     Args:
@@ -71,7 +69,7 @@ class CPURolloutServer:
         self._rejecting = False
         self.global_steps = 0
         self.replica_rank = replica_rank
-        self._record_sync(version=self.engine.version, checksum=weights_checksum(model.state_dict()), event="load")
+        record_weight_sync(replica_rank, self.engine.version, weights_checksum(model.state_dict()), "load")
 
     # ------------------------------------------------------------------ generation
 
@@ -90,17 +88,9 @@ class CPURolloutServer:
         """Token-in/token-out generation with per-token log-probs and versions (verl contract)."""
         from verl.workers.rollout.replica import TokenOutput
 
-        if image_data or video_data or audio_data:
-            raise ValueError("the areal_cpu rollout backend serves text-only models; drop multimodal inputs")
         params = dict(sampling_params)
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens leaves no room within max_model_len={self.max_model_len}; "
-                "raise data.max_prompt_length/rollout.response_length or shorten the prompt"
-            )
-        max_tokens = params.pop("max_tokens", params.pop("max_new_tokens", self.response_length))
-        max_tokens = max(1, min(int(max_tokens), room))
+        media = bool(image_data or video_data or audio_data)
+        max_tokens = token_budget("areal_cpu", prompt_ids, params, self.max_model_len, self.response_length, media)
         while not self._gate_open.is_set():
             if self._rejecting:
                 return TokenOutput(token_ids=[], log_probs=None, stop_reason=STOP_ABORTED, extra_fields=self._extra([]))
@@ -121,11 +111,7 @@ class CPURolloutServer:
         )
 
     def _extra(self, versions: list[int]) -> dict[str, Any]:
-        extra: dict[str, Any] = {"global_steps": self.engine.version, "token_versions": versions}
-        if versions:
-            extra["min_global_steps"] = min(versions)
-            extra["max_global_steps"] = max(versions)
-        return extra
+        return version_fields(self.engine.version, versions)
 
     # ------------------------------------------------------------------ interruption
 
@@ -137,18 +123,9 @@ class CPURolloutServer:
         await self.engine.wait_idle()
         return {"aborted_count": len(request_ids), "request_ids": request_ids}
 
-    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
-        return {"aborted": False, "request_id": request_id, "error": "single-request abort is not supported"}
-
     async def resume_generation(self) -> None:
         self._rejecting = False
         self._gate_open.set()
-
-    async def resume_engine_generation(self) -> None:
-        return None
-
-    async def open_submission_gate(self) -> None:
-        await self.resume_generation()
 
     async def wait_for_requests_to_drain(self) -> None:
         await self.engine.wait_idle()
@@ -161,18 +138,8 @@ class CPURolloutServer:
         self.global_steps = version
         served = self.engine.model.state_dict()
         checksum = weights_checksum({k: served[k] for k in state_dict})
-        self._record_sync(version=version, checksum=checksum, event="update")
+        record_weight_sync(self.replica_rank, version, checksum, "update")
         return {"version": self.engine.version, "checksum": checksum}
-
-    def _record_sync(self, version: int, checksum: str, event: str) -> None:
-        """Append to ``$AREAL_RUN_DIR/weight_syncs.jsonl``: an audit trail of the weights served."""
-        run_dir = os.environ.get("AREAL_RUN_DIR")
-        if not run_dir:
-            return
-        record = {"time": time.time(), "replica": self.replica_rank, "event": event, "version": version}
-        record["checksum"] = checksum
-        with open(os.path.join(run_dir, "weight_syncs.jsonl"), "a") as handle:
-            handle.write(json.dumps(record) + "\n")
 
     async def get_version(self) -> int:
         return self.engine.version
@@ -187,32 +154,3 @@ class CPURolloutServer:
             "busy_s": self.engine.busy_seconds,
             "version": self.engine.version,
         }
-
-    # ------------------------------------------------------------------ no-ops on CPU (memory is not scarce)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        return None
-
-    async def sleep(self) -> None:
-        return None
-
-    async def clear_kv_cache(self) -> None:
-        return None
-
-    async def release_kv_cache(self) -> None:
-        return None
-
-    async def resume_kv_cache(self) -> None:
-        return None
-
-    async def set_global_steps(self, global_steps: int) -> None:
-        self.global_steps = global_steps
-
-    async def start_profile(self, **kwargs: Any) -> None:
-        return None
-
-    async def stop_profile(self) -> None:
-        return None
-
-    def get_server_address(self) -> tuple[str, int]:
-        return ("127.0.0.1", os.getpid())

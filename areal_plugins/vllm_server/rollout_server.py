@@ -18,7 +18,6 @@ against :class:`VLLMServer`:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
@@ -30,6 +29,7 @@ from typing import Any
 import aiohttp
 import torch
 
+from areal_plugins.rollout.server_contract import CPUReplicaContract, record_weight_sync, token_budget, version_fields
 from areal_plugins.vllm_server.client import ABORTED, VLLMClient
 from areal_plugins.vllm_server.server import VLLMServer
 from areal_plugins.vllm_server.worker_extension import layout_free_checksum
@@ -72,7 +72,7 @@ def save_safetensors(state_dict: dict[str, torch.Tensor], directory: Path) -> No
     save_file(tensors, str(directory / "model.safetensors"))
 
 
-class VLLMRolloutServer:
+class VLLMRolloutServer(CPUReplicaContract):
     """One rollout replica: a vLLM server process and the HTTP client that drives it.
 
     Args:
@@ -135,17 +135,9 @@ class VLLMRolloutServer:
     ) -> Any:
         from verl.workers.rollout.replica import TokenOutput
 
-        if image_data or video_data or audio_data:
-            raise ValueError("the areal_vllm rollout backend serves text-only models here; drop multimodal inputs")
         params = dict(sampling_params)
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens leaves no room within max_model_len={self.max_model_len}"
-            )
-        max_tokens = max(
-            1, min(int(params.pop("max_tokens", params.pop("max_new_tokens", self.response_length))), room)
-        )
+        media = bool(image_data or video_data or audio_data)
+        max_tokens = token_budget("areal_vllm", prompt_ids, params, self.max_model_len, self.response_length, media)
         while not self._gate_open.is_set():
             if self._rejecting:
                 return TokenOutput(token_ids=[], log_probs=None, stop_reason=ABORTED, extra_fields=self._extra([]))
@@ -217,11 +209,7 @@ class VLLMRolloutServer:
             self._busy_since = None
 
     def _extra(self, versions: list[int]) -> dict[str, Any]:
-        extra: dict[str, Any] = {"global_steps": self.version, "token_versions": versions}
-        if versions:
-            extra["min_global_steps"] = min(versions)
-            extra["max_global_steps"] = max(versions)
-        return extra
+        return version_fields(self.version, versions)
 
     # ------------------------------------------------------------------ interruption
 
@@ -232,19 +220,10 @@ class VLLMRolloutServer:
         await self.client.pause()
         return {"aborted_count": count, "request_ids": []}
 
-    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
-        return {"aborted": False, "request_id": request_id, "error": "single-request abort is not supported"}
-
     async def resume_generation(self) -> None:
         self._rejecting = False
         await self.client.resume()
         self._gate_open.set()
-
-    async def resume_engine_generation(self) -> None:
-        return None
-
-    async def open_submission_gate(self) -> None:
-        await self.resume_generation()
 
     async def wait_for_requests_to_drain(self) -> None:
         while self.in_flight:
@@ -261,17 +240,8 @@ class VLLMRolloutServer:
         report = await self.client.reload_weights(str(self.weights_dir), version)
         self.version = int(report["version"])
         self._last_checksum = report["checksum"]
-        self._record_sync(version, report["checksum"])
+        record_weight_sync(self.replica_rank, version, report["checksum"], "update")
         return {"version": report["version"], "checksum": report["checksum"]}
-
-    def _record_sync(self, version: int, checksum: list[float]) -> None:
-        run_dir = os.environ.get("AREAL_RUN_DIR")
-        if not run_dir:
-            return
-        record = {"time": time.time(), "replica": self.replica_rank, "event": "update", "version": version}
-        record["checksum"] = checksum
-        with open(os.path.join(run_dir, "weight_syncs.jsonl"), "a") as handle:
-            handle.write(json.dumps(record) + "\n")
 
     async def get_version(self) -> int:
         return self.version
@@ -298,14 +268,3 @@ class VLLMRolloutServer:
     async def shutdown(self) -> None:
         await self.client.close()
         self.server.stop()
-
-    # ------------------------------------------------------------------ memory is not scarce on CPU
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        return None
-
-    async def sleep(self) -> None:
-        return None
-
-    async def clear_kv_cache(self) -> None:
-        return None
