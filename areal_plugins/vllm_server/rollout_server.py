@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 #: Relative tolerance of the checksum comparison (float64 sums of the same numbers in another order).
 CHECKSUM_RTOL = 1e-7
+#: What a request or control call raises when the server process is gone.
+SERVER_GONE = (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError)
 
 
 class WeightSyncError(RuntimeError):
@@ -140,7 +143,7 @@ class VLLMRolloutServer(CPUReplicaContract):
         max_tokens = token_budget("areal_vllm", prompt_ids, params, self.max_model_len, self.response_length, media)
         while not self._gate_open.is_set():
             if self._rejecting:
-                return TokenOutput(token_ids=[], log_probs=None, stop_reason=ABORTED, extra_fields=self._extra([]))
+                return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted", extra_fields=self._extra([]))
             await self._gate_open.wait()
         tokens, logprobs, versions, reason = await self._generate_surviving_restarts(prompt_ids, max_tokens, params)
         return TokenOutput(
@@ -169,8 +172,11 @@ class VLLMRolloutServer(CPUReplicaContract):
                         top_k=int(params.get("top_k", -1)),
                         on_tokens=self._count_tokens,
                     )
-                except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as error:
+                except SERVER_GONE as error:
                     await self._restart_if_dead(error, incarnation)
+                    if not self._gate_open.is_set():
+                        # Paused while the server died: hand back the partial output, as /pause would have.
+                        return tokens, logprobs, versions, ABORTED
                     continue
                 tokens += chunk.token_ids
                 logprobs += chunk.logprobs
@@ -178,6 +184,15 @@ class VLLMRolloutServer(CPUReplicaContract):
                 return tokens, logprobs, versions, chunk.finish_reason
         finally:
             self._leave()
+
+    async def _on_live_server(self, call: Callable[[VLLMClient], Awaitable[Any]]) -> Any:
+        """A control call (pause, resume, reload) that replaces a server found dead instead of failing the run."""
+        incarnation = self.server.restarts
+        try:
+            return await call(self.client)
+        except SERVER_GONE as error:
+            await self._restart_if_dead(error, incarnation)
+            return await call(self.client)
 
     async def _restart_if_dead(self, error: BaseException, incarnation: int) -> None:
         async with self._restart_lock:
@@ -217,12 +232,12 @@ class VLLMRolloutServer(CPUReplicaContract):
         self._rejecting = reject_request
         self._gate_open.clear()
         count = self.in_flight
-        await self.client.pause()
+        await self._on_live_server(lambda client: client.pause())
         return {"aborted_count": count, "request_ids": []}
 
     async def resume_generation(self) -> None:
         self._rejecting = False
-        await self.client.resume()
+        await self._on_live_server(lambda client: client.resume())
         self._gate_open.set()
 
     async def wait_for_requests_to_drain(self) -> None:
@@ -235,9 +250,11 @@ class VLLMRolloutServer(CPUReplicaContract):
         """Write the weights, load them in the server, and return what the server reports."""
         staging = self.weights_dir.with_name(self.weights_dir.name + ".next")
         await asyncio.to_thread(save_safetensors, state_dict, staging)
+        # Load from the staging files and only then replace weights_dir: until the server reports the new
+        # version, weights_dir holds what it serves, which a restart in between reloads.
+        report = await self._on_live_server(lambda client: client.reload_weights(str(staging), version))
         shutil.rmtree(self.weights_dir, ignore_errors=True)
         staging.rename(self.weights_dir)
-        report = await self.client.reload_weights(str(self.weights_dir), version)
         self.version = int(report["version"])
         self._last_checksum = report["checksum"]
         record_weight_sync(self.replica_rank, version, report["checksum"], "update")

@@ -131,3 +131,29 @@ def test_a_killed_server_is_replaced_and_its_requests_finish(server, loop):
     for output in outputs:  # every request finished, none lost, all from the weights reloaded after the restart
         assert output.stop_reason == "completed" and 0 < len(output.token_ids) <= MAX_TOKENS
         assert set(output.extra_fields["token_versions"]) == {1}
+
+
+def test_a_server_killed_between_requests_is_replaced_by_the_next_pause_or_update(server, random_model_dir, loop):
+    """The soak found it: a server that dies while idle must not fail the trainer's next pause or weight update."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_plugins.vllm_server.rollout_server import check_sync, expected_checksum
+
+    base = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32).state_dict()
+    newer = {k: v + 0.01 for k, v in base.items()}
+    newer["lm_head.weight"] = newer["model.embed_tokens.weight"]
+    restarts = loop.run_until_complete(server.get_stats())["restarts"]
+
+    async def scenario():
+        await server.kill_server_for_test()  # idle: no request notices
+        await server.abort_all_requests()  # the pause finds it dead and replaces it (weights of version 1 reloaded)
+        await server.kill_server_for_test()  # dies again while paused
+        report = await server.update_weights(newer, 2)
+        await server.resume_generation()
+        output = await server.generate(PROMPTS[0], dict(PARAMS), "after-restarts")
+        return report, output, await server.get_stats()
+
+    report, output, stats = loop.run_until_complete(scenario())
+    assert stats["restarts"] == restarts + 2
+    check_sync(report, 2, expected_checksum(newer), "the twice restarted replica")
+    assert output.stop_reason == "completed" and set(output.extra_fields["token_versions"]) == {2}
