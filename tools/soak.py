@@ -47,12 +47,30 @@ def vllm_servers(root: psutil.Process) -> list[psutil.Process]:
     return found
 
 
+def count_lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def lost_groups(accounting: dict) -> int:
+    """Accepted groups neither trained nor still buffered at the end (must be 0)."""
+    return accounting["accepted"] - accounting["consumed"] - accounting["buffered"]
+
+
+def mean_rss(samples: list[dict], start: float, end: float) -> float | None:
+    """Mean process-tree RSS over the samples in [start, end) of the run (fractions of its length)."""
+    last = samples[-1]["t_s"]
+    window = [s["rss_mb"] for s in samples if start * last <= s["t_s"] < end * last + 1e-9]
+    return sum(window) / len(window) if window else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="recipes/grpo_cpu_async_vllm.yaml")
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--max-staleness", type=int, default=1, help="small: weight updates interrupt often")
+    parser.add_argument("--batch", type=int, default=8, help="prompts per step (small: many steps and updates)")
+    parser.add_argument("--rss-growth-bound-mb", type=float, default=300.0, help="allowed warm-phase growth")
     parser.add_argument("--kill-every", type=float, default=300.0, help="seconds between vLLM server kills (0: none)")
     parser.add_argument("--sample-every", type=float, default=10.0)
     parser.add_argument("--run-dir", type=Path, default=Path("runs/soak"))
@@ -60,7 +78,8 @@ def main() -> None:
     command = [
         str(Path(sys.executable).with_name("areal-plugins")), "train", args.recipe,
         f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false", "trainer.test_freq=-1",
-        f"areal.max_staleness={args.max_staleness}", "--run-dir", str(args.run_dir),
+        f"areal.max_staleness={args.max_staleness}", f"data.train_batch_size={args.batch}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.batch}", "--run-dir", str(args.run_dir),
     ]  # fmt: skip
     print("soak:", " ".join(command), flush=True)
     runner = subprocess.Popen(command, start_new_session=True)
@@ -79,7 +98,8 @@ def main() -> None:
             kills.append(round(now, 1))
             next_kill = time.monotonic() + args.kill_every
             print(f"soak: {now:.0f} s: killed the vLLM server (pid {servers[0].pid})", flush=True)
-        print(f"soak: {now:.0f} s: process tree {samples[-1]['rss_mb']:.0f} MB", flush=True)
+        steps_done = count_lines(args.run_dir / "areal_steps.jsonl")
+        print(f"soak: {now:.0f} s: step {steps_done}, process tree {samples[-1]['rss_mb']:.0f} MB", flush=True)
     if runner.poll() is None:  # time is up: stop the run (its accounting is not written then)
         os.killpg(runner.pid, signal.SIGTERM)
         runner.wait(timeout=120)
@@ -87,7 +107,11 @@ def main() -> None:
     consumed = [json.loads(line) for line in (args.run_dir / "areal_samples.jsonl").read_text().splitlines()]
     accounting_path = args.run_dir / "areal_accounting.jsonl"
     accounting = json.loads(accounting_path.read_text().splitlines()[-1]) if accounting_path.exists() else None
-    warm = [s["rss_mb"] for s in samples if s["t_s"] >= samples[-1]["t_s"] * 0.25] or [s["rss_mb"] for s in samples]
+    # Growth after warm-up: the last tenth of the run against the tenth after the first quarter (start-up,
+    # first compiles and the first server restart are behind by then).
+    early, late = mean_rss(samples, 0.25, 0.35), mean_rss(samples, 0.9, 1.0)
+    growth = late - early if early is not None and late is not None else None
+    train_log = (args.run_dir / "train.log").read_text(errors="replace")
     report = {
         "command": " ".join(command),
         "minutes": (time.monotonic() - started) / 60,
@@ -97,10 +121,19 @@ def main() -> None:
         "consumed_trajectories": len(consumed),
         "duplicate_consumptions": len(consumed) - len({(s["group"], s["key"]) for s in consumed}),
         "accounting": accounting,
+        "completed": runner.returncode == 0,
+        "engine_restarts": steps[-1].get("areal/engine_restarts") if steps else None,
+        "restart_warnings_in_log": train_log.count("restarting it"),
+        "interrupted_trajectories": sum(1 for s in consumed if s["num_interrupts"] > 0),
+        "multi_version_trajectories": sum(1 for s in consumed if s["head_version"] != s["tail_version"]),
+        "lost_groups": None if accounting is None else lost_groups(accounting),
         "rss_mb_first": samples[0]["rss_mb"] if samples else None,
-        "rss_mb_warm_min": min(warm, default=None),
-        "rss_mb_warm_max": max(warm, default=None),
-        "rss_mb_last": samples[-1]["rss_mb"] if samples else None,
+        "rss_mb_peak": max((s["rss_mb"] for s in samples), default=None),
+        "rss_mb_after_warmup": early,
+        "rss_mb_end": late,
+        "rss_growth_mb": growth,
+        "rss_growth_bound_mb": args.rss_growth_bound_mb,
+        "rss_within_bound": growth is not None and growth <= args.rss_growth_bound_mb,
         "samples": samples,
     }
     (args.run_dir / "soak.json").write_text(json.dumps(report, indent=2))

@@ -60,4 +60,5 @@ def rollout_rates(before: dict[str, Any] | None, after: dict[str, Any] | None, w
     return {
         "areal/rollout_idle_ratio": max(0.0, 1.0 - busy / (wall_s * replicas)),
         "areal/gen_tokens_per_s": tokens / wall_s,
+        "areal/engine_restarts": float(after.get("restarts", 0)),  # since the run started
     }

@@ -335,10 +335,11 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             return None
         if not stats:
             return None
-        total = {"replicas": len(stats), "busy_s": 0.0, "generated_tokens": 0, "in_flight": 0}
+        total = {"replicas": len(stats), "busy_s": 0.0, "generated_tokens": 0, "in_flight": 0, "restarts": 0}
         for item in stats:
             for key in ("busy_s", "generated_tokens", "in_flight"):
                 total[key] += item[key]
+            total["restarts"] += item.get("restarts", 0)  # engines that can die and be replaced (vLLM)
         return total
 
     def _monitor_rollout(self) -> None:

@@ -23,8 +23,8 @@ import os
 import shutil
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp

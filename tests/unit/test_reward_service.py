@@ -84,3 +84,16 @@ def test_step_metrics_aggregate_the_reports():
         "areal/reward_crashes": 0.0,
     }
     assert reward_service_metrics([{}, {}]) == {}
+
+
+def test_rollout_rates_between_two_engine_snapshots():
+    from areal_plugins.verl_async.metrics import rollout_rates
+
+    before = {"replicas": 2, "busy_s": 10.0, "generated_tokens": 100, "in_flight": 3, "restarts": 1}
+    after = {"replicas": 2, "busy_s": 16.0, "generated_tokens": 400, "in_flight": 0, "restarts": 2}
+    # 2 replicas x 5 s of wall = 10 replica-seconds, 6 of them busy; 300 tokens in 5 s; restarts cumulative.
+    rates = rollout_rates(before, after, 5.0)
+    assert rates == pytest.approx(
+        {"areal/rollout_idle_ratio": 0.4, "areal/gen_tokens_per_s": 60.0, "areal/engine_restarts": 2.0}
+    )
+    assert rollout_rates(None, after, 5.0) == {}
