@@ -45,20 +45,24 @@ def has_accelerator() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def ensure_tiny_assets(tiny_dir: Path, force: bool = False) -> Path:
-    """Build the tiny model and the addition data under ``tiny_dir`` unless already there."""
-    from areal_plugins.tiny.model import TinyModelSpec, build_tiny_model
+def ensure_tiny_assets(tiny_dir: Path, force: bool = False, workload: str = "addition") -> Path:
+    """Build the tiny model and the addition data of ``workload`` under ``tiny_dir`` unless already there."""
+    from areal_plugins.tiny.model import WORKLOADS, build_tiny_model
     from areal_plugins.tiny.task import write_dataset
 
     stamp = tiny_dir / "BUILT.json"
     if stamp.exists() and not force:
+        built = json.loads(stamp.read_text()).get("workload", "addition")
+        if built != workload:
+            raise SystemExit(f"{tiny_dir} holds the {built!r} workload, not {workload!r}: pass another directory")
         return tiny_dir
     start = time.monotonic()
-    spec = TinyModelSpec()
-    logger.info("building the tiny model and data in %s (about 30 s on 2 cores)", tiny_dir)
+    spec = WORKLOADS[workload]
+    logger.info("building the tiny model and data (%s) in %s (1-3 min on 2 cores)", workload, tiny_dir)
     metrics = build_tiny_model(tiny_dir / "model", spec)
     write_dataset(tiny_dir / "data", train_size=4096, test_size=256, seed=spec.seed)
-    stamp.write_text(json.dumps({"spec": spec.__dict__, **metrics, "seconds": time.monotonic() - start}, indent=2))
+    record = {"workload": workload, "spec": spec.__dict__, **metrics, "seconds": time.monotonic() - start}
+    stamp.write_text(json.dumps(record, indent=2))
     return tiny_dir
 
 
@@ -234,6 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     build = commands.add_parser("build-tiny", help="build the tiny Qwen2 model and the addition data")
     build.add_argument("--out", type=Path, default=DEFAULT_TINY_DIR)
     build.add_argument("--force", action="store_true", help="rebuild even if already built")
+    build.add_argument(
+        "--workload",
+        default="addition",
+        choices=("addition", "longtail"),
+        help="longtail: answers after a long-tailed"
+        " run of thinking tokens (the benchmark's workload; use another --out, e.g. .areal/tiny_longtail)",
+    )
     run = commands.add_parser("train", help="train with a recipe through verl's main_ppo")
     run.add_argument("recipe", type=Path)
     run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.total_training_steps=10")
@@ -259,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("wrote %s", path)
         return 0
     if args.command == "build-tiny":
-        ensure_tiny_assets(args.out, force=args.force)
+        ensure_tiny_assets(args.out, force=args.force, workload=args.workload)
         logger.info("tiny model and data in %s", args.out)
         return 0
     return train(args.recipe, args.overrides, args.run_dir, args.tiny_dir)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from areal_plugins.tiny.task import make_problems
+from areal_plugins.tiny.task import THINK_TOKEN, make_problems, thinking_lengths
 from areal_plugins.tiny.tokenizer import write_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,15 @@ class TinyModelSpec:
     warmstart_lr: float = 1e-3
     warmstart_batch: int = 32
     seed: int = 0
+    #: Long-tail workload: answers come after a "thinking" run of " ." tokens whose length is lognormal
+    #: (this median in tokens, 0: none), so sampled response lengths have a long tail as in reasoning RL.
+    think_median: int = 0
+    think_sigma: float = 1.0
+    think_cap: int = 200
+
+
+#: The tiny workloads: short answers (recipes, tests), and the benchmark's long-tailed responses.
+WORKLOADS = {"addition": TinyModelSpec(), "longtail": TinyModelSpec(think_median=8)}
 
 
 def random_qwen2(spec: TinyModelSpec, vocab_size: int, **config_overrides: Any) -> Any:
@@ -82,18 +91,25 @@ def _warm_start(model, tokenizer, spec: TinyModelSpec) -> dict[str, float]:
 
     # Seed offset keeps warm-start problems apart from the RL data's default seeds.
     problems = make_problems(spec.warmstart_steps * spec.warmstart_batch, seed=spec.seed + 10_000)
+    think = thinking_lengths(len(problems), spec.think_median, spec.think_sigma, spec.think_cap, spec.seed + 20_000)
+    filler = tokenizer.encode(THINK_TOKEN, add_special_tokens=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warmstart_lr)
     model.train()
     loss_value = float("nan")
     for step in range(spec.warmstart_steps):
         batch = problems[step * spec.warmstart_batch : (step + 1) * spec.warmstart_batch]
         input_ids, labels = [], []
-        for problem in batch:
+        for problem, think_tokens in zip(batch, think[step * spec.warmstart_batch :], strict=False):
             prompt = tokenizer.apply_chat_template(
                 [{"role": "user", "content": problem.question}], add_generation_prompt=True, tokenize=False
             )
             prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-            answer_ids = [*tokenizer.encode(problem.answer, add_special_tokens=False), tokenizer.eos_token_id]
+            answer_text = (" " if think_tokens else "") + problem.answer
+            answer_ids = [
+                *filler * think_tokens,
+                *tokenizer.encode(answer_text, add_special_tokens=False),
+                tokenizer.eos_token_id,
+            ]
             input_ids.append(prompt_ids + answer_ids)
             labels.append([-100] * len(prompt_ids) + answer_ids)
         width = max(len(ids) for ids in input_ids)

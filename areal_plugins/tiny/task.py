@@ -6,11 +6,14 @@ short supervised pass; after that, GRPO with the exact math-verify reward measur
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 DATA_SOURCE = "areal/addition"
+#: One token in the tiny tokenizer, repeated as the long-tail workload's "thinking" before the answer.
+THINK_TOKEN = " ."
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,14 @@ def make_problems(count: int, seed: int, max_operand: int = 9) -> list[AdditionP
     """Return ``count`` problems drawn with replacement, deterministic for a given seed."""
     rng = random.Random(seed)
     return [AdditionProblem(rng.randint(0, max_operand), rng.randint(0, max_operand)) for _ in range(count)]
+
+
+def thinking_lengths(count: int, median: int, sigma: float, cap: int, seed: int) -> list[int]:
+    """Lognormal lengths (``median`` tokens, log-space spread ``sigma``) rounded and capped; all 0 if median is 0."""
+    if median <= 0:
+        return [0] * count
+    rng = random.Random(seed)
+    return [min(cap, round(median * math.exp(sigma * rng.gauss(0.0, 1.0)))) for _ in range(count)]
 
 
 def to_verl_row(problem: AdditionProblem, split: str, index: int) -> dict:

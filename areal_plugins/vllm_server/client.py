@@ -17,6 +17,8 @@ import aiohttp
 
 #: vLLM's finish reason for a request cut short by ``/pause?mode=abort``.
 ABORTED = "abort"
+#: Seconds an idle pooled connection is kept; below the server's keep-alive (server.py sets 60 s).
+IDLE_CONNECTION_S = 30.0
 
 
 @dataclass
@@ -39,7 +41,10 @@ class VLLMClient:
 
     async def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
+            # Drop idle connections before the server does (uvicorn: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, we set 60 s):
+            # reusing one the server is closing fails the request with "connection reset by peer".
+            connector = aiohttp.TCPConnector(keepalive_timeout=IDLE_CONNECTION_S)
+            self._session = aiohttp.ClientSession(timeout=self.timeout, connector=connector)
         return self._session
 
     async def close(self) -> None:

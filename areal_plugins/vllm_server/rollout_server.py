@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 CHECKSUM_RTOL = 1e-7
 #: What a request or control call raises when the server process is gone.
 SERVER_GONE = (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError)
+#: Retries of a call that failed while the server stayed up (e.g. a connection reset) before giving up.
+TRANSIENT_RETRIES = 3
 
 
 class WeightSyncError(RuntimeError):
@@ -160,8 +162,10 @@ class VLLMRolloutServer(CPUReplicaContract):
         logprobs: list[float] = []
         versions: list[int] = []
         self._enter()
+        attempt = 0
         try:
             while True:
+                attempt += 1
                 version, incarnation = self.version, self.server.restarts
                 try:
                     chunk = await self.client.generate(
@@ -173,7 +177,9 @@ class VLLMRolloutServer(CPUReplicaContract):
                         on_tokens=self._count_tokens,
                     )
                 except SERVER_GONE as error:
-                    await self._restart_if_dead(error, incarnation)
+                    await self._recover(error, incarnation, attempt)
+                    if self.server.restarts != incarnation:
+                        attempt = 0  # retries count failures of one server
                     if not self._gate_open.is_set():
                         # Paused while the server died: hand back the partial output, as /pause would have.
                         return tokens, logprobs, versions, ABORTED
@@ -187,12 +193,23 @@ class VLLMRolloutServer(CPUReplicaContract):
 
     async def _on_live_server(self, call: Callable[[VLLMClient], Awaitable[Any]]) -> Any:
         """A control call (pause, resume, reload) that replaces a server found dead instead of failing the run."""
-        incarnation = self.server.restarts
-        try:
-            return await call(self.client)
-        except SERVER_GONE as error:
-            await self._restart_if_dead(error, incarnation)
-            return await call(self.client)
+        for attempt in range(1, TRANSIENT_RETRIES + 2):
+            incarnation = self.server.restarts
+            try:
+                return await call(self.client)
+            except SERVER_GONE as error:
+                await self._recover(error, incarnation, attempt)
+        raise AssertionError("unreachable: _recover raises once the retries are spent")
+
+    async def _recover(self, error: BaseException, incarnation: int, attempt: int) -> None:
+        """After a failed call: retry on a server that is still up (a dropped connection), else replace it."""
+        if self.server.restarts == incarnation and self.server.alive() and self.server.healthy():
+            if attempt > TRANSIENT_RETRIES:
+                raise RuntimeError(f"vLLM call failed {attempt} times while the server is up: {error!r}") from error
+            logger.warning("vLLM call failed on a live server (%r); retrying (attempt %d)", error, attempt)
+            await asyncio.sleep(0.1 * attempt)
+            return
+        await self._restart_if_dead(error, incarnation)
 
     async def _restart_if_dead(self, error: BaseException, incarnation: int) -> None:
         async with self._restart_lock:

@@ -166,6 +166,7 @@ class VLLMServer:
         env.update(
             PYTHONPATH=str(extension_dir),
             VLLM_SERVER_DEV_MODE="1",  # /collective_rpc, /pause, /resume
+            VLLM_HTTP_TIMEOUT_KEEP_ALIVE="60",  # longer than the client keeps idle connections (client.py)
             OMP_NUM_THREADS=str(self.num_threads),
             VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         )

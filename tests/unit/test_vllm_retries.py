@@ -1,0 +1,75 @@
+"""The vLLM rollout server's policy after a failed call: retry on a live server, replace a dead one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from areal_plugins.vllm_server.rollout_server import TRANSIENT_RETRIES, VLLMRolloutServer
+
+
+class FakeProcess:
+    """The server process as the policy sees it: up or not, answering /health or not."""
+
+    def __init__(self, up: bool) -> None:
+        self.up = up
+        self.restarts = 0
+
+    def alive(self) -> bool:
+        return self.up
+
+    def healthy(self) -> bool:
+        return self.up
+
+
+def rollout_server(process: FakeProcess) -> VLLMRolloutServer:
+    server = VLLMRolloutServer.__new__(VLLMRolloutServer)  # no real server: only the retry policy runs
+    server.server = process
+    server.client = "client-0"
+    restarted = []
+
+    async def restart_if_dead(error, incarnation):
+        process.restarts += 1
+        server.client = f"client-{process.restarts}"
+        process.up = True
+        restarted.append(error)
+
+    server._restart_if_dead = restart_if_dead
+    return server
+
+
+def failing(times: int):
+    calls = []
+
+    async def call(client):
+        calls.append(client)
+        if len(calls) <= times:
+            raise aiohttp.ClientOSError(104, "Connection reset by peer")
+        return "done"
+
+    return call, calls
+
+
+def test_a_dropped_connection_on_a_live_server_is_retried_without_a_restart():
+    process = FakeProcess(up=True)
+    server = rollout_server(process)
+    call, calls = failing(TRANSIENT_RETRIES)
+    assert asyncio.run(server._on_live_server(call)) == "done"
+    assert calls == ["client-0"] * (TRANSIENT_RETRIES + 1) and process.restarts == 0
+
+
+def test_a_live_server_that_keeps_failing_stops_with_the_error():
+    server = rollout_server(FakeProcess(up=True))
+    call, calls = failing(TRANSIENT_RETRIES + 1)
+    with pytest.raises(RuntimeError, match=f"failed {TRANSIENT_RETRIES + 1} times while the server is up"):
+        asyncio.run(server._on_live_server(call))
+
+
+def test_a_dead_server_is_replaced_and_the_call_goes_to_the_new_one():
+    process = FakeProcess(up=False)
+    server = rollout_server(process)
+    call, calls = failing(1)
+    assert asyncio.run(server._on_live_server(call)) == "done"
+    assert calls == ["client-0", "client-1"] and process.restarts == 1
