@@ -65,6 +65,7 @@ def test_a_live_server_that_keeps_failing_stops_with_the_error():
     call, calls = failing(TRANSIENT_RETRIES + 1)
     with pytest.raises(RuntimeError, match=f"failed {TRANSIENT_RETRIES + 1} times while the server is up"):
         asyncio.run(server._on_live_server(call))
+    assert len(calls) == TRANSIENT_RETRIES + 1
 
 
 def test_a_dead_server_is_replaced_and_the_call_goes_to_the_new_one():
