@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import statistics
@@ -84,7 +85,17 @@ def measure(run_dir: Path) -> dict:
     return result
 
 
-def run_one(config: Config, steps: int, repeat: int, seed: int, out_dir: Path, tiny_dir: Path) -> dict:
+#: Per workload: the tiny assets' directory and what its recipes must change.
+WORKLOADS = {
+    "addition": (REPO / ".areal" / "tiny", []),
+    # Answers after a lognormal run of thinking tokens (median 8, capped at 200): room for the tail.
+    "longtail": (REPO / ".areal" / "tiny_longtail", ["data.max_response_length=224"]),
+}
+
+
+def run_one(
+    config: Config, steps: int, repeat: int, seed: int, out_dir: Path, tiny_dir: Path, workload_overrides: list[str]
+) -> dict:
     run_dir = out_dir / f"{config.name}-r{repeat}"
     command = [
         sys.executable,
@@ -97,6 +108,7 @@ def run_one(config: Config, steps: int, repeat: int, seed: int, out_dir: Path, t
         "trainer.test_freq=-1",
         f"data.seed={seed}",
         f"actor_rollout_ref.rollout.seed={seed}",
+        *workload_overrides,
         *config.overrides,
         "--run-dir",
         str(run_dir),
@@ -179,10 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--placements", default="separate,colocated")
     parser.add_argument("--prox-logp", default="loglinear", choices=("recompute", "loglinear"))
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
-    parser.add_argument("--tiny-dir", type=Path, default=REPO / ".areal" / "tiny")
+    parser.add_argument(
+        "--workload", default="longtail", choices=sorted(WORKLOADS), help="longtail: long-tailed response lengths"
+    )
+    parser.add_argument("--tiny-dir", type=Path, default=None, help="default: the workload's own directory")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats, args.etas, args.placements = 4, 2, "4", "separate"
+    from areal_plugins.cli import ensure_tiny_assets
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")  # build progress
+
+    default_dir, workload_overrides = WORKLOADS[args.workload]
+    tiny_dir = ensure_tiny_assets(args.tiny_dir or default_dir, workload=args.workload)
     etas = [int(x) for x in args.etas.split(",") if x]
     placements = [p for p in args.placements.split(",") if p]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -192,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     done = 0
     for repeat in range(args.repeats):  # interleave configurations so drift in the machine hits all alike
         for config in plan:
-            figures = run_one(config, args.steps, repeat, seed=repeat, out_dir=args.out, tiny_dir=args.tiny_dir)
+            figures = run_one(config, args.steps, repeat, repeat, args.out, tiny_dir, workload_overrides)
             results[config.name].append(figures)
             done += 1
             print(
@@ -204,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [summarise(name, runs, sync_runs) for name, runs in results.items()]
     bench = {
         "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, no GPU",
+        "workload": args.workload,
         "steps_per_run": args.steps,
         "counted_steps": args.steps - 1,
         "repeats": args.repeats,

@@ -60,3 +60,33 @@ def test_verl_row_layout():
     assert set(row) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}
     assert row["prompt"][0]["role"] == "user"
     assert row["reward_model"]["style"] == "rule"
+
+
+def test_thinking_lengths_are_lognormal_capped_and_off_at_median_zero():
+    import math
+    import statistics
+
+    from areal_plugins.tiny.task import thinking_lengths
+
+    lengths = thinking_lengths(4000, median=8, sigma=1.0, cap=200, seed=0)
+    assert lengths == thinking_lengths(4000, median=8, sigma=1.0, cap=200, seed=0)
+    assert 7 <= statistics.median(lengths) <= 9  # exp(N(0,1)) has median 1
+    # P(length > 8e) = P(Z > 1) = 0.159: a tail, not a constant
+    assert abs(sum(x > 8 * math.e for x in lengths) / 4000 - 0.159) < 0.03
+    assert max(lengths) <= 200 and thinking_lengths(5, median=0, sigma=1.0, cap=200, seed=0) == [0] * 5
+
+
+def test_warm_start_loss_equals_hugging_faces_labelled_loss():
+    import torch
+
+    from areal_plugins.tiny.model import TinyModelSpec, _answer_loss, random_qwen2
+
+    model = random_qwen2(TinyModelSpec(hidden_size=32, intermediate_size=64), vocab_size=97)
+    ids = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, 8:] = 0
+    labels = ids.clone()
+    labels[:, :5] = -100
+    labels[0, 8:] = -100
+    expected = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert torch.allclose(_answer_loss(model, ids, mask, labels), expected, atol=1e-6)
