@@ -45,18 +45,22 @@ def has_accelerator() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def ensure_tiny_assets(tiny_dir: Path, force: bool = False, workload: str = "addition") -> Path:
-    """Build the tiny model and the addition data of ``workload`` under ``tiny_dir`` unless already there."""
+def ensure_tiny_assets(tiny_dir: Path, force: bool = False, workload: str | None = None) -> Path:
+    """Build the tiny model and data of ``workload`` under ``tiny_dir`` unless already there.
+
+    ``workload=None`` (training): whatever is built there, else the addition workload.
+    """
     from areal_plugins.tiny.model import WORKLOADS, build_tiny_model
     from areal_plugins.tiny.task import write_dataset
 
     stamp = tiny_dir / "BUILT.json"
     if stamp.exists() and not force:
         built = json.loads(stamp.read_text()).get("workload", "addition")
-        if built != workload:
+        if workload is not None and built != workload:
             raise SystemExit(f"{tiny_dir} holds the {built!r} workload, not {workload!r}: pass another directory")
         return tiny_dir
     start = time.monotonic()
+    workload = workload or "addition"
     spec = WORKLOADS[workload]
     logger.info("building the tiny model and data (%s) in %s (1-3 min on 2 cores)", workload, tiny_dir)
     metrics = build_tiny_model(tiny_dir / "model", spec)

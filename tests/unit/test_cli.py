@@ -36,3 +36,15 @@ def test_plugin_selection_reaches_every_process_through_the_environment():
     assert _plugin_selection_env(recipe, []) == {}
     env = _plugin_selection_env(recipe, ["areal.plugins.exclude=[example_observer]", "areal.plugins.include=[a,b]"])
     assert env == {"AREAL_PLUGINS_EXCLUDE": "example_observer", "AREAL_PLUGINS_INCLUDE": "a,b"}
+
+
+def test_training_takes_any_built_workload_and_a_build_refuses_a_directory_of_another(tmp_path):
+    import json
+
+    from areal_plugins.cli import ensure_tiny_assets
+
+    (tmp_path / "BUILT.json").write_text(json.dumps({"workload": "longtail"}))
+    assert ensure_tiny_assets(tmp_path) == tmp_path  # train --tiny-dir: use what is there
+    assert ensure_tiny_assets(tmp_path, workload="longtail") == tmp_path
+    with pytest.raises(SystemExit, match="holds the 'longtail' workload, not 'addition'"):
+        ensure_tiny_assets(tmp_path, workload="addition")
