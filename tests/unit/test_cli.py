@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from areal_plugins.cli import _format_progress, _parse_metrics, _recipe_files, _total_steps
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
