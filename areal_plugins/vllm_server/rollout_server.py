@@ -45,6 +45,15 @@ SERVER_GONE = (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError)
 TRANSIENT_RETRIES = 3
 
 
+def verl_stop_reason(finish_reason: str | None) -> str:
+    """verl's stop reason for a vLLM finish reason; verl re-issues "aborted" requests from their partial output.
+
+    A stream that ends without a finish reason was cut, not completed (the soak saw one with no tokens when
+    /pause raced the request's start; as "completed" it reached verl's reward step empty and failed the group).
+    """
+    return "aborted" if finish_reason in (ABORTED, None) else "completed"
+
+
 class WeightSyncError(RuntimeError):
     """The engine does not serve the weights the trainer sent."""
 
@@ -151,7 +160,7 @@ class VLLMRolloutServer(CPUReplicaContract):
         return TokenOutput(
             token_ids=tokens,
             log_probs=logprobs if params.get("logprobs") else None,
-            stop_reason="aborted" if reason == ABORTED else "completed",
+            stop_reason=verl_stop_reason(reason),
             extra_fields=self._extra(versions),
         )
 

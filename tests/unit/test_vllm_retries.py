@@ -74,3 +74,11 @@ def test_a_dead_server_is_replaced_and_the_call_goes_to_the_new_one():
     call, calls = failing(1)
     assert asyncio.run(server._on_live_server(call)) == "done"
     assert calls == ["client-0", "client-1"] and process.restarts == 1
+
+
+def test_only_a_finished_stream_counts_as_completed():
+    from areal_plugins.vllm_server.rollout_server import verl_stop_reason
+
+    assert verl_stop_reason("stop") == "completed" and verl_stop_reason("length") == "completed"
+    assert verl_stop_reason("abort") == "aborted"  # /pause?mode=abort
+    assert verl_stop_reason(None) == "aborted"  # the stream ended without saying why: verl re-issues it
