@@ -15,6 +15,7 @@ the command printed at the top of ``soak.json``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -26,14 +27,16 @@ from pathlib import Path
 import psutil
 
 
-def tree_rss_mb(root: psutil.Process) -> float:
-    total = 0
+def tree_rss_mb(root: psutil.Process) -> tuple[float, dict[str, float]]:
+    """Total RSS of the process tree, and per process name (to tell which one grows)."""
+    by_name: dict[str, float] = {}
     for process in [root, *root.children(recursive=True)]:
         try:
-            total += process.memory_info().rss
+            name = process.name()
+            by_name[name] = by_name.get(name, 0.0) + process.memory_info().rss / 2**20
         except psutil.Error:
             continue
-    return total / 2**20
+    return sum(by_name.values()), {k: round(v, 1) for k, v in by_name.items()}
 
 
 def vllm_servers(root: psutil.Process) -> list[psutil.Process]:
@@ -56,11 +59,48 @@ def lost_groups(accounting: dict) -> int:
     return accounting["accepted"] - accounting["consumed"] - accounting["buffered"]
 
 
-def mean_rss(samples: list[dict], start: float, end: float) -> float | None:
-    """Mean process-tree RSS over the samples in [start, end) of the run (fractions of its length)."""
-    last = samples[-1]["t_s"]
-    window = [s["rss_mb"] for s in samples if start * last <= s["t_s"] < end * last + 1e-9]
-    return sum(window) / len(window) if window else None
+def cycle_peaks(samples: list[dict], kills: list[float]) -> list[dict]:
+    """Peak process-tree RSS between consecutive server kills (a restart frees the server's memory, so the
+    tree's RSS is a sawtooth; its peaks are what a leak would raise)."""
+    peaks = []
+    for start, end in itertools.pairwise(kills):
+        window = [s["rss_mb"] for s in samples if start <= s["t_s"] < end]
+        if window:
+            peaks.append({"from_s": start, "peak_mb": max(window)})
+    return peaks
+
+
+def slope_mb_per_hour(peaks: list[dict]) -> float | None:
+    """Least-squares slope of the cycle peaks over time."""
+    if len(peaks) < 2:
+        return None
+    xs, ys = [p["from_s"] / 3600 for p in peaks], [p["peak_mb"] for p in peaks]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+
+
+def plot(report: dict, out: Path) -> None:
+    """Process-tree memory over the run, with the server kills marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(9, 3.6))
+    samples = report["samples"]
+    axis.plot([s["t_s"] / 60 for s in samples], [s["rss_mb"] / 1024 for s in samples], color="#4c72b0")
+    for i, t in enumerate(report["server_kills"]):
+        axis.axvline(t / 60, color="#c44e52", lw=0.8, ls="--", label="vLLM server SIGKILLed" if i == 0 else None)
+    axis.set_xlabel("minutes")
+    axis.set_ylabel("RSS of the process tree (GiB)")
+    axis.set_title(
+        f"soak: {report['steps']} steps, {len(report['server_kills'])} kills, "
+        f"{report['engine_restarts']:.0f} restarts, cycle peaks {report['rss_growth_mb']:+.0f} MB first to last"
+    )
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
 
 
 def main() -> None:
@@ -91,7 +131,8 @@ def main() -> None:
     while runner.poll() is None and time.monotonic() < deadline:
         time.sleep(args.sample_every)
         now = time.monotonic() - started
-        samples.append({"t_s": round(now, 1), "rss_mb": round(tree_rss_mb(root), 1)})
+        total, by_name = tree_rss_mb(root)
+        samples.append({"t_s": round(now, 1), "rss_mb": round(total, 1), "by_process": by_name})
         servers = vllm_servers(root)
         if servers and time.monotonic() >= next_kill:
             os.killpg(servers[0].pid, signal.SIGKILL)
@@ -107,10 +148,8 @@ def main() -> None:
     consumed = [json.loads(line) for line in (args.run_dir / "areal_samples.jsonl").read_text().splitlines()]
     accounting_path = args.run_dir / "areal_accounting.jsonl"
     accounting = json.loads(accounting_path.read_text().splitlines()[-1]) if accounting_path.exists() else None
-    # Growth after warm-up: the last tenth of the run against the tenth after the first quarter (start-up,
-    # first compiles and the first server restart are behind by then).
-    early, late = mean_rss(samples, 0.25, 0.35), mean_rss(samples, 0.9, 1.0)
-    growth = late - early if early is not None and late is not None else None
+    peaks = cycle_peaks(samples, kills)
+    growth = peaks[-1]["peak_mb"] - peaks[0]["peak_mb"] if peaks else None
     train_log = (args.run_dir / "train.log").read_text(errors="replace")
     report = {
         "command": " ".join(command),
@@ -129,14 +168,15 @@ def main() -> None:
         "lost_groups": None if accounting is None else lost_groups(accounting),
         "rss_mb_first": samples[0]["rss_mb"] if samples else None,
         "rss_mb_peak": max((s["rss_mb"] for s in samples), default=None),
-        "rss_mb_after_warmup": early,
-        "rss_mb_end": late,
-        "rss_growth_mb": growth,
+        "rss_cycle_peaks": peaks,
+        "rss_growth_mb": growth,  # last full cycle's peak - first full cycle's peak
+        "rss_slope_mb_per_hour": slope_mb_per_hour(peaks),
         "rss_growth_bound_mb": args.rss_growth_bound_mb,
         "rss_within_bound": growth is not None and growth <= args.rss_growth_bound_mb,
         "samples": samples,
     }
     (args.run_dir / "soak.json").write_text(json.dumps(report, indent=2))
+    plot(report, args.run_dir / "soak.png")
     print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2))
 
 
