@@ -4,6 +4,8 @@ Trains the same recipe body (task, model, seeds, batch) in synchronous verl (``g
 our features off) and in our async trainer at each η and placement, repeats every configuration,
 and writes ``bench.json`` + ``bench.png`` with medians and spread:
 
+- the synchronous baseline is verl's own loop with its replay buffer polling every ``--sync-poll-s``
+  (0.05 s, as our async trainer polls; verl's fixed 2 s would add ~1 s of idle per sync step);
 - wall time of steps 2..N (step 1 also starts verl's agent-loop workers; it is excluded on both sides)
   and the tokens trained in those steps; ``speedup`` = sync seconds per trained token / async
   seconds per trained token (the same number of trained tokens on both sides, to first order:
@@ -33,6 +35,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
+#: verl 0.9.1's sync ReplayBuffer poll interval (not a config key).
+VERL_POLL_S = 2.0
 
 
 @dataclass
@@ -44,8 +48,19 @@ class Config:
     placement: str | None = None
 
 
-def configs(etas: list[int], placements: list[str], prox_logp: str) -> list[Config]:
-    out = [Config("sync", "grpo_cpu_sync.yaml")]
+def sync_poll_overrides(poll_s: float) -> list[str]:
+    """verl's sync replay buffer polling every ``poll_s`` (verl's own 2 s: no override; see baseline_sampler.py)."""
+    if poll_s == VERL_POLL_S:
+        return []
+    return [
+        "trainer.v1.sampler.custom_sampler.path=${areal_package_path:baseline_sampler.py}",
+        "trainer.v1.sampler.custom_sampler.name=PollingReplayBuffer",
+        f"+trainer.v1.sampler.sampler_kwargs.poll_interval_s={poll_s}",
+    ]
+
+
+def configs(etas: list[int], placements: list[str], prox_logp: str, sync_poll_s: float) -> list[Config]:
+    out = [Config("sync", "grpo_cpu_sync.yaml", sync_poll_overrides(sync_poll_s))]
     for placement in placements:
         recipe = "grpo_cpu_async_separate.yaml" if placement == "separate" else "grpo_cpu_async.yaml"
         for eta in etas:
@@ -199,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--etas", default="0,1,2,4,8")
     parser.add_argument("--placements", default="separate,colocated")
     parser.add_argument("--prox-logp", default="loglinear", choices=("recompute", "loglinear"))
+    parser.add_argument(
+        "--sync-poll-s",
+        type=float,
+        default=0.05,
+        help="the sync baseline's replay-buffer poll (our async trainer's is 0.05 s); 2 = verl's default",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
     parser.add_argument(
         "--workload", default="longtail", choices=sorted(WORKLOADS), help="longtail: long-tailed response lengths"
@@ -219,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     etas = [int(x) for x in args.etas.split(",") if x]
     placements = [p for p in args.placements.split(",") if p]
     args.out.mkdir(parents=True, exist_ok=True)
-    plan = configs(etas, placements, args.prox_logp)
+    plan = configs(etas, placements, args.prox_logp, args.sync_poll_s)
     results: dict[str, list[dict]] = {c.name: [] for c in plan}
     total = len(plan) * args.repeats
     done = 0
@@ -243,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "counted_steps": args.steps - 1,
         "repeats": args.repeats,
         "prox_logp": args.prox_logp,
+        "sync_poll_s": args.sync_poll_s,
         "sync_wall_s": spread([r["wall_s"] for r in sync_runs]),
         "sync_overlap_bound": spread([r["overlap_bound"] for r in sync_runs]),
         "rows": rows,
