@@ -178,7 +178,7 @@ def plot(bench: dict, out: Path) -> None:
     ]
     left.bar(names, medians, yerr=errors, capsize=4, color=["#8c8c8c"] + ["#4c72b0"] * (len(rows) - 1))
     left.set_ylabel("seconds per 1k trained tokens (lower is better)")
-    left.set_title("training cost, median and min-max over repeats")
+    left.set_title(f"{bench.get('workload', 'addition')} workload: training cost, median and min-max")
     left.tick_params(axis="x", rotation=30)
     async_rows = [row for row in rows if "speedup" in row]
     speed = [row["speedup"] for row in async_rows]
