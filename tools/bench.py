@@ -10,7 +10,10 @@ and writes ``bench.json`` + ``bench.png`` with medians and spread:
   and the tokens trained in those steps; ``speedup`` = sync seconds per trained token / async
   seconds per trained token (the same number of trained tokens on both sides, to first order:
   both consume the same batches of the same prompts);
-- the ideal overlap bound from sync's own phase times, (T_gen + T_train) / max(T_gen, T_train);
+- the ideal overlap bound from sync's own phase times, (T_gen + T_train) / max(T_gen, T_train), and the
+  core bound, cores / busy cores during sync's counted steps (the machine's CPU time, sampled every 0.5 s):
+  overlapping two phases that each already use most cores gains only the idle cores, unless the work
+  itself shrinks; the tighter of the two is ``bound``;
 - trainer and rollout idle ratios of the async runs, final reward (last 3 steps' mean).
 
 Workloads: ``longtail`` (default; answers after a lognormal run of thinking tokens, so a batch waits for its
@@ -24,11 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +99,13 @@ def measure(run_dir: Path) -> dict:
         "train_s_median": statistics.median(train),
         "overlap_bound": statistics.median((g + t) / max(g, t) for g, t in zip(gen, train, strict=True)),
         "final_reward": statistics.mean(s["critic/score/mean"] for s in steps[-3:]),
+        # The length distribution, for tools/simulate.py --calibrate-from.
+        "response_len_mean": statistics.median(s["response_length/mean"] for s in counted),
+        "response_len_max": statistics.median(s["response_length/max"] for s in counted),
+        "prompt_len_mean": statistics.median(s["prompt_length/mean"] for s in counted),
+        "trajectories_per_step": statistics.median(
+            s["perf/total_num_tokens"] / (s["prompt_length/mean"] + s["response_length/mean"]) for s in counted
+        ),
     }
     ours = read_jsonl(run_dir / "areal_steps.jsonl")[1:]
     for key in ("areal/trainer_idle_ratio", "areal/rollout_idle_ratio", "areal/staleness_mean"):
@@ -101,6 +113,44 @@ def measure(run_dir: Path) -> dict:
         if values:
             result[key.split("/")[1]] = statistics.mean(values)
     return result
+
+
+class CpuSampler:
+    """Samples the machine's busy CPU seconds and the run's finished-step count (lines of verl's unbuffered
+    ``metrics.jsonl``) every ``every_s``, so the busy cores over steps 2..N can be read afterwards."""
+
+    def __init__(self, metrics: Path, every_s: float = 0.5) -> None:
+        self.metrics, self.every_s = metrics, every_s
+        self.samples: list[tuple[float, float, int]] = []  # (monotonic s, busy CPU s, steps finished)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.wait(self.every_s):
+            times = psutil.cpu_times()
+            busy = sum(times) - times.idle - getattr(times, "iowait", 0.0)
+            steps = len(self.metrics.read_bytes().splitlines()) if self.metrics.exists() else 0
+            self.samples.append((time.monotonic(), busy, steps))
+
+
+def busy_cores(samples: list[tuple[float, float, int]], first_step: int, last_step: int) -> float | None:
+    """Mean busy cores between the first sample showing ``first_step`` finished steps and the first
+    showing ``last_step`` (the counted steps: 2..N when ``first_step`` = 1)."""
+    start = next((s for s in samples if s[2] >= first_step), None)
+    end = next((s for s in samples if s[2] >= last_step), None)
+    if start is None or end is None or end[0] <= start[0]:
+        return None
+    return (end[1] - start[1]) / (end[0] - start[0])
 
 
 #: Per workload: the tiny assets' directory and what its recipes must change.
@@ -138,13 +188,22 @@ def run_one(
         str(tiny_dir),
     ]
     started = time.monotonic()
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():  # a rerun into the same directory must not count the old steps
+        metrics.rename(run_dir / "metrics.previous.jsonl")
+    with CpuSampler(metrics) as cpu:
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(
             f"{config.name} repeat {repeat} failed (exit {result.returncode}); see {run_dir / 'train.log'}"
         )
     figures = measure(run_dir)
     figures["process_s"] = time.monotonic() - started
+    cores = busy_cores(cpu.samples, 1, steps)
+    if cores is not None:
+        figures["busy_cores"] = cores
+        # Overlap cannot beat keeping every core busy with the same work: cores / busy cores.
+        figures["core_bound"] = (os.cpu_count() or 1) / cores
     return figures
 
 
@@ -192,6 +251,10 @@ def plot(bench: dict, out: Path) -> None:
     right.axhline(
         bench["sync_overlap_bound"]["median"], color="#c44e52", ls="--", label="ideal overlap bound (sync phases)"
     )
+    if math.isfinite(bench.get("sync_core_bound", {}).get("median", math.nan)):  # older bench.json: none
+        right.axhline(
+            bench["sync_core_bound"]["median"], color="#dd8452", ls=":", label="core bound (cores / sync busy cores)"
+        )
     right.axhline(1.0, color="grey", lw=0.8)
     right.set_ylabel("speedup vs sync (same trained tokens)")
     right.set_title(bench["machine"])
@@ -267,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         "sync_poll_s": args.sync_poll_s,
         "sync_wall_s": spread([r["wall_s"] for r in sync_runs]),
         "sync_overlap_bound": spread([r["overlap_bound"] for r in sync_runs]),
+        "sync_core_bound": spread([r["core_bound"] for r in sync_runs if "core_bound" in r] or [math.nan]),
         "rows": rows,
         "runs": results,
     }
@@ -275,13 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     bench["speedup"] = best["speedup"]
     bench["best_async_config"] = best["config"]
     bench["bound_reached"] = best["speedup"]["median"] / bench["sync_overlap_bound"]["median"]
+    # The tighter of the two: phases that already keep the cores busy leave overlap little to gain.
+    bench["bound"] = min(bench["sync_overlap_bound"]["median"], bench["sync_core_bound"]["median"])
     (args.out / "bench.json").write_text(json.dumps(bench, indent=2))
     plot(bench, args.out / "bench.png")
     print(
         f"sync {bench['sync_wall_s']['median']:.1f} s for {args.steps - 1} steps; best async {best['config']}: "
         f"speedup {best['speedup']['median']:.2f}x "
         f"(min {best['speedup']['min']:.2f}, max {best['speedup']['max']:.2f}); "
-        f"ideal overlap bound {bench['sync_overlap_bound']['median']:.2f}x"
+        f"ideal overlap bound {bench['sync_overlap_bound']['median']:.2f}x, "
+        f"core bound {bench['sync_core_bound']['median']:.2f}x (sync kept "
+        f"{statistics.median(r.get('busy_cores', math.nan) for r in sync_runs):.2f} of {os.cpu_count()} cores busy)"
     )
     print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
     return 0

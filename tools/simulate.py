@@ -26,8 +26,12 @@ import heapq
 import json
 import math
 import random
+import re
+import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,7 @@ def simulate_sync(workload: Workload, hw: Hardware, seed: int = 0) -> dict:
     clock = 0.0
     tokens = 0
     gen_total = train_total = 0.0
+    ends, step_tokens_list = [], []
     for _ in range(workload.steps):
         lengths = sample_lengths(workload, workload.batch * workload.group, rng)
         gen = generation_time(lengths, hw, hw.devices)
@@ -141,7 +146,16 @@ def simulate_sync(workload: Workload, hw: Hardware, seed: int = 0) -> dict:
         gen_total += gen
         train_total += train
         tokens += step_tokens
-    return {"wall_s": clock, "tokens": tokens, "gen_s": gen_total, "train_s": train_total}
+        ends.append(clock)
+        step_tokens_list.append(step_tokens)
+    return {
+        "wall_s": clock,
+        "tokens": tokens,
+        "gen_s": gen_total,
+        "train_s": train_total,
+        "step_ends": ends,
+        "step_tokens": step_tokens_list,
+    }
 
 
 def simulate_async(workload: Workload, hw: Hardware, eta: int, seed: int = 0) -> dict:
@@ -156,6 +170,7 @@ def simulate_async(workload: Workload, hw: Hardware, eta: int, seed: int = 0) ->
     tokens = 0
     staleness = []
     clock = 0.0
+    step_ends, step_tokens_list = [], []
     for _ in range(workload.steps):
         # Admission: submit every group the bound allows at this version (time = when it was allowed).
         limit = (eta + version + 1) * workload.batch
@@ -176,7 +191,20 @@ def simulate_async(workload: Workload, hw: Hardware, eta: int, seed: int = 0) ->
         tokens += step_tokens
         version += 1
         clock = trainer_free  # the next admissions happen at this version, from now
-    return {"wall_s": trainer_free, "tokens": tokens, "staleness_mean": sum(staleness) / len(staleness)}
+        step_ends.append(trainer_free)
+        step_tokens_list.append(step_tokens)
+    return {
+        "wall_s": trainer_free,
+        "tokens": tokens,
+        "staleness_mean": sum(staleness) / len(staleness),
+        "step_ends": step_ends,
+        "step_tokens": step_tokens_list,
+    }
+
+
+def s_per_1k_tokens_after_first(run: dict) -> float:
+    """Seconds per 1k trained tokens over steps 2..N, as the bench counts them (step 1 pays start-up)."""
+    return 1000 * (run["step_ends"][-1] - run["step_ends"][0]) / sum(run["step_tokens"][1:])
 
 
 def speedup(workload: Workload, hw: Hardware, eta: int, seeds: int = 3) -> float:
@@ -216,12 +244,123 @@ def trends(workload: Workload, hw: Hardware, seeds: int) -> dict:
     return out
 
 
+def lognormal_from_mean_and_max(mean: float, expected_max: float, count: int) -> tuple[float, float]:
+    """(median, sigma) of the log-normal whose mean is ``mean`` and whose largest of ``count`` draws is
+    about ``expected_max``: mean = m·e^(σ²/2) and max ≈ m·e^(σ·z) at z = Φ⁻¹(1 - 1/(count+1)), so
+    ln(max/mean) = σz - σ²/2; the smaller root is the one below z."""
+    z = statistics.NormalDist().inv_cdf(1 - 1 / (count + 1))
+    gap = math.log(max(expected_max, mean) / mean)
+    sigma = z - math.sqrt(max(z * z - 2 * gap, 0.0))
+    return mean / math.exp(sigma * sigma / 2), sigma
+
+
+def fit_rate(target_s: float, time_at: Callable[[float], float], low: float = 1e-3, high: float = 1e6) -> float:
+    """The rate r with time_at(r) = target_s, for time_at decreasing in r (geometric bisection)."""
+    for _ in range(100):
+        middle = math.sqrt(low * high)
+        low, high = (middle, high) if time_at(middle) > target_s else (low, middle)
+    return math.sqrt(low * high)
+
+
+def calibrate_from_bench(bench: dict, base: Hardware = CALIBRATIONS["cpu"][1]) -> tuple[Workload, Hardware]:
+    """Fit the model to a bench.json's synchronous runs: the length distribution from the measured mean
+    and longest response per step, decode speed so the simulated sync generation takes the measured
+    time, training speed so sync training does. Overhead per trajectory and the training scaling with
+    cores stay those of the ``cpu`` calibration (one sync run cannot separate them)."""
+    sync = next(row for row in bench["rows"] if row["config"] == "sync")
+    count = round(sync["trajectories_per_step"]["median"])
+    mean, longest = sync["response_len_mean"]["median"], sync["response_len_max"]["median"]
+    median, sigma = lognormal_from_mean_and_max(mean, longest, count)
+    prompts = count // 8
+    workload = Workload(
+        steps=bench["steps_per_run"],
+        batch=prompts,
+        group=count // prompts,
+        length_median=median,
+        length_sigma=sigma,
+        length_max=int(max(run["response_len_max"] for run in bench["runs"]["sync"])),
+        prompt_len=round(sync["prompt_len_mean"]["median"]),
+    )
+    lengths = sample_lengths(workload, count, random.Random(0))
+    gen_s, train_s = sync["gen_s_median"]["median"], sync["train_s_median"]["median"]
+    overhead = min(base.overhead_s, 0.9 * gen_s / count)  # leave room for decoding
+    hw = replace(base, overhead_s=overhead)
+    decode = fit_rate(gen_s, lambda rate: generation_time(lengths, replace(hw, decode_tps=rate), hw.devices))
+    tokens = sum(lengths) + workload.prompt_len * count
+    train_tps = tokens / (max(train_s - hw.train_fixed_s, 0.1) * hw.devices**hw.train_scaling)
+    return workload, replace(hw, decode_tps=decode, train_tps=train_tps)
+
+
+def eta_of(config: str) -> int | None:
+    match = re.fullmatch(r"async-separate-eta(\d+)", config)
+    return int(match.group(1)) if match else None
+
+
+def compare_with_bench(bench: dict, seeds: int = 5) -> dict:
+    """The calibrated model's sync and async (separate placement) costs next to the measured ones."""
+    workload, hw = calibrate_from_bench(bench)
+    rows = {row["config"]: row for row in bench["rows"]}
+    sync_model = statistics.median(
+        s_per_1k_tokens_after_first(simulate_sync(workload, hw, seed)) for seed in range(seeds)
+    )
+    out = {
+        "workload": asdict(workload),
+        "hardware": asdict(hw),
+        "sync": {"measured_s_per_1k": rows["sync"]["s_per_1k_tokens"]["median"], "model_s_per_1k": sync_model},
+        "async": [],
+    }
+    for name, row in rows.items():
+        eta = eta_of(name)
+        if eta is None:
+            continue
+        runs = [simulate_async(workload, hw, eta, seed) for seed in range(seeds)]
+        model = statistics.median(s_per_1k_tokens_after_first(run) for run in runs)
+        one_core_train = train_time(round(statistics.mean(runs[0]["step_tokens"])), hw, 1)
+        out["async"].append({
+            "config": name,
+            "measured_s_per_1k": row["s_per_1k_tokens"]["median"],
+            "model_s_per_1k": model,
+            "measured_speedup": row["speedup"]["median"],
+            "model_speedup": sync_model / model,
+            "measured_step_s": row["step_s_median"]["median"],
+            "model_train_s_one_core": one_core_train,
+        })  # fmt: skip
+    return out
+
+
+def print_comparison(result: dict) -> None:
+    w, h = result["workload"], result["hardware"]
+    print(
+        f"fitted: lengths log-normal median {w['length_median']:.1f} sigma {w['length_sigma']:.2f} (cap "
+        f"{w['length_max']}), decode {h['decode_tps']:.1f} tok/s per sequence, overhead {h['overhead_s']:.3f} s"
+        f" per trajectory, training {h['train_tps']:.0f} tok/s per core"
+    )
+    sync = result["sync"]
+    print(f"sync:  measured {sync['measured_s_per_1k']:.2f} s/1k tokens, model {sync['model_s_per_1k']:.2f}")
+    for row in result["async"]:
+        print(
+            f"{row['config']}: measured {row['measured_s_per_1k']:.2f} s/1k tokens ({row['measured_speedup']:.2f}x),"
+            f" model {row['model_s_per_1k']:.2f} ({row['model_speedup']:.2f}x); step measured "
+            f"{row['measured_step_s']:.1f} s vs model one-core training {row['model_train_s_one_core']:.1f} s"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibration", choices=sorted(CALIBRATIONS), default="gpu")
     parser.add_argument("--eta", type=int, default=4)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument(
+        "--calibrate-from",
+        type=Path,
+        metavar="BENCH_JSON",
+        help="fit the model to a bench.json's sync runs and print its predictions next to the measured async runs",
+    )
     args = parser.parse_args(argv)
+    if args.calibrate_from:
+        comparison = compare_with_bench(json.loads(args.calibrate_from.read_text()))
+        print(json.dumps(comparison, indent=2)) if args.json else print_comparison(comparison)
+        return 0
     workload, hw = CALIBRATIONS[args.calibration]
     seeds = 1 if args.calibration == "gpu" else 3
     hw, _ = best_split(workload, hw, args.eta, seeds)

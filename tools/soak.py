@@ -27,16 +27,20 @@ from pathlib import Path
 import psutil
 
 
-def tree_rss_mb(root: psutil.Process) -> tuple[float, dict[str, float]]:
-    """Total RSS of the process tree, and per process name (to tell which one grows)."""
-    by_name: dict[str, float] = {}
+def tree_rss_mb(root: psutil.Process) -> tuple[float, dict[str, float], dict[str, float]]:
+    """Total RSS of the process tree, and per process name its RSS and PSS (PSS splits shared pages among
+    the processes that map them, so a leak shows in one name instead of in every forked worker)."""
+    rss: dict[str, float] = {}
+    pss: dict[str, float] = {}
     for process in [root, *root.children(recursive=True)]:
         try:
             name = process.name()
-            by_name[name] = by_name.get(name, 0.0) + process.memory_info().rss / 2**20
+            memory = process.memory_full_info()
         except psutil.Error:
             continue
-    return sum(by_name.values()), {k: round(v, 1) for k, v in by_name.items()}
+        rss[name] = rss.get(name, 0.0) + memory.rss / 2**20
+        pss[name] = pss.get(name, 0.0) + memory.pss / 2**20
+    return sum(rss.values()), {k: round(v, 1) for k, v in rss.items()}, {k: round(v, 1) for k, v in pss.items()}
 
 
 def vllm_servers(root: psutil.Process) -> list[psutil.Process]:
@@ -131,8 +135,8 @@ def main() -> None:
     while runner.poll() is None and time.monotonic() < deadline:
         time.sleep(args.sample_every)
         now = time.monotonic() - started
-        total, by_name = tree_rss_mb(root)
-        samples.append({"t_s": round(now, 1), "rss_mb": round(total, 1), "by_process": by_name})
+        total, by_name, pss_by_name = tree_rss_mb(root)
+        samples.append({"t_s": round(now, 1), "rss_mb": round(total, 1), "by_process": by_name, "pss_by_process": pss_by_name})
         servers = vllm_servers(root)
         if servers and time.monotonic() >= next_kill:
             os.killpg(servers[0].pid, signal.SIGKILL)

@@ -163,12 +163,9 @@ def test_trajectory_versions_and_staleness():
 
 
 def test_docs_are_regenerated_from_the_specs():
-    import importlib.util
+    from tests.unit.tool_scripts import load_tool
 
-    spec = importlib.util.spec_from_file_location("gen_hook_docs", DOCS.parents[1] / "tools" / "gen_hook_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert DOCS.read_text() == module.render(), "run: python tools/gen_hook_docs.py"
+    assert DOCS.read_text() == load_tool("gen_hook_docs").render(), "run: python tools/gen_hook_docs.py"
 
 
 def test_process_plugin_set_follows_the_environment(monkeypatch):

@@ -1,0 +1,47 @@
+"""The benchmark's arithmetic (tools/bench.py): what it counts, and the bounds it compares against."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.unit.tool_scripts import load_tool
+
+bench = load_tool("bench")
+
+
+def test_busy_cores_over_the_counted_steps():
+    # (monotonic s, machine busy CPU s, steps finished): step 1 ends by t = 1, step 3 by t = 5; in between
+    # the machine was busy 8 CPU-s in 4 s -> 2 cores.
+    samples = [(0.0, 0.0, 0), (1.0, 0.5, 1), (3.0, 4.5, 1), (5.0, 8.5, 3), (6.0, 9.0, 3)]
+    assert bench.busy_cores(samples, first_step=1, last_step=3) == pytest.approx(2.0)
+    assert bench.busy_cores(samples, first_step=1, last_step=4) is None  # step 4 never finished
+    assert bench.busy_cores(samples[:1], first_step=1, last_step=3) is None
+
+
+def step(gen: float, total: float, tokens: int, reward: float) -> dict:
+    return {
+        "timing_s/gen": gen,
+        "timing_s/step": total,
+        "perf/total_num_tokens": tokens,
+        "critic/score/mean": reward,
+        "response_length/mean": 3.0,
+        "response_length/max": 9.0,
+        "prompt_length/mean": 17.0,
+    }
+
+
+def test_measure_skips_step_one_and_reads_the_phases(tmp_path):
+    rows = [step(50.0, 60.0, 999, 0.0), step(3.0, 4.0, 200, 0.1), step(1.0, 4.0, 200, 0.2), step(2.0, 4.0, 200, 0.3)]
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i, "data": r}) + "\n" for i, r in enumerate(rows))
+    )
+    figures = bench.measure(tmp_path)
+    assert figures["wall_s"] == 12.0 and figures["trained_tokens"] == 600  # step 1 (start-up) not counted
+    assert figures["s_per_1k_tokens"] == pytest.approx(20.0)
+    assert (figures["gen_s_median"], figures["train_s_median"]) == (2.0, 2.0)
+    # Per step (gen + train) / max: 4/3, 4/3, 4/2 -> median 4/3.
+    assert figures["overlap_bound"] == pytest.approx(4 / 3)
+    assert figures["final_reward"] == pytest.approx(0.2)  # the last 3 steps' mean
+    assert figures["trajectories_per_step"] == pytest.approx(10.0)  # 200 tokens / (17 + 3) per trajectory
