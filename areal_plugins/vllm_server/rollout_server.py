@@ -186,8 +186,7 @@ class VLLMRolloutServer(CPUReplicaContract):
                         on_tokens=self._count_tokens,
                     )
                 except SERVER_GONE as error:
-                    await self._recover(error, incarnation, attempt)
-                    if self.server.restarts != incarnation:
+                    if await self._recover(error, incarnation, attempt):
                         attempt = 0  # retries count failures of one server
                     if not self._gate_open.is_set():
                         # Paused while the server died: hand back the partial output, as /pause would have.
@@ -202,23 +201,27 @@ class VLLMRolloutServer(CPUReplicaContract):
 
     async def _on_live_server(self, call: Callable[[VLLMClient], Awaitable[Any]]) -> Any:
         """A control call (pause, resume, reload) that replaces a server found dead instead of failing the run."""
-        for attempt in range(1, TRANSIENT_RETRIES + 2):
+        attempt = 0
+        while True:
+            attempt += 1
             incarnation = self.server.restarts
             try:
                 return await call(self.client)
             except SERVER_GONE as error:
-                await self._recover(error, incarnation, attempt)
-        raise AssertionError("unreachable: _recover raises once the retries are spent")
+                if await self._recover(error, incarnation, attempt):
+                    attempt = 0
 
-    async def _recover(self, error: BaseException, incarnation: int, attempt: int) -> None:
-        """After a failed call: retry on a server that is still up (a dropped connection), else replace it."""
+    async def _recover(self, error: BaseException, incarnation: int, attempt: int) -> bool:
+        """After a failed call: retry on a server that is still up (a dropped connection; raises after
+        ``TRANSIENT_RETRIES``), else replace it. True when the caller now talks to a new server."""
         if self.server.restarts == incarnation and self.server.alive() and self.server.healthy():
             if attempt > TRANSIENT_RETRIES:
                 raise RuntimeError(f"vLLM call failed {attempt} times while the server is up: {error!r}") from error
             logger.warning("vLLM call failed on a live server (%r); retrying (attempt %d)", error, attempt)
             await asyncio.sleep(0.1 * attempt)
-            return
+            return False
         await self._restart_if_dead(error, incarnation)
+        return True
 
     async def _restart_if_dead(self, error: BaseException, incarnation: int) -> None:
         async with self._restart_lock:

@@ -76,6 +76,14 @@ def test_a_dead_server_is_replaced_and_the_call_goes_to_the_new_one():
     assert calls == ["client-0", "client-1"] and process.restarts == 1
 
 
+def test_a_replaced_server_gets_its_own_retry_budget():
+    process = FakeProcess(up=False)
+    server = rollout_server(process)
+    call, calls = failing(1 + TRANSIENT_RETRIES)  # the dead server's failure, then the new one's resets
+    assert asyncio.run(server._on_live_server(call)) == "done"
+    assert calls == ["client-0"] + ["client-1"] * (TRANSIENT_RETRIES + 1) and process.restarts == 1
+
+
 def test_only_a_finished_stream_counts_as_completed():
     from areal_plugins.vllm_server.rollout_server import verl_stop_reason
 
