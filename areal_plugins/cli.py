@@ -39,6 +39,17 @@ PROGRESS_KEYS = (
 )
 
 
+#: Ray's GCS keeps an event record (~3.6 KB measured) for each of the last N tasks, N = 100,000 by default
+#: (~360 MB). A run makes ~250 actor calls per step, so the GCS grew ~300 MB/h for hours in our soak; 10,000
+#: keeps the recent tasks for the dashboard and caps the GCS's share at ~40 MB. A value already set wins.
+RAY_ENV_DEFAULTS = {"RAY_task_events_max_num_task_in_gcs": "10000"}
+
+
+def with_ray_defaults(env: dict[str, str]) -> dict[str, str]:
+    """``env`` plus our Ray defaults where it does not set them (they reach the Ray head verl starts)."""
+    return {**RAY_ENV_DEFAULTS, **env}
+
+
 def has_accelerator() -> bool:
     import torch
 
@@ -156,7 +167,7 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
         raise SystemExit(f"recipe {recipe} does not exist; shipped recipes are in recipes/")
     run_dir = (run_dir or Path("runs") / f"{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
+    env = with_ray_defaults(dict(os.environ))
     if any("AREAL_TINY_DIR" in path.read_text() for path in _recipe_files(recipe)):
         env["AREAL_TINY_DIR"] = str(ensure_tiny_assets(tiny_dir).resolve())
     env.update(_plugin_selection_env(recipe, overrides))

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_plugins.cli import _format_progress, _parse_metrics, _recipe_files, _total_steps
+from areal_plugins.cli import _format_progress, _parse_metrics, _recipe_files, _total_steps, with_ray_defaults
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -50,3 +50,9 @@ def test_training_takes_any_built_workload_and_a_build_refuses_a_directory_of_an
     assert ensure_tiny_assets(tmp_path, workload="longtail") == tmp_path
     with pytest.raises(SystemExit, match="holds the 'longtail' workload, not 'addition'"):
         ensure_tiny_assets(tmp_path, workload="addition")
+
+
+def test_ray_task_event_cap_is_a_default_the_user_can_override():
+    cap = "RAY_task_events_max_num_task_in_gcs"
+    assert with_ray_defaults({"PATH": "/bin"}) == {"PATH": "/bin", cap: "10000"}
+    assert with_ray_defaults({cap: "-1"})[cap] == "-1"  # the user's own setting (here: unlimited) wins
