@@ -18,7 +18,9 @@ import argparse
 import itertools
 import json
 import os
+import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -74,23 +76,60 @@ def cycle_peaks(samples: list[dict], kills: list[float]) -> list[dict]:
     return peaks
 
 
+def slope_per_hour(seconds: list[float], values: list[float]) -> float | None:
+    """Least-squares slope of ``values`` over time, per hour."""
+    if len(values) < 2:
+        return None
+    xs = [t / 3600 for t in seconds]
+    mx, my = statistics.mean(xs), statistics.mean(values)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, values, strict=True)) / sum((x - mx) ** 2 for x in xs)
+
+
 def slope_mb_per_hour(peaks: list[dict]) -> float | None:
     """Least-squares slope of the cycle peaks over time."""
-    if len(peaks) < 2:
-        return None
-    xs, ys = [p["from_s"] / 3600 for p in peaks], [p["peak_mb"] for p in peaks]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return slope_per_hour([p["from_s"] for p in peaks], [p["peak_mb"] for p in peaks])
+
+
+def role(name: str) -> str:
+    """A process's role: Ray retitles an actor's process with the method it runs (``ray::X.method``)."""
+    return re.sub(r"^(ray::\w+)\..*$", r"\1", name)
+
+
+def pss_per_cycle(samples: list[dict], kills: list[float]) -> dict[str, list[float]]:
+    """Per process role, its median PSS (MB) in each cycle between server kills."""
+    cycles = [[s for s in samples if start <= s["t_s"] < end] for start, end in itertools.pairwise(kills)]
+    by_role: list[list[dict[str, float]]] = []
+    for cycle in cycles:
+        rows = []
+        for sample in cycle:
+            row: dict[str, float] = {}
+            for name, mb in sample.get("pss_by_process", {}).items():
+                row[role(name)] = row.get(role(name), 0.0) + mb
+            rows.append(row)
+        by_role.append(rows)
+    roles = sorted({name for rows in by_role for row in rows for name in row})
+    return {
+        name: [round(statistics.median(row.get(name, 0.0) for row in rows), 1) for rows in by_role if rows]
+        for name in roles
+    }
+
+
+def growing(per_cycle: dict[str, list[float]], kills: list[float], threshold: float = 20.0) -> dict[str, float]:
+    """Roles whose PSS rose faster than ``threshold`` MB/h over the cycles after the first (the first holds
+    warm-up: caches, allocator pools), fastest first."""
+    rates = {name: slope_per_hour(kills[1 : len(values)], values[1:]) for name, values in per_cycle.items()}
+    kept = {name: round(rate, 1) for name, rate in rates.items() if rate is not None and rate > threshold}
+    return dict(sorted(kept.items(), key=lambda kv: -kv[1]))
 
 
 def plot(report: dict, out: Path) -> None:
-    """Process-tree memory over the run, with the server kills marked."""
+    """Process-tree memory over the run (server kills marked), and the PSS of the roles that grew."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(9, 3.6))
+    figure, (axis, roles_axis) = plt.subplots(1, 2, figsize=(14, 3.8), gridspec_kw={"width_ratios": [3, 2]})
     samples = report["samples"]
     axis.plot([s["t_s"] / 60 for s in samples], [s["rss_mb"] / 1024 for s in samples], color="#4c72b0")
     for i, t in enumerate(report["server_kills"]):
@@ -102,6 +141,18 @@ def plot(report: dict, out: Path) -> None:
         f"{report['engine_restarts']:.0f} restarts, cycle peaks {report['rss_growth_mb']:+.0f} MB first to last"
     )
     axis.legend(loc="lower right")
+    per_cycle = report.get("pss_mb_per_cycle", {})
+    shown = (
+        list(report.get("growing_processes_mb_per_hour", {}))[:4]
+        or sorted(per_cycle, key=lambda n: -per_cycle[n][-1])[:4]
+    )
+    starts = [k / 60 for k in report["server_kills"]]
+    for name in shown:
+        roles_axis.plot(starts[: len(per_cycle[name])], per_cycle[name], marker="o", label=name)
+    roles_axis.set_xlabel("cycle start (minutes)")
+    roles_axis.set_ylabel("median PSS in the cycle (MB)")
+    roles_axis.set_title("processes whose memory grew (PSS: shared pages split)")
+    roles_axis.legend(loc="best", fontsize=8)
     figure.tight_layout()
     figure.savefig(out, dpi=110)
     plt.close(figure)
@@ -136,7 +187,9 @@ def main() -> None:
         time.sleep(args.sample_every)
         now = time.monotonic() - started
         total, by_name, pss_by_name = tree_rss_mb(root)
-        samples.append({"t_s": round(now, 1), "rss_mb": round(total, 1), "by_process": by_name, "pss_by_process": pss_by_name})
+        samples.append(
+            {"t_s": round(now, 1), "rss_mb": round(total, 1), "by_process": by_name, "pss_by_process": pss_by_name}
+        )
         servers = vllm_servers(root)
         if servers and time.monotonic() >= next_kill:
             os.killpg(servers[0].pid, signal.SIGKILL)
@@ -177,11 +230,13 @@ def main() -> None:
         "rss_slope_mb_per_hour": slope_mb_per_hour(peaks),
         "rss_growth_bound_mb": args.rss_growth_bound_mb,
         "rss_within_bound": growth is not None and growth <= args.rss_growth_bound_mb,
-        "samples": samples,
+        "pss_mb_per_cycle": pss_per_cycle(samples, kills),
+        "samples": [{k: v for k, v in s.items() if k == "t_s" or k == "rss_mb"} for s in samples],
     }
+    report["growing_processes_mb_per_hour"] = growing(report["pss_mb_per_cycle"], kills)
     (args.run_dir / "soak.json").write_text(json.dumps(report, indent=2))
     plot(report, args.run_dir / "soak.png")
-    print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("samples", "pss_mb_per_cycle")}, indent=2))
 
 
 if __name__ == "__main__":
