@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     done = 0
     for repeat in range(args.repeats):  # interleave configurations so drift in the machine hits all alike
         for config in plan:
+            print(f"[{done + 1}/{total}] {config.name} repeat {repeat}: running ({args.steps} steps)...", flush=True)
             figures = run_one(config, args.steps, repeat, repeat, args.out, tiny_dir, workload_overrides)
             results[config.name].append(figures)
             done += 1
