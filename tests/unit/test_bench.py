@@ -45,3 +45,19 @@ def test_measure_skips_step_one_and_reads_the_phases(tmp_path):
     assert figures["overlap_bound"] == pytest.approx(4 / 3)
     assert figures["final_reward"] == pytest.approx(0.2)  # the last 3 steps' mean
     assert figures["trajectories_per_step"] == pytest.approx(10.0)  # 200 tokens / (17 + 3) per trajectory
+
+
+def test_speedup_splits_into_less_work_and_busier_cores():
+    # sync: 10 s per 1k tokens on 1.5 busy cores = 15 CPU-s; async: 5 s on 2.0 cores = 10 CPU-s.
+    sync = [{"s_per_1k_tokens": 10.0, "busy_cores": 1.5, "cpu_s_per_1k_tokens": 15.0}]
+    fast = [{"s_per_1k_tokens": 5.0, "busy_cores": 2.0, "cpu_s_per_1k_tokens": 10.0}]
+    row = bench.summarise("async-separate-eta4", fast, sync)
+    assert row["speedup"]["median"] == pytest.approx(2.0)
+    assert row["speedup_from_less_work"]["median"] == pytest.approx(1.5)  # 15 / 10 CPU-s
+    assert row["speedup_from_busier_cores"]["median"] == pytest.approx(4 / 3)  # 2.0 / 1.5 cores: 1.5 x 4/3 = 2
+
+
+def test_a_sweep_names_the_second_loss_mode():
+    plan = bench.configs([4], ["separate"], ["loglinear", "recompute"], sync_poll_s=0.05)
+    assert [c.name for c in plan] == ["sync", "async-separate-eta4", "async-separate-eta4-recompute"]
+    assert "areal.loss.prox_logp=recompute" in plan[2].overrides
