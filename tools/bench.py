@@ -101,6 +101,8 @@ def measure(run_dir: Path) -> dict:
         "step_s_median": statistics.median(s["timing_s/step"] for s in counted),
         "gen_s_median": statistics.median(gen),
         "train_s_median": statistics.median(train),
+        # The pass ``prox_logp: loglinear`` skips (0 when a run does not make it).
+        "old_log_prob_s_median": statistics.median(s.get("timing_s/old_log_prob", 0.0) for s in counted),
         "overlap_bound": statistics.median((g + t) / max(g, t) for g, t in zip(gen, train, strict=True)),
         "final_reward": statistics.mean(s["critic/score/mean"] for s in steps[-3:]),
         # The length distribution, for tools/simulate.py --calibrate-from.

@@ -61,6 +61,9 @@ class Hardware:
     # True: one serial queue for the per-trajectory overhead whatever the device count (verl's single
     # agent-loop worker process on the CPU box); False: one queue per rollout device.
     overhead_shared: bool = False
+    # The share of sync's training work per token the async trainer does (``prox_logp: loglinear`` skips
+    # the old-log-prob forward pass that sync makes every step).
+    async_train_work: float = 1.0
 
 
 CALIBRATIONS = {
@@ -186,7 +189,7 @@ def simulate_async(workload: Workload, hw: Hardware, eta: int, seed: int = 0) ->
         ready = max(end for end, _, _ in batch)
         start = max(ready, trainer_free)
         step_tokens = sum(t for _, t, _ in batch)
-        trainer_free = start + train_time(step_tokens, hw, train_devices) + hw.interrupt_s
+        trainer_free = start + hw.async_train_work * train_time(step_tokens, hw, train_devices) + hw.interrupt_s
         staleness += [version - v for _, _, v in batch]
         tokens += step_tokens
         version += 1
@@ -292,8 +295,15 @@ def calibrate_from_bench(bench: dict, base: Hardware = CALIBRATIONS["cpu"][1]) -
 
 
 def eta_of(config: str) -> int | None:
-    match = re.fullmatch(r"async-separate-eta(\d+)", config)
+    match = re.fullmatch(r"async-separate-eta(\d+)(-recompute|-loglinear)?", config)
     return int(match.group(1)) if match else None
+
+
+def skips_old_log_prob(bench: dict, config: str) -> bool:
+    """Whether the bench ran ``config`` with ``prox_logp: loglinear`` (its first mode has no name suffix)."""
+    modes = bench.get("prox_logp", "loglinear")
+    first = modes[0] if isinstance(modes, list) else modes
+    return config.endswith("-loglinear") or (first == "loglinear" and not config.endswith("-recompute"))
 
 
 def compare_with_bench(bench: dict, seeds: int = 5) -> dict:
@@ -313,9 +323,12 @@ def compare_with_bench(bench: dict, seeds: int = 5) -> dict:
         eta = eta_of(name)
         if eta is None:
             continue
-        runs = [simulate_async(workload, hw, eta, seed) for seed in range(seeds)]
+        work = 1.0
+        if skips_old_log_prob(bench, name) and "old_log_prob_s_median" in rows["sync"]:
+            work = 1 - rows["sync"]["old_log_prob_s_median"]["median"] / rows["sync"]["train_s_median"]["median"]
+        runs = [simulate_async(workload, replace(hw, async_train_work=work), eta, seed) for seed in range(seeds)]
         model = statistics.median(s_per_1k_tokens_after_first(run) for run in runs)
-        one_core_train = train_time(round(statistics.mean(runs[0]["step_tokens"])), hw, 1)
+        one_core_train = work * train_time(round(statistics.mean(runs[0]["step_tokens"])), hw, 1)
         out["async"].append({
             "config": name,
             "measured_s_per_1k": row["s_per_1k_tokens"]["median"],
