@@ -114,7 +114,12 @@ def measure(run_dir: Path) -> dict:
         ),
     }
     ours = read_jsonl(run_dir / "areal_steps.jsonl")[1:]
-    for key in ("areal/trainer_idle_ratio", "areal/rollout_idle_ratio", "areal/staleness_mean"):
+    for key in (
+        "areal/trainer_idle_ratio",
+        "areal/rollout_idle_ratio",
+        "areal/staleness_mean",
+        "areal/interrupted_fraction",
+    ):
         values = [row[key] for row in ours if key in row]
         if values:
             result[key.split("/")[1]] = statistics.mean(values)
