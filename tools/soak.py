@@ -122,6 +122,17 @@ def growing(per_cycle: dict[str, list[float]], kills: list[float], threshold: fl
     return dict(sorted(kept.items(), key=lambda kv: -kv[1]))
 
 
+def add_pss_totals(report: dict) -> None:
+    """The tree's PSS per cycle (shared pages counted once) and its slope after the warm-up cycle: the leak
+    figure RSS peaks cannot give (they count shared pages per process and depend on when a sample lands)."""
+    per_cycle, kills = report["pss_mb_per_cycle"], report["server_kills"]
+    cycles = max((len(values) for values in per_cycle.values()), default=0)
+    totals = [round(sum(values[i] for values in per_cycle.values() if i < len(values)), 1) for i in range(cycles)]
+    report["pss_total_mb_per_cycle"] = totals
+    report["pss_total_slope_mb_per_hour_after_warmup"] = slope_per_hour(kills[1:cycles], totals[1:])
+    report["growing_processes_mb_per_hour"] = growing(per_cycle, kills)
+
+
 def plot(report: dict, out: Path) -> None:
     """Process-tree memory over the run (server kills marked), and the PSS of the roles that grew."""
     import matplotlib
@@ -138,7 +149,8 @@ def plot(report: dict, out: Path) -> None:
     axis.set_ylabel("RSS of the process tree (GiB)")
     axis.set_title(
         f"soak: {report['steps']} steps, {len(report['server_kills'])} kills, "
-        f"{report['engine_restarts']:.0f} restarts, cycle peaks {report['rss_growth_mb']:+.0f} MB first to last"
+        f"{report['engine_restarts']:.0f} restarts; tree PSS after warm-up "
+        f"{report.get('pss_total_slope_mb_per_hour_after_warmup') or 0:+.0f} MB/h"
     )
     axis.legend(loc="lower right")
     per_cycle = report.get("pss_mb_per_cycle", {})
@@ -199,6 +211,7 @@ def main() -> None:
         steps_done = count_lines(args.run_dir / "areal_steps.jsonl")
         print(f"soak: {now:.0f} s: step {steps_done}, process tree {samples[-1]['rss_mb']:.0f} MB", flush=True)
     if runner.poll() is None:  # time is up: stop the run (its accounting is not written then)
+        print(f"soak: --minutes {args.minutes} ran out before --steps {args.steps}: no final accounting", flush=True)
         os.killpg(runner.pid, signal.SIGTERM)
         runner.wait(timeout=120)
     steps = [json.loads(line) for line in (args.run_dir / "areal_steps.jsonl").read_text().splitlines()]
@@ -233,7 +246,7 @@ def main() -> None:
         "pss_mb_per_cycle": pss_per_cycle(samples, kills),
         "samples": [{k: v for k, v in s.items() if k == "t_s" or k == "rss_mb"} for s in samples],
     }
-    report["growing_processes_mb_per_hour"] = growing(report["pss_mb_per_cycle"], kills)
+    add_pss_totals(report)
     (args.run_dir / "soak.json").write_text(json.dumps(report, indent=2))
     plot(report, args.run_dir / "soak.png")
     print(json.dumps({k: v for k, v in report.items() if k not in ("samples", "pss_mb_per_cycle")}, indent=2))

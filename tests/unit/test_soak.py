@@ -34,3 +34,14 @@ def test_growing_skips_the_warm_up_cycle_and_reports_mb_per_hour():
         "slow": [100, 100, 101, 102],  # 6 MB/h: under the 20 MB/h threshold
     }
     assert soak.growing(per_cycle, kills) == pytest.approx({"leaky": 60.0})
+
+
+def test_tree_pss_counts_each_role_once_per_cycle_and_its_slope_skips_warm_up():
+    report = {
+        "pss_mb_per_cycle": {"a": [10.0, 20.0, 21.0, 22.0], "b": [5.0, 5.0, 5.0, 5.0]},
+        "server_kills": [0, 3600, 7200, 10800, 14400],  # hourly cycles
+    }
+    soak.add_pss_totals(report)
+    assert report["pss_total_mb_per_cycle"] == [15.0, 25.0, 26.0, 27.0]
+    assert report["pss_total_slope_mb_per_hour_after_warmup"] == pytest.approx(1.0)  # 25, 26, 27 an hour apart
+    assert report["growing_processes_mb_per_hour"] == {}  # 1 MB/h is under the 20 MB/h threshold
