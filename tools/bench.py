@@ -12,7 +12,7 @@ and writes ``bench.json`` + ``bench.png`` with medians and spread:
   both consume the same batches of the same prompts);
 - the ideal overlap bound from sync's own phase times, (T_gen + T_train) / max(T_gen, T_train);
 - where the speedup comes from: the machine's busy CPU time over the counted steps (sampled every 0.5 s)
-  splits it exactly into *less CPU work per token* (e.g. ``prox_logp: loglinear`` skips the old-log-prob
+  splits it into *less CPU work per token* (e.g. ``prox_logp: loglinear`` skips the old-log-prob
   pass) x *busier cores* (overlap); ``sync_core_headroom`` = cores / sync's busy cores is the most overlap
   alone can gain while doing sync's work (``--prox-logp loglinear,recompute`` runs both modes);
 - trainer and rollout idle ratios of the async runs, final reward (last 3 steps' mean).
@@ -237,8 +237,8 @@ def summarise(name: str, runs: list[dict], sync_runs: list[dict]) -> dict:
     if sync_runs is not runs:
         sync_cost = statistics.median(run["s_per_1k_tokens"] for run in sync_runs)
         row["speedup"] = spread([sync_cost / run["s_per_1k_tokens"] for run in runs])
-        # speedup = (sync CPU-s / async CPU-s per token) x (async busy cores / sync busy cores), exactly per
-        # run: how much came from doing less work and how much from keeping the cores busier (overlap).
+        # speedup = (sync CPU-s / async CPU-s per token) x (async busy cores / sync busy cores): exact for a
+        # pair of runs, to within the spread against sync's medians. Less work vs busier cores (overlap).
         if all("busy_cores" in run for run in [*runs, *sync_runs]):
             sync_work = statistics.median(run["cpu_s_per_1k_tokens"] for run in sync_runs)
             sync_busy = statistics.median(run["busy_cores"] for run in sync_runs)
