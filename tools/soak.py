@@ -29,10 +29,10 @@ from pathlib import Path
 import psutil
 
 
-def tree_rss_mb(root: psutil.Process) -> tuple[float, dict[str, float], dict[str, float]]:
-    """Total RSS of the process tree, and per process name its RSS and PSS (PSS splits shared pages among
-    the processes that map them, so a leak shows in one name instead of in every forked worker)."""
-    rss: dict[str, float] = {}
+def tree_memory_mb(root: psutil.Process) -> tuple[float, dict[str, float]]:
+    """Total RSS of the process tree, and PSS per process name (PSS splits shared pages among the processes
+    that map them, so a leak shows in one name instead of in every forked worker)."""
+    rss = 0.0
     pss: dict[str, float] = {}
     for process in [root, *root.children(recursive=True)]:
         try:
@@ -40,9 +40,9 @@ def tree_rss_mb(root: psutil.Process) -> tuple[float, dict[str, float], dict[str
             memory = process.memory_full_info()
         except psutil.Error:
             continue
-        rss[name] = rss.get(name, 0.0) + memory.rss / 2**20
+        rss += memory.rss / 2**20
         pss[name] = pss.get(name, 0.0) + memory.pss / 2**20
-    return sum(rss.values()), {k: round(v, 1) for k, v in rss.items()}, {k: round(v, 1) for k, v in pss.items()}
+    return rss, {k: round(v, 1) for k, v in pss.items()}
 
 
 def vllm_servers(root: psutil.Process) -> list[psutil.Process]:
@@ -65,14 +65,18 @@ def lost_groups(accounting: dict) -> int:
     return accounting["accepted"] - accounting["consumed"] - accounting["buffered"]
 
 
+def cycles(samples: list[dict], kills: list[float]) -> list[tuple[float, list[dict]]]:
+    """The samples between consecutive server kills, with each cycle's start."""
+    return [(start, [s for s in samples if start <= s["t_s"] < end]) for start, end in itertools.pairwise(kills)]
+
+
 def cycle_peaks(samples: list[dict], kills: list[float]) -> list[dict]:
     """Peak process-tree RSS between consecutive server kills (a restart frees the server's memory, so the
     tree's RSS is a sawtooth; its peaks are what a leak would raise)."""
     peaks = []
-    for start, end in itertools.pairwise(kills):
-        window = [s["rss_mb"] for s in samples if start <= s["t_s"] < end]
-        if window:
-            peaks.append({"from_s": start, "peak_mb": max(window)})
+    for start, cycle in cycles(samples, kills):
+        if cycle:
+            peaks.append({"from_s": start, "peak_mb": max(s["rss_mb"] for s in cycle)})
     return peaks
 
 
@@ -97,9 +101,8 @@ def role(name: str) -> str:
 
 def pss_per_cycle(samples: list[dict], kills: list[float]) -> dict[str, list[float]]:
     """Per process role, its median PSS (MB) in each cycle between server kills."""
-    cycles = [[s for s in samples if start <= s["t_s"] < end] for start, end in itertools.pairwise(kills)]
     by_role: list[list[dict[str, float]]] = []
-    for cycle in cycles:
+    for _, cycle in cycles(samples, kills):
         rows = []
         for sample in cycle:
             row: dict[str, float] = {}
@@ -198,10 +201,8 @@ def main() -> None:
     while runner.poll() is None and time.monotonic() < deadline:
         time.sleep(args.sample_every)
         now = time.monotonic() - started
-        total, by_name, pss_by_name = tree_rss_mb(root)
-        samples.append(
-            {"t_s": round(now, 1), "rss_mb": round(total, 1), "by_process": by_name, "pss_by_process": pss_by_name}
-        )
+        total, pss_by_name = tree_memory_mb(root)
+        samples.append({"t_s": round(now, 1), "rss_mb": round(total, 1), "pss_by_process": pss_by_name})
         servers = vllm_servers(root)
         if servers and time.monotonic() >= next_kill:
             os.killpg(servers[0].pid, signal.SIGKILL)
@@ -244,7 +245,7 @@ def main() -> None:
         "rss_growth_bound_mb": args.rss_growth_bound_mb,
         "rss_within_bound": growth is not None and growth <= args.rss_growth_bound_mb,
         "pss_mb_per_cycle": pss_per_cycle(samples, kills),
-        "samples": [{k: v for k, v in s.items() if k == "t_s" or k == "rss_mb"} for s in samples],
+        "samples": [{"t_s": s["t_s"], "rss_mb": s["rss_mb"]} for s in samples],
     }
     add_pss_totals(report)
     (args.run_dir / "soak.json").write_text(json.dumps(report, indent=2))
