@@ -121,28 +121,6 @@ def _recipe_files(recipe: Path) -> list[Path]:
     return files
 
 
-def _plugin_selection_env(recipe: Path, overrides: list[str]) -> dict[str, str]:
-    """``areal.plugins`` of the run as environment variables, so every process loads the same plugins."""
-    import yaml
-
-    from areal_plugins.manager import EXCLUDE_ENV, INCLUDE_ENV
-
-    selection: dict[str, object] = {}
-    for path in reversed(_recipe_files(recipe)):  # the recipe itself wins over the shared files
-        plugins = ((yaml.safe_load(path.read_text()) or {}).get("areal") or {}).get("plugins") or {}
-        selection.update(plugins)
-    for override in overrides:
-        for key in ("include", "exclude"):
-            if override.startswith(f"areal.plugins.{key}="):
-                selection[key] = yaml.safe_load(override.split("=", 1)[1])
-    env = {}
-    if selection.get("include") is not None:
-        env[INCLUDE_ENV] = ",".join(selection["include"])  # type: ignore[arg-type]
-    if selection.get("exclude"):
-        env[EXCLUDE_ENV] = ",".join(selection["exclude"])  # type: ignore[arg-type]
-    return env
-
-
 def _total_steps(recipe: Path, overrides: list[str]) -> str:
     """``trainer.total_training_steps`` from the overrides, else from the recipe's files."""
     import yaml
@@ -170,7 +148,6 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
     env = with_ray_defaults(dict(os.environ))
     if any("AREAL_TINY_DIR" in path.read_text() for path in _recipe_files(recipe)):
         env["AREAL_TINY_DIR"] = str(ensure_tiny_assets(tiny_dir).resolve())
-    env.update(_plugin_selection_env(recipe, overrides))
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():  # verl's file logger truncates: keep the earlier run's metrics beside it
         kept = run_dir / f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"

@@ -14,7 +14,7 @@ import pluggy
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from areal_plugins.trajectory import Trajectory
+    from areal_plugins.core.trajectory import Trajectory
 
 PROJECT_NAME = "areal_plugins"
 
@@ -33,7 +33,7 @@ def areal_validate_config(config: Any) -> None:
     :param config: the whole composed recipe (verl's config with our ``areal:`` node).
 
     Called from: verl's TaskRunner (the trainer's driver, a Ray actor), when the trainer initialises,
-    before any worker starts (``areal_plugins.trainer.HookedTrainerMixin.init``).
+    before any worker starts (``areal_plugins.trainers.hooked.HookedTrainerMixin.init``).
     Default: none (the built-in settings validate themselves in their dataclasses).
     """
 
@@ -43,32 +43,36 @@ def areal_make_sample_buffer(config: Any) -> Any:
     """Create the buffer that holds finished, accepted rollout groups until the trainer takes them.
 
     Return the buffer (an object with ``put(group)``, ``take(count, trainer_version, timeout)`` and
-    ``__len__``, like :class:`areal_plugins.buffer.SampleBuffer`), or None to let the next
+    ``__len__``, like :class:`areal_plugins.core.buffer.SampleBuffer`), or None to let the next
     implementation decide.
 
     :param config: the composed recipe (``config.areal`` holds our settings).
 
     Called from: verl's TaskRunner (the driver), when the async trainer is built.
-    Default: ``areal_plugins.builtin.async_rollout``: :class:`~areal_plugins.buffer.SampleBuffer`,
+    Default: ``areal_plugins.builtin.async_rollout``: :class:`~areal_plugins.core.buffer.SampleBuffer`,
     oldest head version first, ``areal.on_stale`` applied.
     """
 
 
 @hookspec(firstresult=True)
-def areal_make_rollout_manager(config: Any, buffer: Any, submit_prompts: Callable[[int], int]) -> Any:
+def areal_make_rollout_manager(
+    config: Any, buffer: Any, submit_prompts: Callable[[int], int], accept_trajectory: Callable[[Any], bool]
+) -> Any:
     """Create the manager that admits rollouts within the staleness bound and fills ``buffer``.
 
     Return the manager (an object with ``start()``, ``stop()``, ``pause()``, ``resume(version)``,
     ``check_alive()`` and a ``controller`` holding ``running``/``accepted``/``rejected``, like
-    :class:`areal_plugins.verl_async.admission.AdmissionLoop`), or None to defer.
+    :class:`areal_plugins.trainers.admission.AdmissionLoop`), or None to defer.
 
     :param config: the composed recipe.
     :param buffer: what ``areal_make_sample_buffer`` returned.
     :param submit_prompts: submits ``n`` new prompt groups for generation; returns how many it sent.
+    :param accept_trajectory: asks every ``areal_accept_trajectory`` implementation about one finished
+        :class:`~areal_plugins.core.trajectory.Trajectory`; False means drop it (its slot is freed).
 
     Called from: verl's TaskRunner (the driver), when the async trainer starts training.
     Default: ``areal_plugins.builtin.async_rollout``: :class:`AdmissionLoop` with
-    :class:`~areal_plugins.staleness.StalenessController` (DESIGN.md §1).
+    :class:`~areal_plugins.core.staleness.StalenessController` (DESIGN.md §1).
     """
 
 
@@ -92,7 +96,7 @@ def areal_make_reward_fn(config: Any) -> Callable[..., float] | None:
 def areal_make_policy_loss(config: Any) -> Callable[..., Any] | None:
     """Return the policy loss the trainer optimises, or None to let the next implementation decide.
 
-    The function takes the arguments of :func:`areal_plugins.losses.decoupled_ppo_loss`
+    The function takes the arguments of :func:`areal_plugins.core.losses.decoupled_ppo_loss`
     (``logprobs, proximal_logprobs, behav_logprobs, advantages, loss_mask, **clip/cap options``) and
     returns ``(token-mean loss, stats)``; verl's global-batch weighting is applied around it.
 

@@ -6,7 +6,6 @@ Hooks are called through :func:`call_hook`, which names the plugin when one rais
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Iterable
 from importlib.metadata import entry_points
@@ -82,29 +81,17 @@ def check_plugins(manager: pluggy.PluginManager) -> None:
         ) from error
 
 
-#: Environment variables with the ``areal.plugins`` selection (comma-separated entry-point names).
-#: ``areal-plugins train`` exports them, so every process of the run (Ray workers included) starts
-#: from the driver's plugin set; unset means every installed plugin.
-INCLUDE_ENV = "AREAL_PLUGINS_INCLUDE"
-EXCLUDE_ENV = "AREAL_PLUGINS_EXCLUDE"
-
-
-def selection_from_env() -> tuple[list[str] | None, list[str]]:
-    """``(include, exclude)`` from :data:`INCLUDE_ENV` / :data:`EXCLUDE_ENV`."""
-    include = os.environ.get(INCLUDE_ENV)
-    exclude = os.environ.get(EXCLUDE_ENV, "")
-    return (
-        None if include is None else [n for n in include.split(",") if n],
-        [n for n in exclude.split(",") if n],
-    )
-
-
 def get_plugin_manager() -> pluggy.PluginManager:
-    """The process-wide manager (built lazily, once, with the plugin selection of the environment)."""
+    """The process-wide manager: every installed plugin until :func:`configure_plugins` selects some.
+
+    The run's selection (``areal.plugins``) reaches each process from the composed config: the driver
+    configures itself and the trainer workers (``trainers.hooked``), the reward workers read it from
+    their ``reward_kwargs`` (``rewards.hooked``).
+    """
     global _manager
     with _lock:
         if _manager is None:
-            _manager = build_plugin_manager(*selection_from_env())
+            _manager = build_plugin_manager()
         return _manager
 
 

@@ -1,7 +1,7 @@
 """Pictures of a run directory: reward, staleness, and who was busy when (``areal-plugins plot``).
 
 Reads what a run writes: verl's ``metrics.jsonl``, and for async runs our ``areal_steps.jsonl``,
-``areal_samples.jsonl`` and ``timeline.jsonl`` (see ``areal_plugins.verl_async.recorder``).
+``areal_samples.jsonl`` and ``timeline.jsonl`` (see ``areal_plugins.records``).
 """
 
 from __future__ import annotations

@@ -1,22 +1,26 @@
 """The ``areal:`` node of a recipe: one dataclass per feature, validated with the YAML path to change.
 
-The node is shipped as the Hydra config group ``areal`` (``areal_plugins/config/areal/default.yaml``),
-which also routes the verl settings our features need through the ``${areal_verl:...}`` resolver:
-with ``areal.enable: false`` every routed value is verl's own default, so verl runs as shipped.
+This module is the one source of every setting's default and help text: the Hydra config group that
+ships the node (``areal_plugins/config/areal/default.yaml``) is generated from it
+(``python tools/gen_default_config.py``; a test fails when the two differ). It imports nothing of
+the package, of verl or of torch: which verl keys a setting drives lives in :mod:`areal_plugins.routing`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
-
-from areal_plugins.buffer import ON_STALE
-from areal_plugins.losses import WEIGHT_MODES
 
 MODES = ("async", "sync")
 PLACEMENTS = ("colocated", "separate")
 PROX_LOGP = ("recompute", "loglinear")
+#: The same choices as :data:`areal_plugins.core.buffer.ON_STALE` and
+#: :data:`areal_plugins.core.losses.WEIGHT_MODES` (a test ties them; this module stays a leaf).
+ON_STALE = ("wait", "drop")
+WEIGHT_MODES = ("mask", "clamp")
 
 
 class ArealConfigError(ValueError):
@@ -100,8 +104,20 @@ class MicroBatchConfig:
 class PluginsConfig:
     """``areal.plugins``: which installed third-party plugins to load."""
 
-    include: list[str] | None = field(default=None, metadata={"help": "entry-point names to load; null: all"})
-    exclude: list[str] = field(default_factory=list, metadata={"help": "entry-point names to skip"})
+    include: list[str] | None = field(
+        default=None, metadata={"help": "installed plugin (entry-point) names to load; null: all"}
+    )
+    exclude: list[str] = field(default_factory=list, metadata={"help": "installed plugin names to skip"})
+
+    def __post_init__(self) -> None:
+        for key in ("include", "exclude"):
+            value = getattr(self, key)
+            if value is None and key == "include":
+                continue
+            if not isinstance(value, list | tuple) or not all(isinstance(name, str) for name in value):
+                raise ArealConfigError(
+                    f"areal.plugins.{key} must be a list of plugin names, e.g. [my_plugin], got {value!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -178,73 +194,18 @@ def _build(cls: type, values: dict[str, Any], path: str) -> Any:
             close = difflib.get_close_matches(key, list(known), n=1)
             hint = f"; did you mean {path}.{close[0]}?" if close else f"; valid keys: {', '.join(sorted(known))}"
             raise ArealConfigError(f"unknown setting {path}.{key}{hint}")
-    nested = {"loss": LossConfig, "reward": RewardConfig, "micro_batch": MicroBatchConfig, "plugins": PluginsConfig}
+    sections = nested_sections(cls)
     kwargs = {}
     for key, value in values.items():
-        if key in nested and cls is ArealConfig:
+        if key in sections:
             if not isinstance(value, dict):
                 raise ArealConfigError(f"{path}.{key} must be a mapping, got {value!r}")
-            value = _build(nested[key], value, f"{path}.{key}")
+            value = _build(sections[key], value, f"{path}.{key}")
         kwargs[key] = value
     return cls(**kwargs)
 
 
-#: verl settings our features route through ``${areal_verl:NAME,${areal}}``: (value when enabled, verl default).
-def verl_setting(name: str, config: ArealConfig) -> Any:
-    """The value of the verl setting ``name`` under ``config`` (verl's default when disabled)."""
-    on = config.enable
-    decoupled = on and config.loss.decoupled
-    loglinear = decoupled and config.loss.prox_logp == "loglinear"
-    recompute = decoupled and not loglinear
-    ffd = on and config.micro_batch.max_tokens is not None
-    table: dict[str, tuple[bool, Any, Any]] = {
-        # async: our staleness-bounded trainer (areal_plugins.verl_async); sync: verl's, with our hooks.
-        "trainer_mode": (on, "areal_async" if config.mode == "async" else "areal_sync", "sync"),
-        "loss_mode": (decoupled, LOGLINEAR_LOSS_NAME if loglinear else RECOMPUTE_LOSS_NAME, "vanilla"),
-        "calculate_log_probs": (on, True, False),  # the engine's per-token behaviour log-probs
-        "rollout_is": (recompute, "token", None),
-        # verl truncates the behaviour weight before the loss sees it: that is our cap (DESIGN.md §1).
-        "rollout_is_threshold": (recompute, cap_threshold(config.loss), 2.0),
-        # loglinear: the loss computes w itself and reads the cap from the actor's own copy.
-        "actor_rollout_is_threshold": (loglinear, cap_threshold(config.loss), 2.0),
-        # bypass: verl skips the proximal forward pass and hands the loss the behaviour log-probs. That
-        # is the ablation (standard PPO against the behaviour policy, as a naive async system does)
-        # and what the loglinear loss needs.
-        "bypass_mode": (on and (not config.loss.decoupled or loglinear), True, False),
-        # FFD packs within verl's token-budget micro-batching (patches/ffd_micro_batches.py); the
-        # proximal recompute and the reference follow the actor's values (verl's own interpolation).
-        "use_dynamic_bsz": (ffd, True, False),
-        "ppo_max_token_len_per_gpu": (ffd, config.micro_batch.max_tokens, 16384),
-    }
-    if name not in table:
-        raise ArealConfigError(f"areal_verl has no setting {name!r}; known: {', '.join(sorted(table))}")
-    applies, value, default = table[name]
-    return value if applies else default
-
-
-RECOMPUTE_LOSS_NAME = "areal_decoupled"
-LOGLINEAR_LOSS_NAME = "areal_decoupled_loglinear"
-#: ``cap_threshold`` without a cap: a bound that never binds.
-NO_CAP = 1e9
-
-
-def parse_cap_threshold(threshold: float | str) -> tuple[float | None, str]:
-    """Invert :func:`cap_threshold`: ``(cap or None, mode)``."""
-    if isinstance(threshold, str) and "_" in threshold:
-        return float(threshold.split("_")[1]), "mask"
-    value = float(threshold)
-    return (None, "clamp") if value >= NO_CAP else (value, "clamp")
-
-
-def cap_threshold(loss: LossConfig) -> float | str:
-    """verl's ``rollout_is_threshold`` that applies our cap to w = π_prox/π_behav.
-
-    ``clamp``: a plain upper bound (verl's truncated IS clamps w to it). ``mask``: verl's
-    ``"lower_upper"`` form zeroes w outside the band; the lower bound sits below anything verl can
-    produce (it clamps log w at -20, i.e. w >= 2e-9), so only w > cap is dropped. No cap: a bound
-    that never binds.
-    """
-    cap = loss.behav_imp_weight_cap
-    if cap is None:
-        return NO_CAP
-    return float(cap) if loss.behav_imp_weight_mode == "clamp" else f"1e-12_{float(cap)}"
+def nested_sections(cls: type) -> dict[str, type]:
+    """The fields of ``cls`` that are sections of their own (typed with a dataclass)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls) if dataclasses.is_dataclass(hints[f.name])}

@@ -27,10 +27,10 @@ def register_with_verl() -> None:
     except UnsupportedVerlVersionError as error:
         logger.error("areal_plugins disabled: %s", error)
         return
-    from areal_plugins.cpu.platform import cpu_platform_selected, register_cpu_platform
-    from areal_plugins.rollout.verl_backend import register_rollout_backend
-    from areal_plugins.trainer import register_trainers
-    from areal_plugins.verl_loss import register_policy_loss_with_verl
+    from areal_plugins.platforms.cpu import cpu_platform_selected, register_cpu_platform
+    from areal_plugins.rollout.verl_registration import register_rollout_backend
+    from areal_plugins.trainers import register_trainers
+    from areal_plugins.trainers.policy_loss import register_policy_loss_with_verl
 
     register_cpu_platform()
     register_rollout_backend()
@@ -57,7 +57,8 @@ def _register_config_resolvers() -> None:
 
     from omegaconf import OmegaConf
 
-    from areal_plugins.settings import ArealConfig, verl_setting
+    from areal_plugins.routing import verl_setting
+    from areal_plugins.settings import ArealConfig
 
     if not OmegaConf.has_resolver("areal_package_path"):
         root = Path(__file__).resolve().parent

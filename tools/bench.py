@@ -59,7 +59,7 @@ def sync_poll_overrides(poll_s: float) -> list[str]:
     if poll_s == VERL_POLL_S:
         return []
     return [
-        "trainer.v1.sampler.custom_sampler.path=${areal_package_path:baseline_sampler.py}",
+        "trainer.v1.sampler.custom_sampler.path=${areal_package_path:trainers/baseline_sampler.py}",
         "trainer.v1.sampler.custom_sampler.name=PollingReplayBuffer",
         f"+trainer.v1.sampler.sampler_kwargs.poll_interval_s={poll_s}",
     ]

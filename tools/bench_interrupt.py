@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from areal_plugins.rollout.hf_engine import STOP_ABORTED, ContinuousBatchingEngine
+from areal_plugins.rollout.cpu.engine import STOP_ABORTED, ContinuousBatchingEngine
 
 
 def make_model(seed: int):

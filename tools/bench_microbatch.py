@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from areal_plugins.microbatch import ffd_allocate
+from areal_plugins.core.microbatch import ffd_allocate
 from areal_plugins.tiny.model import TinyModelSpec, random_qwen2
 
 

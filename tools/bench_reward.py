@@ -48,7 +48,7 @@ def throughput(workers: int, calls: int, delay_s: float) -> float:
 
 
 async def overlap_trial(overlap: bool, lengths: list[int], service: RewardService, seed: int) -> float:
-    from areal_plugins.rollout.hf_engine import ContinuousBatchingEngine
+    from areal_plugins.rollout.cpu.engine import ContinuousBatchingEngine
     from areal_plugins.tiny.model import TinyModelSpec, random_qwen2
 
     model = random_qwen2(TinyModelSpec(seed=seed), vocab_size=16448).eval()

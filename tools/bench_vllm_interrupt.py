@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from areal_plugins.vllm_server.rollout_server import VLLMRolloutServer
+from areal_plugins.rollout.vllm.server import VLLMRolloutServer
 
 PARAMS = {"temperature": 1.0, "logprobs": True}
 

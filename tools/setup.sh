@@ -36,7 +36,7 @@ if [ "${AREAL_SKIP_VLLM:-0}" != "1" ]; then
   .venv/bin/python - <<'PY'
 import logging
 logging.basicConfig(level=logging.INFO, format="setup: %(message)s")
-from areal_plugins.vllm_server.server import ensure_vllm_python
+from areal_plugins.rollout.vllm.process import ensure_vllm_python
 print(f"setup: vLLM environment ok ({ensure_vllm_python()})")
 PY
 fi

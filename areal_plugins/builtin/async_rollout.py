@@ -16,18 +16,20 @@ def _settings(config: Any) -> Any:
 
 @hookimpl(trylast=True)
 def areal_make_sample_buffer(config: Any) -> Any:
-    from areal_plugins.buffer import SampleBuffer
+    from areal_plugins.core.buffer import SampleBuffer
 
     settings = _settings(config)
     return SampleBuffer(max_staleness=settings.max_staleness, on_stale=settings.on_stale)
 
 
 @hookimpl(trylast=True)
-def areal_make_rollout_manager(config: Any, buffer: Any, submit_prompts: Callable[[int], int]) -> Any:
+def areal_make_rollout_manager(
+    config: Any, buffer: Any, submit_prompts: Callable[[int], int], accept_trajectory: Callable[[Any], bool]
+) -> Any:
     import transfer_queue
 
-    from areal_plugins.staleness import StalenessController
-    from areal_plugins.verl_async.admission import AdmissionLoop
+    from areal_plugins.core.staleness import StalenessController
+    from areal_plugins.trainers.admission import AdmissionLoop
 
     settings = _settings(config)
     batch = int(config.data.train_batch_size)  # η and B count prompt groups: GRPO groups stay together
@@ -36,4 +38,6 @@ def areal_make_rollout_manager(config: Any, buffer: Any, submit_prompts: Callabl
         batch_size=batch,
         max_concurrent=settings.max_concurrent_rollouts or (settings.max_staleness + 1) * batch,
     )
-    return AdmissionLoop(controller, buffer, submit_prompts, settings.poll_interval_s, store=transfer_queue)
+    return AdmissionLoop(
+        controller, buffer, submit_prompts, accept_trajectory, settings.poll_interval_s, store=transfer_queue
+    )

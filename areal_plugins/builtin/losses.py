@@ -10,6 +10,6 @@ from areal_plugins.hookimpl import hookimpl
 
 @hookimpl(trylast=True)
 def areal_make_policy_loss(config: Any) -> Callable[..., Any]:
-    from areal_plugins.losses import decoupled_ppo_loss
+    from areal_plugins.core.losses import decoupled_ppo_loss
 
     return decoupled_ppo_loss

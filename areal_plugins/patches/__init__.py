@@ -22,7 +22,7 @@ from areal_plugins.patches import ffd_micro_batches, gloo_backend
 
 
 def _cpu_platform(config: Any) -> bool:
-    from areal_plugins.cpu.platform import cpu_platform_selected
+    from areal_plugins.platforms.cpu import cpu_platform_selected
 
     return cpu_platform_selected()
 
@@ -62,19 +62,17 @@ def apply_in_workers(config: Any, worker_groups: list[Any]) -> list[str]:
     """Apply the run's enabled patches inside every process of ``worker_groups`` (verl Ray worker groups).
 
     Worker processes load our plugin without the recipe, so features chosen in the recipe reach them
-    from the driver, through Ray's ``__ray_call__`` on each worker actor.
+    from the driver (:func:`areal_plugins.trainers.workers.run_in_workers`).
     """
-    import ray
+    from areal_plugins.trainers.workers import run_in_workers
 
     names = [patch.__name__ for patch in enabled_patches(config)]
-    if not names:
-        return names
-    handles = {id(handle): handle for group in worker_groups for handle in group.workers}
-    ray.get([handle.__ray_call__.remote(_apply_by_name, names) for handle in handles.values()])
+    if names:
+        run_in_workers(worker_groups, _apply_by_name, names)
     return names
 
 
-def _apply_by_name(_actor: Any, names: list[str]) -> None:
+def _apply_by_name(names: list[str]) -> None:
     import importlib
 
     for name in names:

@@ -2,7 +2,7 @@
 
 *Why*: with ``use_dynamic_bsz`` verl derives the micro-batch *count* from the token budget and
 balances Σ seqlen² across that count (Karmarkar-Karp); the paper packs with first-fit-decreasing
-(:func:`areal_plugins.microbatch.ffd_allocate`). verl 0.9.1 has no seam for the partitioner: the
+(:func:`areal_plugins.core.microbatch.ffd_allocate`). verl 0.9.1 has no seam for the partitioner: the
 engine calls ``rearrange_micro_batches``, imported by name into ``verl.workers.engine.utils``.
 *What stays verl's*: the token budget (``ppo_max_token_len_per_gpu``, routed from our setting), the
 loss normalisation (the engine counts the global batch's tokens before it splits, so the global
@@ -23,7 +23,7 @@ from typing import Any
 
 from packaging.specifiers import SpecifierSet
 
-from areal_plugins.microbatch import ffd_allocate
+from areal_plugins.core.microbatch import ffd_allocate
 from areal_plugins.patches._base import AttributePatch
 
 logger = logging.getLogger(__name__)

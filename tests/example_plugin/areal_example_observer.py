@@ -62,7 +62,7 @@ def areal_on_shutdown(reason):
 def areal_make_policy_loss(config):
     if os.environ.get(LOSS_FAILS_AFTER_ENV) is None:
         return None
-    from areal_plugins.losses import decoupled_ppo_loss
+    from areal_plugins.core.losses import decoupled_ppo_loss
 
     calls = {"n": 0}
     limit = int(os.environ[LOSS_FAILS_AFTER_ENV])

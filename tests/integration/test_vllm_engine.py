@@ -37,7 +37,7 @@ def loop():
 
 @pytest.fixture(scope="module")
 def server(random_model_dir, tmp_path_factory, loop):
-    from areal_plugins.vllm_server.rollout_server import VLLMRolloutServer
+    from areal_plugins.rollout.vllm.server import VLLMRolloutServer
 
     rollout = VLLMRolloutServer(
         str(random_model_dir),
@@ -67,7 +67,7 @@ def forward_logprobs(model_dir, state_dict, prompt, response):
 def test_interrupt_update_resume_with_two_versions_and_matching_logprobs(server, random_model_dir, loop):
     from transformers import AutoModelForCausalLM
 
-    from areal_plugins.vllm_server.rollout_server import WeightSyncError, check_sync, expected_checksum
+    from areal_plugins.rollout.vllm.server import WeightSyncError, check_sync, expected_checksum
 
     old = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32).state_dict()
     generator = torch.Generator().manual_seed(0)
@@ -137,7 +137,7 @@ def test_a_server_killed_between_requests_is_replaced_by_the_next_pause_or_updat
     """The soak found it: a server that dies while idle must not fail the trainer's next pause or weight update."""
     from transformers import AutoModelForCausalLM
 
-    from areal_plugins.vllm_server.rollout_server import check_sync, expected_checksum
+    from areal_plugins.rollout.vllm.server import check_sync, expected_checksum
 
     base = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32).state_dict()
     newer = {k: v + 0.01 for k, v in base.items()}

@@ -6,13 +6,15 @@ submitted = accepted + rejected + running at every poll, capacity respected, rej
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from areal_plugins.buffer import SampleBuffer
+from areal_plugins.core.buffer import SampleBuffer
+from areal_plugins.core.staleness import StalenessController
 from areal_plugins.hookimpl import hookimpl
-from areal_plugins.staleness import StalenessController
+from areal_plugins.manager import call_hook
 from areal_plugins.testing import plugin_registered
-from areal_plugins.verl_async.admission import AdmissionLoop
+from areal_plugins.trainers.admission import AdmissionLoop, MissingRolloutFieldError
 
 
 class MemoryStore:
@@ -54,6 +56,10 @@ class MemoryStore:
         self.tags[uid]["status"] = status
 
 
+def accept_by_hook(trajectory) -> bool:
+    return call_hook("areal_accept_trajectory", trajectory=trajectory) is not False
+
+
 def make_loop(store: MemoryStore, eta: int = 1, batch: int = 2):
     submitted: list[str] = []
 
@@ -65,7 +71,7 @@ def make_loop(store: MemoryStore, eta: int = 1, batch: int = 2):
         return n
 
     controller = StalenessController(max_staleness=eta, batch_size=batch, max_concurrent=100)
-    loop = AdmissionLoop(controller, SampleBuffer(eta), submit, poll_interval=0.01, store=store)
+    loop = AdmissionLoop(controller, SampleBuffer(eta), submit, accept_by_hook, poll_interval=0.01, store=store)
     return loop, submitted
 
 
@@ -132,12 +138,36 @@ def test_paused_loop_collects_but_does_not_submit():
     store = MemoryStore()
     loop, submitted = make_loop(store, eta=0, batch=1)
     loop.poll_once()
-    loop.pause()
     store.finish("p0", [1.0], [[0]])
-    loop.resume(version=0)
-    loop.pause()
+    loop.resume(version=1)  # capacity (0 + 1 + 1) * 1 - 1 = 1: there is room for one group...
+    loop.pause()  # ...but a weight update is under way
     loop.poll_once()
-    assert len(loop.buffer) == 1
+    assert len(loop.buffer) == 1  # the finished group was still collected
+    assert submitted == ["p0"]  # and nothing was submitted
     loop.resume(version=1)
     loop.poll_once()
     assert submitted == ["p0", "p1"]
+
+
+def test_a_trajectory_without_behaviour_logprobs_stops_the_loop_instead_of_inventing_them():
+    store = MemoryStore()
+    loop, _ = make_loop(store, eta=0, batch=1)
+    loop.poll_once()
+    store.finish("p0", [1.0], [[0, 0]])
+    del store.rows["p0_0_0"]["rollout_log_probs"]
+    store.kv_batch_get = lambda keys, partition_id, select_fields: {  # type: ignore[method-assign]
+        name: [store.rows[k][name] for k in keys] for name in select_fields if name in store.rows[keys[0]]
+    }
+    with pytest.raises(MissingRolloutFieldError, match="calculate_log_probs"):
+        loop.poll_once()
+    assert len(loop.buffer) == 0
+
+
+def test_a_trajectory_without_per_token_versions_is_refused():
+    store = MemoryStore()
+    loop, _ = make_loop(store, eta=0, batch=1)
+    loop.poll_once()
+    store.finish("p0", [1.0], [[0, 0]])
+    store.rows["p0_0_0"]["extra_fields"] = {}
+    with pytest.raises(MissingRolloutFieldError, match="2 response tokens carries 0 token versions"):
+        loop.poll_once()

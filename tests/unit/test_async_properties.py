@@ -11,8 +11,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_plugins.buffer import BufferedGroup, SampleBuffer
-from areal_plugins.staleness import StalenessController
+from areal_plugins.core.buffer import BufferedGroup, SampleBuffer
+from areal_plugins.core.staleness import StalenessController
 
 OPS = ["submit", "finish_ok", "finish_reject", "consume", "pause", "resume", "checkpoint", "crash"]
 

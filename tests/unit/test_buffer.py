@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from areal_plugins.buffer import BufferedGroup, SampleBuffer
+from areal_plugins.core.buffer import BufferedGroup, SampleBuffer
 
 
 def group(name: str, *heads: int) -> BufferedGroup:

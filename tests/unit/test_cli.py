@@ -29,17 +29,6 @@ def test_total_steps_from_overrides_or_the_shared_recipe_body():
     assert _total_steps(recipe, []) == "30"  # set in _cpu_grpo_tiny.yaml
 
 
-def test_plugin_selection_reaches_every_process_through_the_environment():
-    from pathlib import Path
-
-    from areal_plugins.cli import _plugin_selection_env
-
-    recipe = Path(__file__).resolve().parents[2] / "recipes" / "grpo_cpu_async.yaml"
-    assert _plugin_selection_env(recipe, []) == {}
-    env = _plugin_selection_env(recipe, ["areal.plugins.exclude=[example_observer]", "areal.plugins.include=[a,b]"])
-    assert env == {"AREAL_PLUGINS_EXCLUDE": "example_observer", "AREAL_PLUGINS_INCLUDE": "a,b"}
-
-
 def test_training_takes_any_built_workload_and_a_build_refuses_a_directory_of_another(tmp_path):
     import json
 

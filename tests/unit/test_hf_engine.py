@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from areal_plugins.rollout.hf_engine import STOP_ABORTED, STOP_COMPLETED, ContinuousBatchingEngine, sample_token
+from areal_plugins.rollout.cpu.engine import STOP_ABORTED, STOP_COMPLETED, ContinuousBatchingEngine, sample_token
 
 NO_EOS: list[int] = []  # random weights: never stop early, so lengths are exact
 

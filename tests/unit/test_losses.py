@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from areal_plugins.losses import decoupled_ppo_loss
+from areal_plugins.core.losses import decoupled_ppo_loss
 
 LOG = math.log
 

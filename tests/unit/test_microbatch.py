@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from areal_plugins.microbatch import ffd_allocate
+from areal_plugins.core.microbatch import ffd_allocate
 
 
 def test_hand_worked_example():

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from areal_plugins import hookspecs
+from areal_plugins.core.trajectory import Trajectory
 from areal_plugins.hookimpl import hookimpl
 from areal_plugins.manager import PluginError, build_plugin_manager, call_hook
 from areal_plugins.testing import plugin_registered
-from areal_plugins.trajectory import Trajectory
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "hooks.md"
 HOOK_NAMES = [name for name in vars(hookspecs) if name.startswith("areal_")]
@@ -168,22 +168,11 @@ def test_docs_are_regenerated_from_the_specs():
     assert DOCS.read_text() == load_tool("gen_hook_docs").render(), "run: python tools/gen_hook_docs.py"
 
 
-def test_process_plugin_set_follows_the_environment(monkeypatch):
-    from areal_plugins.manager import selection_from_env
-
-    monkeypatch.delenv("AREAL_PLUGINS_INCLUDE", raising=False)
-    monkeypatch.delenv("AREAL_PLUGINS_EXCLUDE", raising=False)
-    assert selection_from_env() == (None, [])
-    monkeypatch.setenv("AREAL_PLUGINS_INCLUDE", "")
-    monkeypatch.setenv("AREAL_PLUGINS_EXCLUDE", "x,y")
-    assert selection_from_env() == ([], ["x", "y"])
-
-
 def test_policy_loss_hook_chooses_the_workers_loss():
-    from areal_plugins import verl_loss
+    from areal_plugins.core.losses import decoupled_ppo_loss
     from areal_plugins.hookimpl import hookimpl
-    from areal_plugins.losses import decoupled_ppo_loss
     from areal_plugins.testing import plugin_registered
+    from areal_plugins.trainers import policy_loss as verl_loss
 
     def my_loss(*args, **kwargs):
         return decoupled_ppo_loss(*args, **kwargs)

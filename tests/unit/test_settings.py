@@ -1,8 +1,14 @@
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from areal_plugins.settings import ArealConfig, ArealConfigError, verl_setting
+import pytest
+import yaml
+
+from areal_plugins.routing import verl_setting
+from areal_plugins.settings import ArealConfig, ArealConfigError
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_are_off():
@@ -44,3 +50,38 @@ def test_every_routed_setting_is_verl_default_when_disabled():
     assert verl_setting("trainer_mode", on) == "areal_sync"
     with pytest.raises(ArealConfigError, match="no setting"):
         verl_setting("nope", off)
+
+
+def test_plugin_selection_must_be_a_list_of_names():
+    with pytest.raises(ArealConfigError, match=r"areal\.plugins\.include must be a list of plugin names"):
+        ArealConfig.from_dict({"plugins": {"include": "my_plugin"}})  # would load m, y, _, ...
+    with pytest.raises(ArealConfigError, match=r"areal\.plugins\.exclude must be a list"):
+        ArealConfig.from_dict({"plugins": {"exclude": [1]}})
+    assert ArealConfig.from_dict({"plugins": {"include": ["a"]}}).plugins.include == ["a"]
+
+
+def test_shipped_config_group_is_generated_from_the_dataclasses():
+    from tests.unit.tool_scripts import load_tool
+
+    shipped = (REPO / "areal_plugins" / "config" / "areal" / "default.yaml").read_text()
+    assert shipped == load_tool("gen_default_config").render(), "run: python tools/gen_default_config.py"
+
+
+def test_shipped_defaults_are_the_paper_defaults():
+    # Values from the paper / docs/design.md, written here by hand, read from the shipped YAML.
+    node = yaml.safe_load((REPO / "areal_plugins" / "config" / "areal" / "default.yaml").read_text())["areal"]
+    assert node["enable"] is False and node["max_staleness"] == 4 and node["on_stale"] == "wait"
+    assert node["loss"] == {
+        "decoupled": True,
+        "behav_imp_weight_cap": 5.0,
+        "behav_imp_weight_mode": "mask",
+        "prox_logp": "recompute",
+    }
+    assert ArealConfig.from_dict(node) == ArealConfig()
+
+
+def test_choices_match_the_core_that_enforces_them():
+    from areal_plugins import settings
+    from areal_plugins.core import buffer, losses
+
+    assert settings.ON_STALE == buffer.ON_STALE and settings.WEIGHT_MODES == losses.WEIGHT_MODES

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_plugins.staleness import StalenessController
+from areal_plugins.core.staleness import StalenessController
 
 
 def test_hand_derived_sequence():

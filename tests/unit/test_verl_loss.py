@@ -6,8 +6,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from areal_plugins.settings import ArealConfig, cap_threshold
-from areal_plugins.verl_loss import areal_decoupled_policy_loss
+from areal_plugins.routing import cap_threshold
+from areal_plugins.settings import ArealConfig
+from areal_plugins.trainers.policy_loss import areal_decoupled_policy_loss
 
 
 def actor_config(global_tokens=None, dp_size=1):
@@ -107,7 +108,7 @@ def loglinear_config(threshold, global_tokens=None):
 def test_loglinear_equals_the_recomputed_objective_when_theta_is_prox(cap, mode):
     # One optimizer step per batch: at that step θ is π_prox, so the forward pass verl skips would
     # have returned exactly logp_θ. The loss must equal the reference with old := new.
-    from areal_plugins.verl_loss import areal_decoupled_loglinear_policy_loss
+    from areal_plugins.trainers.policy_loss import areal_decoupled_loglinear_policy_loss
 
     _, new, behav, adv, mask = batch(3)
     threshold = cap_threshold(
@@ -130,6 +131,6 @@ def test_loglinear_equals_the_recomputed_objective_when_theta_is_prox(cap, mode)
     ("threshold", "expected"), [("1e-12_5.0", (5.0, "mask")), (5.0, (5.0, "clamp")), (1e9, (None, "clamp"))]
 )
 def test_cap_threshold_round_trips(threshold, expected):
-    from areal_plugins.settings import parse_cap_threshold
+    from areal_plugins.routing import parse_cap_threshold
 
     assert parse_cap_threshold(threshold) == expected

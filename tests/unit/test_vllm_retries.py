@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from areal_plugins.vllm_server.rollout_server import TRANSIENT_RETRIES, VLLMRolloutServer
+from areal_plugins.rollout.vllm.server import TRANSIENT_RETRIES, VLLMRolloutServer
 
 
 class FakeProcess:
@@ -85,7 +85,7 @@ def test_a_replaced_server_gets_its_own_retry_budget():
 
 
 def test_only_a_finished_stream_counts_as_completed():
-    from areal_plugins.vllm_server.rollout_server import verl_stop_reason
+    from areal_plugins.rollout.vllm.server import verl_stop_reason
 
     assert verl_stop_reason("stop") == "completed" and verl_stop_reason("length") == "completed"
     assert verl_stop_reason("abort") == "aborted"  # /pause?mode=abort

@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from areal_plugins.verl_async import trainer
-from areal_plugins.verl_async.trainer import Watchdog
+from areal_plugins.trainers import watchdog as trainer
+from areal_plugins.trainers.watchdog import Watchdog
 
 
 def test_fires_with_the_report_when_nothing_moves(monkeypatch):
-    monkeypatch.setattr(trainer, "WAIT_CHECK_S", 0.0)
+    monkeypatch.setattr(trainer, "CHECK_INTERVAL_S", 0.0)
     watchdog = Watchdog(limit_s=0.05)
     watchdog.check(lambda: (1, 10), lambda waited: "stuck")
     time.sleep(0.1)
@@ -20,7 +20,7 @@ def test_fires_with_the_report_when_nothing_moves(monkeypatch):
 
 
 def test_progress_resets_the_clock(monkeypatch):
-    monkeypatch.setattr(trainer, "WAIT_CHECK_S", 0.0)
+    monkeypatch.setattr(trainer, "CHECK_INTERVAL_S", 0.0)
     watchdog = Watchdog(limit_s=0.05)
     for tokens in range(5):
         time.sleep(0.03)

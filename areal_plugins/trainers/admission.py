@@ -17,16 +17,19 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from areal_plugins.buffer import BufferedGroup, SampleBuffer
-from areal_plugins.manager import call_hook
-from areal_plugins.staleness import StalenessController
-from areal_plugins.trajectory import Trajectory
+from areal_plugins.core.buffer import BufferedGroup, SampleBuffer
+from areal_plugins.core.staleness import StalenessController
+from areal_plugins.core.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 
 PARTITION = "train"
 #: Trajectory fields read from TransferQueue to build the objects the accept hook sees.
 TRAJECTORY_FIELDS = ["prompts", "responses", "response_mask", "rollout_log_probs", "rm_scores", "extra_fields"]
+
+
+class MissingRolloutFieldError(RuntimeError):
+    """A finished rollout lacks a field asynchronous training cannot do without."""
 
 
 class AdmissionLoop:
@@ -36,6 +39,7 @@ class AdmissionLoop:
         controller: the admission counters (units: prompt groups).
         buffer: where accepted groups wait for the trainer.
         submit: submits ``n`` new prompts for generation (verl's ``_add_prompts_to_generate``).
+        accept: False drops a finished trajectory (the ``areal_accept_trajectory`` hooks).
         poll_interval: seconds between looks at TransferQueue.
         store: TransferQueue's module (``kv_list``, ``kv_batch_get``, ``kv_clear``).
     """
@@ -45,12 +49,14 @@ class AdmissionLoop:
         controller: StalenessController,
         buffer: SampleBuffer,
         submit: Callable[[int], int],
+        accept: Callable[[Trajectory], bool],
         poll_interval: float,
         store: Any,
     ) -> None:
         self.controller = controller
         self.buffer = buffer
         self.submit = submit
+        self.accept = accept
         self.poll_interval = poll_interval
         self.store = store
         self.version = 0
@@ -150,8 +156,7 @@ class AdmissionLoop:
         info: list[dict[str, Any]] = []
         for row, (key, tag) in enumerate(zip(keys, tags, strict=True)):
             trajectory = _trajectory(data, row, uid)
-            verdict = call_hook("areal_accept_trajectory", trajectory=trajectory)
-            if verdict is False:
+            if not self.accept(trajectory):
                 dropped.append(key)
                 continue
             kept_keys.append(key)
@@ -191,12 +196,20 @@ def _trajectory(data: Any, row: int, uid: str) -> Trajectory:
     extra = data["extra_fields"][row]
     extra = dict(getattr(extra, "data", extra) or {})
     versions = list(extra.get("token_versions") or [])[: len(response)]
-    if len(versions) < len(response):  # backend without per-token versions: the served version
-        versions += [int(extra.get("global_steps") or 0)] * (len(response) - len(versions))
-    if "rollout_log_probs" in data.keys():
-        behav = data["rollout_log_probs"][row][mask].tolist()
-    else:
-        behav = [0.0] * len(response)
+    if len(versions) < len(response):
+        raise MissingRolloutFieldError(
+            f"rollout group {uid}: a trajectory of {len(response)} response tokens carries {len(versions)} token "
+            "versions; staleness needs the version of every token. The rollout client must be areal_plugins' "
+            "InterruptibleLLMClient (areal.enable: true selects it): check that the recipe does not replace "
+            "actor_rollout_ref.rollout.agent.agent_loop_manager_class or the LLM client"
+        )
+    if "rollout_log_probs" not in data.keys():
+        raise MissingRolloutFieldError(
+            f"rollout group {uid}: no behaviour log-probs (rollout_log_probs) reached the trainer; the decoupled "
+            "objective and the accept hook need them: remove the override "
+            "actor_rollout_ref.rollout.calculate_log_probs=false"
+        )
+    behav = data["rollout_log_probs"][row][mask].tolist()
     reward = float(data["rm_scores"][row].sum()) if "rm_scores" in data.keys() else None
     prompt = data["prompts"][row].tolist()
     return Trajectory(

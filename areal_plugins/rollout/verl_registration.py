@@ -1,7 +1,7 @@
 """Register our rollout backends with verl's rollout registries.
 
 ``areal_cpu``: the in-process transformers engine (zero setup). ``areal_vllm``: a real vLLM server
-process from its own environment (``areal_plugins.vllm_server``). Select one with verl's own
+process from its own environment (``areal_plugins.rollout.vllm``). Select one with verl's own
 ``actor_rollout_ref.rollout.name``.
 
 verl 0.9.1 resolves a rollout backend by ``actor_rollout_ref.rollout.name`` in two places:
@@ -18,14 +18,14 @@ from typing import Any
 import ray
 import torch
 
-from areal_plugins.rollout.cpu_server import CPURolloutServer, weights_checksum
+from areal_plugins.rollout.cpu.server import CPURolloutServer, weights_checksum
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "areal_cpu"
 VLLM_BACKEND_NAME = "areal_vllm"
-ADAPTER_FQN = "areal_plugins.rollout.verl_backend.CPUServerAdapter"
-VLLM_ADAPTER_FQN = "areal_plugins.rollout.verl_backend.VLLMServerAdapter"
+ADAPTER_FQN = "areal_plugins.rollout.verl_registration.CPUServerAdapter"
+VLLM_ADAPTER_FQN = "areal_plugins.rollout.verl_registration.VLLMServerAdapter"
 #: CPU share Ray reserves for each server actor: fractional so that it never starves verl's own
 #: actors on a 2-core machine (DESIGN.md §4); torch threads are set separately.
 SERVER_NUM_CPUS = 0.1
@@ -37,7 +37,7 @@ def server_actor_name(replica_rank: int, name_suffix: str = "", backend: str = B
 
 def _server_class(backend: str) -> type:
     if backend == VLLM_BACKEND_NAME:
-        from areal_plugins.vllm_server.rollout_server import VLLMRolloutServer
+        from areal_plugins.rollout.vllm.server import VLLMRolloutServer
 
         return VLLMRolloutServer
     return CPURolloutServer
@@ -128,7 +128,7 @@ def _make_adapter_class(backend: str = BACKEND_NAME) -> type:
             version = int(kwargs.get("global_steps") or 0)
             reply = await self._server.update_weights.remote(state, version)
             if backend == VLLM_BACKEND_NAME:
-                from areal_plugins.vllm_server.rollout_server import check_sync, expected_checksum
+                from areal_plugins.rollout.vllm.server import check_sync, expected_checksum
 
                 check_sync(reply, version, expected_checksum(state), f"rollout replica {self.replica_rank}")
                 return

@@ -35,7 +35,7 @@ BREAKS_VLLM_ON_CPU = ("torchvision", "torchaudio", "torchcodec")
 PYTHON_ENV = "AREAL_VLLM_PYTHON"
 EXTENSION_MODULE = "areal_vllm_worker_extension"
 EXTENSION_CLASS = f"{EXTENSION_MODULE}.ArealWorkerExtension"
-REPO_ENV_DIR = Path(__file__).resolve().parents[2] / ".venv-vllm"
+REPO_ENV_DIR = Path(__file__).resolve().parents[3] / ".venv-vllm"
 
 
 class VLLMServerError(RuntimeError):

@@ -1,10 +1,6 @@
-"""verl trainer modes that run verl's own trainers and call our lifecycle hooks around them.
+"""Our lifecycle hooks around verl's own trainers (``areal_sync``; ``areal_async`` reuses the mixin).
 
-Registered through verl's ``register_trainer`` seam as ``areal_sync`` (verl's sync trainer plus our
-hooks) next to ``areal_async`` (``areal_plugins.verl_async``, the AReaL trainer, which reuses the
-mixin); ``areal.enable: true`` routes ``trainer.v1.trainer_mode`` to one of them
-(``settings.verl_setting``).
-They run in verl's TaskRunner process, where the whole composed recipe is available.
+The trainers run in verl's TaskRunner process, where the whole composed recipe is available.
 """
 
 from __future__ import annotations
@@ -13,11 +9,9 @@ import logging
 from typing import Any
 
 from areal_plugins.manager import call_hook, configure_plugins
+from areal_plugins.trainers.workers import run_in_workers
 
 logger = logging.getLogger(__name__)
-
-#: verl trainer mode each of our modes wraps.
-WRAPPED_MODES = {"areal_sync": "sync"}
 
 
 class HookedTrainerMixin:
@@ -40,7 +34,10 @@ class HookedTrainerMixin:
         super().init()  # type: ignore[misc]
         from areal_plugins.patches import apply_in_workers
 
-        applied = apply_in_workers(self.config, [self.actor_rollout_wg])  # type: ignore[attr-defined]
+        workers = [self.actor_rollout_wg]  # type: ignore[attr-defined]
+        # The trainer workers call areal_make_policy_loss: give them the driver's plugin set.
+        run_in_workers(workers, configure_plugins, include, list(plugins.exclude))
+        applied = apply_in_workers(self.config, workers)
         if applied:
             logger.info("areal_plugins: applied %s in the trainer's worker processes", applied)
 
@@ -67,18 +64,3 @@ class HookedTrainerMixin:
             raise
         finally:
             call_hook("areal_on_shutdown", reason=reason)
-
-
-def register_trainers() -> None:
-    """Register our trainer modes with verl (idempotent)."""
-    from verl.trainer.ppo.v1 import get_trainer_cls, register_trainer
-    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
-
-    for name, wrapped in WRAPPED_MODES.items():
-        if name in TRAINER_REGISTRY:
-            continue
-        base = get_trainer_cls(wrapped)
-        register_trainer(name)(type(f"Areal{base.__name__}", (HookedTrainerMixin, base), {}))
-    from areal_plugins.verl_async.trainer import register_async_trainer
-
-    register_async_trainer()

@@ -2,7 +2,7 @@
 
 This file runs inside the vLLM environment, which has neither verl nor areal_plugins installed: it
 imports only torch and is copied next to the server as a top-level module
-(:data:`areal_plugins.vllm_server.server.EXTENSION_MODULE`).
+(:data:`areal_plugins.rollout.vllm.process.EXTENSION_MODULE`).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from areal_plugins.rollout.hf_engine import STOP_ABORTED, ContinuousBatchingEngine
-from areal_plugins.rollout.server_contract import CPUReplicaContract, record_weight_sync, token_budget, version_fields
+from areal_plugins.rollout.base import CPUReplicaContract, record_weight_sync, token_budget, version_fields
+from areal_plugins.rollout.cpu.engine import STOP_ABORTED, ContinuousBatchingEngine
 
 logger = logging.getLogger(__name__)
 

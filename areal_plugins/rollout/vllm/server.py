@@ -1,6 +1,6 @@
 """verl's rollout-server contract served by a real vLLM server process (the ``areal_vllm`` backend).
 
-The same contract as :class:`areal_plugins.rollout.cpu_server.CPURolloutServer` (generate, abort
+The same contract as :class:`areal_plugins.rollout.cpu.server.CPURolloutServer` (generate, abort
 and resume, weight update with a version and checksum reply, stats), implemented over HTTP
 against :class:`VLLMServer`:
 
@@ -30,10 +30,10 @@ from typing import Any
 import aiohttp
 import torch
 
-from areal_plugins.rollout.server_contract import CPUReplicaContract, record_weight_sync, token_budget, version_fields
-from areal_plugins.vllm_server.client import ABORTED, VLLMClient
-from areal_plugins.vllm_server.server import VLLMServer
-from areal_plugins.vllm_server.worker_extension import layout_free_checksum
+from areal_plugins.rollout.base import CPUReplicaContract, record_weight_sync, token_budget, version_fields
+from areal_plugins.rollout.vllm.http_client import ABORTED, VLLMClient
+from areal_plugins.rollout.vllm.process import VLLMServer
+from areal_plugins.rollout.vllm.worker_extension import layout_free_checksum
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from areal_plugins.buffer import BufferedGroup
+from areal_plugins.core.buffer import BufferedGroup
 
 
 def consumed_metrics(groups: list[BufferedGroup], trainer_version: int) -> dict[str, float]:

@@ -31,15 +31,15 @@ from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.utils.debug import marked_timer
 
 from areal_plugins.manager import call_hook
+from areal_plugins.records import RunRecorder
 from areal_plugins.settings import ArealConfig
-from areal_plugins.trainer import HookedTrainerMixin
-from areal_plugins.verl_async.client import InterruptibleLLMClient
-from areal_plugins.verl_async.metrics import consumed_metrics, rollout_rates
-from areal_plugins.verl_async.recorder import RunRecorder
+from areal_plugins.trainers.hooked import HookedTrainerMixin
+from areal_plugins.trainers.llm_client import InterruptibleLLMClient
+from areal_plugins.trainers.step_metrics import consumed_metrics, rollout_rates
+from areal_plugins.trainers.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
-TRAINER_MODE = "areal_async"
 #: How often the trainer, while waiting for samples, checks that the admission loop is alive.
 WAIT_CHECK_S = 1.0
 #: How often the engines' activity is sampled for the timeline.
@@ -51,6 +51,11 @@ ASYNC_STATE_FILE = "areal_state.json"
 def prompt_digest(prompt: Any) -> str:
     """A short content id of a prompt (chat messages or text), to trace prompts across a resume."""
     return hashlib.sha1(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def accept_trajectory(trajectory: Any) -> bool:
+    """What the ``areal_accept_trajectory`` hooks say of ``trajectory`` (no answer keeps it)."""
+    return call_hook("areal_accept_trajectory", trajectory=trajectory) is not False
 
 
 class _ArealReplayBuffer(ReplayBuffer):
@@ -116,6 +121,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             config=self.config,
             buffer=self.sample_buffer,
             submit_prompts=self._add_prompts_to_generate,
+            accept_trajectory=accept_trajectory,
         )
         if self.version > 0:
             self._resume_async_state()
@@ -376,31 +382,3 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             {"step": global_steps, "time": now} | {k: v for k, v in metrics.items() if k.startswith("areal/")},
         )
         return result
-
-
-class Watchdog:
-    """Raises once ``marker()`` has not changed for ``limit_s`` seconds."""
-
-    def __init__(self, limit_s: float) -> None:
-        self.limit_s = limit_s
-        self._marker: Any = None
-        self._since = time.monotonic()
-        self._started = self._since
-
-    def check(self, marker: Any, report: Any) -> None:
-        now = time.monotonic()
-        if now - self._started < WAIT_CHECK_S:  # no statistics calls on every fast wait
-            return
-        current = marker()
-        if current != self._marker:
-            self._marker, self._since = current, now
-        elif now - self._since > self.limit_s:
-            raise TimeoutError(report(now - self._since))
-
-
-def register_async_trainer() -> None:
-    """Register ``areal_async`` with verl (idempotent)."""
-    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
-
-    if TRAINER_MODE not in TRAINER_REGISTRY:
-        register_trainer(TRAINER_MODE)(ArealAsyncTrainer)

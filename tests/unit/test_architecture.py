@@ -1,0 +1,94 @@
+"""The package's dependency rules, read from the source: no import cycle, pure core, leaf settings.
+
+Every ``import areal_plugins...`` counts, at module level or inside a function: a lazy import still
+ties two modules together, so it may not close a cycle either.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "areal_plugins"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports (a ``from pkg import name`` of a submodule counts as it)."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets.add(node.module)
+                targets |= {f"{node.module}.{alias.name}" for alias in node.names}
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path ``[a, b, ..., a]``, or None (depth-first search, colours)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return [*stack[stack.index(target) :], target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def package_imports(graph: dict[str, set[str]], prefix: str) -> dict[str, set[str]]:
+    return {name: targets for name, targets in graph.items() if name == prefix or name.startswith(prefix + ".")}
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle_in_the_package():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_core_imports_nothing_else_of_the_package():
+    graph = import_graph()
+    for name, targets in package_imports(graph, "areal_plugins.core").items():
+        outside = {t for t in targets if not t.startswith("areal_plugins.core")}
+        assert not outside, f"{name} imports {sorted(outside)}: the core must stay pure"
+
+
+def test_settings_is_a_leaf():
+    assert import_graph()["areal_plugins.settings"] == set(), "settings.py must import nothing of the package"
+
+
+def test_hook_specs_import_only_the_core_for_types():
+    assert import_graph()["areal_plugins.hookspecs"] <= {"areal_plugins.core.trajectory"}
+
+
+def test_the_core_imports_neither_verl_nor_ray():
+    for path in (PACKAGE / "core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not any(n.split(".")[0] in ("verl", "ray", "transfer_queue") for n in names), path
