@@ -28,12 +28,12 @@ def register_with_verl() -> None:
         logger.error("areal_plugins disabled: %s", error)
         return
     from areal_plugins.platforms.cpu import cpu_platform_selected, register_cpu_platform
-    from areal_plugins.rollout.verl_registration import register_rollout_backend
+    from areal_plugins.rollout.verl_registration import register_rollout_backends
     from areal_plugins.trainers import register_trainers
     from areal_plugins.trainers.policy_loss import register_policy_loss_with_verl
 
     register_cpu_platform()
-    register_rollout_backend()
+    register_rollout_backends()
     register_policy_loss_with_verl()
     register_trainers()
     _register_config_resolvers()

@@ -16,7 +16,6 @@ The trainer applies it inside the actor worker processes (:func:`areal_plugins.p
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 from typing import Any
@@ -109,9 +108,8 @@ def _make_replacement(original: Any) -> Any:
 
 
 def _record(lengths: list[int], groups: list[list[int]], capacity: int) -> None:
-    run_dir = os.environ.get("AREAL_RUN_DIR")
-    if not run_dir:
-        return
+    from areal_plugins.records import append_record
+
     tokens = [sum(lengths[i] for i in group) for group in groups]
     padded = [len(group) * max(lengths[i] for i in group) for group in groups]
     line = {
@@ -123,8 +121,7 @@ def _record(lengths: list[int], groups: list[list[int]], capacity: int) -> None:
         "tokens": tokens,
         "padded_tokens": padded,
     }
-    with open(os.path.join(run_dir, LOG_NAME), "a") as handle:
-        handle.write(json.dumps(line) + "\n")
+    append_record(LOG_NAME, line)
 
 
 PATCH = AttributePatch("ffd_micro_batches", TARGETS, _make_replacement, SUPPORTED_VERL)

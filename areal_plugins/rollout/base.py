@@ -1,15 +1,152 @@
-"""What every areal rollout server (``areal_cpu``, ``areal_vllm``) does the same way for verl's server contract.
+"""The contract every areal rollout server keeps, and what all of them do the same way.
 
-Request checks and token budget, the per-token version fields verl and our client read, the audit
-trail of weight loads, and the contract methods that have nothing to do on a CPU replica.
+A rollout server is a Ray actor that verl 0.9.1 drives exactly as it drives its own vLLM server
+actor: verl's ``LLMServerClient`` calls :meth:`RolloutServer.generate`; ``RolloutReplica`` and
+``CheckpointEngineManager`` call abort / resume / sleep / wake-up / cache control; our trainer-side
+adapter (:mod:`areal_plugins.rollout.verl_registration`) calls :meth:`RolloutServer.update_weights`
+and checks the reply with :meth:`RolloutServer.verify_weights`. Every response carries the
+generating version of each token (``extra_fields["token_versions"]``).
+
+A backend is a subclass in its own subpackage (``rollout/cpu``, ``rollout/vllm``) that declares its
+name and capabilities as class attributes; nothing outside a backend branches on its name.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import abc
+import asyncio
 import time
-from typing import Any
+from typing import Any, ClassVar
+
+from areal_plugins.records import append_record
+
+
+class RolloutServer(abc.ABC):
+    """Base class of an areal rollout server actor (verl's server contract).
+
+    Subclasses set :attr:`backend_name` and :attr:`releases_memory_on_sleep`, implement the
+    abstract methods, and call :meth:`_init_gate` in their constructor.
+
+    Memory follows verl's ``rollout.free_cache_engine``: with it true, :meth:`sleep` releases what a
+    GPU engine releases (KV caches and weights) and :meth:`wake_up` restores it; with it false verl's
+    own servers keep their memory on sleep, and so do ours.
+    """
+
+    #: ``actor_rollout_ref.rollout.name`` of this backend.
+    backend_name: ClassVar[str]
+    #: Whether :meth:`sleep` can release the engine's memory (``free_cache_engine: true`` needs it;
+    #: a backend without it is refused at startup with that setting).
+    releases_memory_on_sleep: ClassVar[bool]
+
+    free_cache_engine: bool
+    _gate_open: asyncio.Event
+    _rejecting: bool
+
+    def _init_gate(self, free_cache_engine: bool) -> None:
+        self.free_cache_engine = free_cache_engine
+        self._gate_open = asyncio.Event()
+        self._gate_open.set()
+        self._rejecting = False
+
+    # ------------------------------------------------------------------ generation
+
+    @abc.abstractmethod
+    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, **kwargs: Any):
+        """Token-in/token-out generation with per-token log-probs and versions (verl's ``TokenOutput``)."""
+
+    async def _wait_for_gate(self) -> bool:
+        """Park a request while generation is paused; False when the server rejects it instead."""
+        while not self._gate_open.is_set():
+            if self._rejecting:
+                return False
+            await self._gate_open.wait()
+        return True
+
+    # ------------------------------------------------------------------ interruption
+
+    @abc.abstractmethod
+    async def _abort_in_flight(self) -> list[str]:
+        """Stop every in-flight request (each returns its partial output); their request ids."""
+
+    @abc.abstractmethod
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
+        """Stop one request (it returns its partial output); ``{"aborted": bool, "request_id": ...}``."""
+
+    @abc.abstractmethod
+    async def wait_for_requests_to_drain(self) -> None:
+        """Return once no request is in flight."""
+
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
+        """Close the gate and interrupt every in-flight request; new ones wait (or fail with ``reject_request``)."""
+        self._rejecting = reject_request
+        self._gate_open.clear()
+        request_ids = await self._abort_in_flight()
+        return {"aborted_count": len(request_ids), "request_ids": request_ids}
+
+    async def resume_engine_generation(self) -> None:
+        """verl splits resuming into the engine and the submission gate; ours resume together."""
+        await self.resume_generation()
+
+    async def open_submission_gate(self) -> None:
+        await self.resume_generation()
+
+    @abc.abstractmethod
+    async def resume_generation(self) -> None:
+        """Let parked and new requests run again."""
+
+    # ------------------------------------------------------------------ memory
+
+    async def sleep(self) -> None:
+        """Release KV caches and weights (``free_cache_engine: true``); in-flight requests must be aborted first."""
+        if not self.free_cache_engine:
+            return  # verl's own servers keep their memory too (rollout.free_cache_engine: false)
+        await self._release_memory()
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what :meth:`sleep` released: ``tags`` among ``weights``, ``kv_cache`` (None: both)."""
+        if not self.free_cache_engine:
+            return
+        await self._restore_memory(set(tags or ("weights", "kv_cache")))
+
+    async def release_kv_cache(self) -> None:
+        if self.free_cache_engine:
+            await self._release_memory(weights=False)
+
+    async def resume_kv_cache(self) -> None:
+        if self.free_cache_engine:
+            await self._restore_memory({"kv_cache"})
+
+    @abc.abstractmethod
+    async def _release_memory(self, weights: bool = True) -> None: ...
+
+    @abc.abstractmethod
+    async def _restore_memory(self, tags: set[str]) -> None: ...
+
+    @abc.abstractmethod
+    async def clear_kv_cache(self) -> None:
+        """Drop cached KV state computed under earlier weights."""
+
+    # ------------------------------------------------------------------ weights
+
+    @abc.abstractmethod
+    async def update_weights(self, state_dict: dict[str, Any], version: int) -> dict[str, Any]:
+        """Load ``state_dict`` and serve it as ``version``; what the engine reports it now holds."""
+
+    @staticmethod
+    @abc.abstractmethod
+    def verify_weights(reply: dict[str, Any], state_dict: dict[str, Any], version: int, where: str) -> None:
+        """Raise :class:`WeightSyncError` unless ``reply`` shows ``state_dict`` loaded as ``version``."""
+
+    @abc.abstractmethod
+    async def get_version(self) -> int: ...
+
+    @abc.abstractmethod
+    async def get_stats(self) -> dict[str, Any]:
+        """``generated_tokens``, ``in_flight``, ``busy_s``, ``version`` (and ``restarts`` where servers restart)."""
+
+
+class WeightSyncError(RuntimeError):
+    """The engine does not serve the weights the trainer sent."""
 
 
 def token_budget(
@@ -38,35 +175,6 @@ def version_fields(served_version: int, versions: list[int]) -> dict[str, Any]:
 
 
 def record_weight_sync(replica: int, version: int, checksum: Any, event: str) -> None:
-    """Append to ``$AREAL_RUN_DIR/weight_syncs.jsonl``: an audit trail of the weights served."""
-    run_dir = os.environ.get("AREAL_RUN_DIR")
-    if not run_dir:
-        return
+    """``weight_syncs.jsonl``: an audit trail of the weights each replica served."""
     record = {"time": time.time(), "replica": replica, "event": event, "version": version, "checksum": checksum}
-    with open(os.path.join(run_dir, "weight_syncs.jsonl"), "a") as handle:
-        handle.write(json.dumps(record) + "\n")
-
-
-class CPUReplicaContract:
-    """verl server-contract methods with nothing to do here (memory is not scarce, one request abort)."""
-
-    async def resume_generation(self) -> None:
-        raise NotImplementedError
-
-    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
-        return {"aborted": False, "request_id": request_id, "error": "single-request abort is not supported"}
-
-    async def resume_engine_generation(self) -> None:
-        return None
-
-    async def open_submission_gate(self) -> None:
-        await self.resume_generation()
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        return None
-
-    async def sleep(self) -> None:
-        return None
-
-    async def clear_kv_cache(self) -> None:
-        return None
+    append_record("weight_syncs.jsonl", record)

@@ -1,75 +1,91 @@
-"""Register our rollout backends with verl's rollout registries.
-
-``areal_cpu``: the in-process transformers engine (zero setup). ``areal_vllm``: a real vLLM server
-process from its own environment (``areal_plugins.rollout.vllm``). Select one with verl's own
-``actor_rollout_ref.rollout.name``.
+"""Register our rollout backends with verl's two rollout registries, one generic class per side.
 
 verl 0.9.1 resolves a rollout backend by ``actor_rollout_ref.rollout.name`` in two places:
 ``RolloutReplicaRegistry`` (the driver-side replica that launches server actors) and
 ``verl.workers.rollout.base._ROLLOUT_REGISTRY`` (the trainer-side adapter that pushes weights to
-the servers). Both are registries meant for extension; we add one entry per backend to each.
+the servers). Both are registries meant for extension. One replica class and one adapter class
+serve every backend of :data:`BACKENDS`: each reads the backend from its rollout config's ``name``
+and asks the server class what it needs to know (capabilities, how to verify a weight sync).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
 import ray
 import torch
 
-from areal_plugins.rollout.cpu.server import CPURolloutServer, weights_checksum
+from areal_plugins.rollout.base import RolloutServer
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAME = "areal_cpu"
-VLLM_BACKEND_NAME = "areal_vllm"
-ADAPTER_FQN = "areal_plugins.rollout.verl_registration.CPUServerAdapter"
-VLLM_ADAPTER_FQN = "areal_plugins.rollout.verl_registration.VLLMServerAdapter"
+#: ``actor_rollout_ref.rollout.name`` -> ``module:Class`` of its server (imported on first use).
+BACKENDS = {
+    "areal_cpu": "areal_plugins.rollout.cpu.server:CPURolloutServer",
+    "areal_vllm": "areal_plugins.rollout.vllm.server:VLLMRolloutServer",
+}
+ADAPTER_FQN = f"{__name__}.ArealServerAdapter"
 #: CPU share Ray reserves for each server actor: fractional so that it never starves verl's own
-#: actors on a 2-core machine (DESIGN.md §4); torch threads are set separately.
+#: actors on a 2-core machine; torch threads are set separately (``engine_kwargs.<backend>.num_threads``).
 SERVER_NUM_CPUS = 0.1
+ENGINE_OPTIONS = ("num_threads", "max_batch_size")
 
 
-def server_actor_name(replica_rank: int, name_suffix: str = "", backend: str = BACKEND_NAME) -> str:
+def server_class(backend: str) -> type[RolloutServer]:
+    """The server class of ``backend`` (one of :data:`BACKENDS`)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown areal rollout backend {backend!r}; ours: {', '.join(BACKENDS)}")
+    module, _, name = BACKENDS[backend].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def server_actor_name(backend: str, replica_rank: int, name_suffix: str = "") -> str:
     return f"{backend}_server_{replica_rank}{name_suffix}"
 
 
-def _server_class(backend: str) -> type:
-    if backend == VLLM_BACKEND_NAME:
-        from areal_plugins.rollout.vllm.server import VLLMRolloutServer
-
-        return VLLMRolloutServer
-    return CPURolloutServer
-
-
-def engine_options(rollout_config: Any, backend: str = BACKEND_NAME) -> dict[str, Any]:
+def engine_options(rollout_config: Any) -> dict[str, Any]:
     """Our knobs inside ``rollout.engine_kwargs.<backend>`` (num_threads, max_batch_size)."""
+    backend = rollout_config.name
     kwargs = getattr(rollout_config, "engine_kwargs", None) or {}
     options = dict(kwargs.get(backend, {}) or {})
-    unknown = set(options) - {"num_threads", "max_batch_size"}
+    unknown = set(options) - set(ENGINE_OPTIONS)
     if unknown:
         raise ValueError(
             f"actor_rollout_ref.rollout.engine_kwargs.{backend} has unknown keys {sorted(unknown)}; "
-            "valid keys: num_threads, max_batch_size"
+            f"valid keys: {', '.join(ENGINE_OPTIONS)}"
         )
     return options
 
 
-def _make_replica_class(backend: str = BACKEND_NAME) -> type:
+def check_capabilities(rollout_config: Any) -> None:
+    """Refuse, before any server starts, a setting the backend cannot honour."""
+    cls = server_class(rollout_config.name)
+    if rollout_config.free_cache_engine and not cls.releases_memory_on_sleep:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.free_cache_engine=true asks the {rollout_config.name} servers to release "
+            "their memory on sleep, which this backend cannot do (vLLM has no sleep mode on CPU): set "
+            "actor_rollout_ref.rollout.free_cache_engine=false"
+        )
+
+
+def _replica_class() -> type:
     from verl.workers.rollout.replica import RolloutReplica
 
     class ArealRolloutReplica(RolloutReplica):
-        """A replica of one server actor of ``backend`` (no accelerator needed)."""
+        """A replica of one server actor of the backend ``config.name`` (no accelerator needed)."""
 
         def rollout_worker_use_gpu(self) -> bool:
             return False
 
         async def launch_servers(self) -> None:
-            options = engine_options(self.config, backend)
+            backend = str(self.config.name)
+            check_capabilities(self.config)
+            options = engine_options(self.config)
             model_path = getattr(self.model_config, "local_path", None) or self.model_config.path
-            name = server_actor_name(self.replica_rank, self.name_suffix, backend)
-            server_cls: Any = ray.remote(_server_class(backend))
+            name = server_actor_name(backend, self.replica_rank, self.name_suffix)
+            server_cls: Any = ray.remote(server_class(backend))
             server: Any = server_cls.options(
                 name=name, num_cpus=SERVER_NUM_CPUS, max_concurrency=self.max_concurrency
             ).remote(
@@ -80,21 +96,25 @@ def _make_replica_class(backend: str = BACKEND_NAME) -> type:
                 num_threads=int(options.get("num_threads", 2)),
                 seed=self.config.seed + self.replica_rank,
                 replica_rank=self.replica_rank,
+                free_cache_engine=bool(self.config.free_cache_engine),
             )
             await server.get_version.remote()  # surfaces constructor errors here, not at first use
             self.servers = [server]
             self._server_handle = server
             self._server_address = name
 
-    ArealRolloutReplica.__name__ = f"{'VLLM' if backend == VLLM_BACKEND_NAME else 'CPU'}RolloutReplica"
     return ArealRolloutReplica
 
 
-def _make_adapter_class(backend: str = BACKEND_NAME) -> type:
+def _adapter_class() -> type:
     from verl.workers.rollout.base import BaseRollout
 
-    class CPUServerAdapter(BaseRollout):
-        """Trainer-side end of the weight sync: gathers full tensors, ships them to the server."""
+    class ArealServerAdapter(BaseRollout):
+        """Trainer-side end of the weight sync: gathers full tensors, ships them, verifies the reply.
+
+        ``resume``/``release`` are verl's wake-up and sleep calls of a colocated engine; they reach
+        the server, which acts on them when ``free_cache_engine`` is true (as verl's vLLM adapter does).
+        """
 
         def __init__(self, config: Any, model_config: Any, device_mesh: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(config, model_config, device_mesh)
@@ -106,52 +126,43 @@ def _make_adapter_class(backend: str = BACKEND_NAME) -> type:
             )
             replica_rank = kwargs.get("replica_rank", -1)
             self.replica_rank = rank // rollout_world if replica_rank == -1 else replica_rank
-            self.rollout_rank = rank % rollout_world
-            self.is_leader_rank = self.rollout_rank == 0
+            self.is_leader_rank = rank % rollout_world == 0
+            self.server_cls = server_class(self.config.name)
             self._server: Any = None
 
+        def _server_handle(self) -> Any:
+            if self._server is None:
+                self._server = ray.get_actor(server_actor_name(self.config.name, self.replica_rank))
+            return self._server
+
         async def resume(self, tags: list[str]) -> None:
-            return None
+            if self.is_leader_rank:
+                await self._server_handle().wake_up.remote(tags=tags)
 
         async def release(self) -> None:
-            return None
+            if self.is_leader_rank:
+                await self._server_handle().sleep.remote()
 
         async def update_weights(self, weights: Any, wire_format: str = "named_tensors", **kwargs: Any) -> None:
             if wire_format != "named_tensors":
-                raise ValueError(f"the {BACKEND_NAME} backend takes full named tensors, not {wire_format!r}")
+                raise ValueError(f"the {self.config.name} backend takes full named tensors, not {wire_format!r}")
             # Every rank must drain the generator: producing full tensors is a collective.
             state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
             if not self.is_leader_rank:
                 return
-            if self._server is None:
-                self._server = ray.get_actor(server_actor_name(self.replica_rank, backend=backend))
             version = int(kwargs.get("global_steps") or 0)
-            reply = await self._server.update_weights.remote(state, version)
-            if backend == VLLM_BACKEND_NAME:
-                from areal_plugins.rollout.vllm.server import check_sync, expected_checksum
+            reply = await self._server_handle().update_weights.remote(state, version)
+            self.server_cls.verify_weights(reply, state, version, f"rollout replica {self.replica_rank}")
 
-                check_sync(reply, version, expected_checksum(state), f"rollout replica {self.replica_rank}")
-                return
-            expected = weights_checksum(state)
-            if reply["version"] != version or reply["checksum"] != expected:
-                raise RuntimeError(
-                    f"weight sync to rollout replica {self.replica_rank} failed: the server reports version "
-                    f"{reply['version']} checksum {reply['checksum']}, the trainer sent version {version} "
-                    f"checksum {expected}. The rollout would keep sampling stale weights; stopping."
-                )
-
-    return CPUServerAdapter
+    return ArealServerAdapter
 
 
 def __getattr__(name: str) -> Any:
-    # verl imports the adapter by its fully qualified name; build the class on first use so
-    # that importing this module does not import verl's worker stack.
-    makers = {
-        "CPUServerAdapter": lambda: _make_adapter_class(BACKEND_NAME),
-        "VLLMServerAdapter": lambda: _make_adapter_class(VLLM_BACKEND_NAME),
-        "CPURolloutReplica": lambda: _make_replica_class(BACKEND_NAME),
-        "VLLMRolloutReplica": lambda: _make_replica_class(VLLM_BACKEND_NAME),
-    }
+    # verl imports the adapter by its fully qualified name; build the classes on first use so that
+    # importing this module does not import verl's worker stack.
+    makers = {"ArealServerAdapter": _adapter_class, "ArealRolloutReplica": _replica_class}
+    if name in globals():  # built already (the registry's loader calls this function directly)
+        return globals()[name]
     if name in makers:
         cls = makers[name]()
         globals()[name] = cls
@@ -159,12 +170,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-def register_rollout_backend() -> None:
-    """Add ``areal_cpu`` to both verl rollout registries (idempotent)."""
+def register_rollout_backends() -> None:
+    """Add every backend of :data:`BACKENDS` to both verl rollout registries (idempotent)."""
     from verl.workers.rollout import base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    base._ROLLOUT_REGISTRY[(BACKEND_NAME, "async")] = ADAPTER_FQN
-    base._ROLLOUT_REGISTRY[(VLLM_BACKEND_NAME, "async")] = VLLM_ADAPTER_FQN
-    RolloutReplicaRegistry.register(BACKEND_NAME, lambda: __getattr__("CPURolloutReplica"))
-    RolloutReplicaRegistry.register(VLLM_BACKEND_NAME, lambda: __getattr__("VLLMRolloutReplica"))
+    for backend in BACKENDS:
+        base._ROLLOUT_REGISTRY[(backend, "async")] = ADAPTER_FQN
+        RolloutReplicaRegistry.register(backend, lambda: __getattr__("ArealRolloutReplica"))

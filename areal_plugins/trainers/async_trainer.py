@@ -331,16 +331,15 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     # ------------------------------------------------------------------ metrics
 
     def _rollout_stats(self) -> dict[str, Any] | None:
-        """Summed ``get_stats`` of our CPU servers (None for backends without it)."""
+        """Summed ``get_stats`` of our rollout servers; None for verl's own engines, which keep none."""
         import ray
 
-        servers = [s for replica in self.llm_server_manager.get_replicas() for s in getattr(replica, "servers", [])]
-        try:
-            stats = ray.get([server.get_stats.remote() for server in servers], timeout=10)
-        except Exception:  # a backend without get_stats: no engine-side rates
+        from areal_plugins.rollout.verl_registration import BACKENDS
+
+        if self.config.actor_rollout_ref.rollout.name not in BACKENDS:
             return None
-        if not stats:
-            return None
+        servers = [s for replica in self.llm_server_manager.get_replicas() for s in replica.servers]
+        stats: list[dict[str, Any]] = ray.get([server.get_stats.remote() for server in servers], timeout=60)
         total = {"replicas": len(stats), "busy_s": 0.0, "generated_tokens": 0, "in_flight": 0, "restarts": 0}
         for item in stats:
             for key in ("busy_s", "generated_tokens", "in_flight"):
@@ -350,8 +349,15 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
 
     def _monitor_rollout(self) -> None:
         """Sample the engines' activity for the timeline picture (own thread, every MONITOR_S)."""
+        last_error = ""
         while self.manager is not None and not self._monitor_stop.wait(MONITOR_S):
-            stats = self._rollout_stats()
+            try:
+                stats = self._rollout_stats()
+            except Exception as error:  # a dead or hung server: the trainer's own calls report it
+                if repr(error) != last_error:  # once per distinct error, not twice a second
+                    logger.warning("rollout statistics unavailable (%r); the timeline has a gap", error)
+                    last_error = repr(error)
+                continue
             if stats is None:
                 return
             self.recorder.write(

@@ -4,11 +4,16 @@ import torch
 
 
 def test_plugin_loaded_by_verl_entry_point():
-    import verl  # noqa: F401  (importing verl loads the verl.plugins entry points)
+    import subprocess
+    import sys
 
-    import areal_plugins.verl_plugin as plugin
-
-    assert plugin.LOADED
+    # A fresh process that imports verl and nothing of ours: verl's entry point must load the plugin.
+    probe = (
+        "import sys, verl; plugin = sys.modules.get('areal_plugins.verl_plugin'); "
+        "print('loaded' if plugin is not None and plugin.LOADED else 'missing')"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip().splitlines()[-1] == "loaded", result.stderr[-2000:]
 
 
 def test_cpu_platform_selected_and_complete():
@@ -30,10 +35,28 @@ def test_rollout_backend_registered_in_both_registries():
     from verl.workers.rollout.base import get_rollout_class
     from verl.workers.rollout.replica import get_rollout_replica_class
 
-    assert get_rollout_class("areal_cpu", "async").__name__ == "CPUServerAdapter"
-    assert get_rollout_replica_class("areal_cpu").__name__ == "CPURolloutReplica"
-    assert get_rollout_replica_class("areal_vllm").__name__ == "VLLMRolloutReplica"
-    assert get_rollout_class("areal_vllm", "async") is not get_rollout_class("areal_cpu", "async")
+    assert get_rollout_class("areal_cpu", "async").__name__ == "ArealServerAdapter"
+    assert get_rollout_replica_class("areal_cpu").__name__ == "ArealRolloutReplica"
+    # One adapter and one replica class for every backend: each asks its config's backend for the server.
+    assert get_rollout_class("areal_vllm", "async") is get_rollout_class("areal_cpu", "async")
+    assert get_rollout_replica_class("areal_vllm") is get_rollout_replica_class("areal_cpu")
+
+
+def test_each_backend_declares_its_server_and_capabilities():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from areal_plugins.rollout.verl_registration import check_capabilities, server_class
+
+    assert server_class("areal_cpu").__name__ == "CPURolloutServer"
+    assert server_class("areal_vllm").__name__ == "VLLMRolloutServer"
+    with pytest.raises(ValueError, match="unknown areal rollout backend 'vllm'"):
+        server_class("vllm")
+    check_capabilities(SimpleNamespace(name="areal_cpu", free_cache_engine=True))
+    check_capabilities(SimpleNamespace(name="areal_vllm", free_cache_engine=False))
+    with pytest.raises(ValueError, match=r"set actor_rollout_ref\.rollout\.free_cache_engine=false"):
+        check_capabilities(SimpleNamespace(name="areal_vllm", free_cache_engine=True))
 
 
 def test_checkpoint_rng_state_round_trips_on_the_cpu_platform():

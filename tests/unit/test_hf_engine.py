@@ -104,8 +104,23 @@ def test_weight_update_mid_generation_stamps_new_version(random_qwen2):
     switch = result.versions.index(1)
     assert 0 < switch < 60
     assert result.versions == [0] * switch + [1] * (60 - switch)
-    # Tokens after the switch are scored by the new weights (the KV cache of earlier tokens is old).
     assert engine.version == 1
+    # Reference for the first new-version token: the old weights build the KV cache of everything
+    # before it, the new weights run the one decode step that scores it.
+    old_model = random_qwen2
+    new_model = copy.deepcopy(random_qwen2)
+    new_model.load_state_dict(new_weights)
+    prefix = [4, 5, 6, *result.token_ids[: switch - 1]]
+    with torch.no_grad():
+        cache = old_model(torch.tensor([prefix]), use_cache=True).past_key_values
+        step = torch.tensor([[result.token_ids[switch - 1]]])
+        new_logits = new_model(step, past_key_values=cache, use_cache=True).logits[0, -1]
+        old_logits = old_model(torch.tensor([[*prefix, result.token_ids[switch - 1]]])).logits[0, -1]
+    token = result.token_ids[switch]
+    expected = float(torch.log_softmax(new_logits.float(), dim=-1)[token])
+    stale = float(torch.log_softmax(old_logits.float(), dim=-1)[token])
+    assert result.logprobs[switch] == pytest.approx(expected, abs=1e-4)
+    assert abs(expected - stale) > 1e-3  # the old weights would have scored it differently
 
 
 def test_load_state_dict_rejects_mismatched_weights(random_qwen2):
@@ -160,3 +175,40 @@ def test_samples_do_not_depend_on_batching_or_arrival_order(random_qwen2):
     # The repeated prompt: first and second asks map to the same two draws, which differ.
     assert together[0] == one_at_a_time[0] and together[2] == one_at_a_time[2]
     assert together[0] != together[2]
+
+
+def test_released_weights_free_their_storage_and_come_back_with_the_next_load(random_qwen2):
+    import copy
+
+    model = copy.deepcopy(random_qwen2)
+    engine = ContinuousBatchingEngine(model, NO_EOS)
+    parameters = sum(p.numel() * p.element_size() for p in random_qwen2.parameters())  # counted independently
+    assert engine.weight_bytes() == parameters
+    before = run(engine.generate([4, 5, 6], max_tokens=6, temperature=0.0)).token_ids
+    engine.release_weights()
+    assert engine.weight_bytes() == 0 and not engine.has_weights
+    with pytest.raises(RuntimeError, match="weights were released"):
+        run(engine.generate([4, 5, 6], max_tokens=6, temperature=0.0))
+    litter = [torch.full((8,), float("nan")) for _ in range(1000)]  # reuse freed memory: no stale values survive
+    engine.load_state_dict(random_qwen2.state_dict(), version=1)
+    del litter
+    assert engine.weight_bytes() == parameters
+    for name, buffer in random_qwen2.named_buffers():  # not in any state dict: kept across the release
+        torch.testing.assert_close(engine.model.get_buffer(name), buffer)
+    after = run(engine.generate([4, 5, 6], max_tokens=6, temperature=0.0))
+    assert after.token_ids == before and after.versions == [1] * 6  # same weights, rotary buffers intact
+
+
+def test_single_request_abort_returns_its_partial_output_and_leaves_the_others(random_qwen2):
+    engine = ContinuousBatchingEngine(random_qwen2, NO_EOS, max_batch_size=2)
+
+    async def go():
+        tasks = [asyncio.create_task(engine.generate([1, 2, 3], max_tokens=40, request_id=f"r{i}")) for i in range(2)]
+        while engine.generated_tokens < 4:
+            await asyncio.sleep(0.001)
+        assert engine.abort("r0") and not engine.abort("nope")
+        return await asyncio.gather(*tasks)
+
+    first, second = run(go())
+    assert first.stop_reason == STOP_ABORTED and 0 < len(first.token_ids) < 40
+    assert second.stop_reason == STOP_COMPLETED and len(second.token_ids) == 40

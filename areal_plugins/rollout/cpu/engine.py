@@ -95,6 +95,7 @@ class ContinuousBatchingEngine:
         self._loop_task: asyncio.Task | None = None
         self.generated_tokens = 0
         self.busy_seconds = 0.0  # wall time spent in model steps (rollout idle ratio = 1 - busy / wall)
+        self.weights_loaded = True  # False between release_weights() and the next load_state_dict()
 
     # ------------------------------------------------------------------ public API
 
@@ -112,6 +113,8 @@ class ContinuousBatchingEngine:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if not prompt_ids:
             raise ValueError("prompt_ids is empty: the engine needs at least one prompt token")
+        if not self.weights_loaded:
+            raise RuntimeError("the engine's weights were released (sleep) and no weights were loaded since")
         loop = asyncio.get_running_loop()
         request = _Request(
             request_id=request_id,
@@ -147,15 +150,57 @@ class ContinuousBatchingEngine:
         self._waiting.clear()
         return [request.request_id for request in aborted]
 
+    def abort(self, request_id: str) -> bool:
+        """Finish the in-flight request ``request_id`` with its partial output; False if none is in flight."""
+        for request in [*self._running, *self._waiting]:
+            if request.request_id == request_id and not request.aborted:
+                request.aborted = True
+                if request in self._waiting:
+                    self._waiting.remove(request)
+                    self._finish(request, STOP_ABORTED)
+                return True
+        return False
+
     async def wait_idle(self) -> None:
         """Return once no request is waiting or running."""
         while self._running or self._waiting:
             await asyncio.sleep(0.005)
 
+    # ------------------------------------------------------------------ memory (sleep / wake-up)
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the KV caches of in-flight requests (freed as each request finishes)."""
+        return sum(k.nbytes + v.nbytes for r in self._running if r.cache for k, v in r.cache)
+
+    def weight_bytes(self) -> int:
+        """Bytes of parameter storage the engine holds (0 once :meth:`release_weights` ran)."""
+        return sum(p.nbytes for p in self.model.parameters() if not p.is_meta)
+
+    def release_weights(self) -> None:
+        """Free the weights' storage (a GPU engine's sleep); the next :meth:`load_state_dict` brings them back."""
+        if self.num_in_flight:
+            raise RuntimeError(f"cannot release the weights with {self.num_in_flight} requests in flight: abort them")
+        with self._model_lock:
+            # Buffers (rotary frequencies: not in any state dict) are tiny and kept to restore after the load.
+            self._kept_buffers = {name: b.clone() for name, b in self.model.named_buffers()}
+            self.model.to("meta")
+            self.weights_loaded = False
+
+    @property
+    def has_weights(self) -> bool:
+        return self.weights_loaded
+
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load new weights between two decode steps and serve them as ``version``."""
         with self._model_lock:
+            released = not self.weights_loaded
+            if released:  # storage was freed: allocate it again, then fill it
+                self.model.to_empty(device="cpu")
             missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+            if released:
+                self.model.tie_weights()
+                for name, buffer in self._kept_buffers.items():
+                    self.model.get_buffer(name).copy_(buffer)
             # Tied embeddings legitimately lack lm_head.weight; anything else is a sync bug.
             missing = [name for name in missing if name != "lm_head.weight"]
             if missing or unexpected:
@@ -163,6 +208,7 @@ class ContinuousBatchingEngine:
                     f"weight update did not match the rollout model: missing {missing[:5]}, unexpected {unexpected[:5]}"
                 )
             self.version = version
+            self.weights_loaded = True
 
     @property
     def num_in_flight(self) -> int:

@@ -1,9 +1,8 @@
-"""verl's rollout-server contract, served by :class:`ContinuousBatchingEngine` in a Ray actor.
+"""The ``areal_cpu`` rollout server: :class:`ContinuousBatchingEngine` behind verl's server contract.
 
-The methods mirror what verl 0.9.1's ``LLMServerClient``, ``RolloutReplica`` and
-``CheckpointEngineManager`` call on a vLLM server actor (generate, abort, resume, sleep/wake,
-cache control), plus ``update_weights`` that the trainer-side :class:`CPUServerAdapter` calls.
-Every response carries the per-token generating versions in ``extra_fields["token_versions"]``.
+Sleep releases what a GPU engine releases: the KV caches (held only by in-flight requests, which
+must be aborted first) and the weights' storage; the next weight update allocates and fills them
+again. Checksums of the served weights answer every update (the sync handshake).
 """
 
 from __future__ import annotations
@@ -15,7 +14,13 @@ from typing import Any
 
 import torch
 
-from areal_plugins.rollout.base import CPUReplicaContract, record_weight_sync, token_budget, version_fields
+from areal_plugins.rollout.base import (
+    RolloutServer,
+    WeightSyncError,
+    record_weight_sync,
+    token_budget,
+    version_fields,
+)
 from areal_plugins.rollout.cpu.engine import STOP_ABORTED, ContinuousBatchingEngine
 
 logger = logging.getLogger(__name__)
@@ -30,7 +35,7 @@ def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
-class CPURolloutServer(CPUReplicaContract):
+class CPURolloutServer(RolloutServer):
     """One rollout server: a model copy on CPU serving token-in/token-out generation.
 
     Args:
@@ -40,7 +45,12 @@ class CPURolloutServer(CPUReplicaContract):
         max_batch_size: most sequences decoded together (verl's ``rollout.max_num_seqs``).
         num_threads: torch intra-op threads of this process.
         seed: sampling seed.
+        replica_rank: this replica's index (names its records).
+        free_cache_engine: verl's ``rollout.free_cache_engine``: whether sleep releases memory.
     """
+
+    backend_name = "areal_cpu"
+    releases_memory_on_sleep = True
 
     def __init__(
         self,
@@ -51,6 +61,7 @@ class CPURolloutServer(CPUReplicaContract):
         num_threads: int = 1,
         seed: int = 0,
         replica_rank: int = 0,
+        free_cache_engine: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -64,9 +75,7 @@ class CPURolloutServer(CPUReplicaContract):
         self.engine = ContinuousBatchingEngine(model.eval(), eos_ids, max_batch_size=max_batch_size, seed=seed)
         self.response_length = response_length
         self.max_model_len = max_model_len
-        self._gate_open = asyncio.Event()
-        self._gate_open.set()
-        self._rejecting = False
+        self._init_gate(free_cache_engine)
         self.global_steps = 0
         self.replica_rank = replica_rank
         record_weight_sync(replica_rank, self.engine.version, weights_checksum(model.state_dict()), "load")
@@ -91,10 +100,8 @@ class CPURolloutServer(CPUReplicaContract):
         params = dict(sampling_params)
         media = bool(image_data or video_data or audio_data)
         max_tokens = token_budget("areal_cpu", prompt_ids, params, self.max_model_len, self.response_length, media)
-        while not self._gate_open.is_set():
-            if self._rejecting:
-                return TokenOutput(token_ids=[], log_probs=None, stop_reason=STOP_ABORTED, extra_fields=self._extra([]))
-            await self._gate_open.wait()
+        if not await self._wait_for_gate():
+            return TokenOutput(token_ids=[], log_probs=None, stop_reason=STOP_ABORTED, extra_fields=self._extra([]))
         result = await self.engine.generate(
             prompt_ids,
             max_tokens=max_tokens,
@@ -115,20 +122,48 @@ class CPURolloutServer(CPUReplicaContract):
 
     # ------------------------------------------------------------------ interruption
 
-    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
-        """Close the gate and return every in-flight request with its partial output."""
-        self._rejecting = reject_request
-        self._gate_open.clear()
+    async def _abort_in_flight(self) -> list[str]:
         request_ids = self.engine.abort_all()
         await self.engine.wait_idle()
-        return {"aborted_count": len(request_ids), "request_ids": request_ids}
+        return request_ids
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
+        aborted = self.engine.abort(request_id)
+        return {"aborted": aborted, "request_id": request_id} | ({} if aborted else {"error": "not in flight"})
 
     async def resume_generation(self) -> None:
+        if not self.engine.has_weights:
+            raise WeightSyncError(
+                f"replica {self.replica_rank} was asked to resume generation while asleep with no weights loaded "
+                "since: the weight update must come before resume_generation"
+            )
         self._rejecting = False
         self._gate_open.set()
 
     async def wait_for_requests_to_drain(self) -> None:
         await self.engine.wait_idle()
+
+    # ------------------------------------------------------------------ memory
+
+    async def _release_memory(self, weights: bool = True) -> None:
+        in_flight = self.engine.num_in_flight
+        if in_flight:
+            raise RuntimeError(
+                f"replica {self.replica_rank}: sleep or KV-cache release with {in_flight} requests in flight; "
+                "verl aborts them first (abort_all_requests)"
+            )
+        # Idle: no request holds a KV cache; the weights' storage goes too unless only the cache was asked.
+        # A request arriving before the next update fails with that reason (the engine checks).
+        if weights:
+            await asyncio.to_thread(self.engine.release_weights)
+
+    async def _restore_memory(self, tags: set[str]) -> None:
+        # KV caches are allocated per request; weights' storage comes back with the next update_weights,
+        # which fills it (a GPU engine's wake-up allocates it, then the update writes it).
+        return None
+
+    async def clear_kv_cache(self) -> None:
+        """Nothing to drop: the engine keeps no prefix cache, each request's KV cache ends with the request."""
 
     # ------------------------------------------------------------------ weights
 
@@ -140,6 +175,16 @@ class CPURolloutServer(CPUReplicaContract):
         checksum = weights_checksum({k: served[k] for k in state_dict})
         record_weight_sync(self.replica_rank, version, checksum, "update")
         return {"version": self.engine.version, "checksum": checksum}
+
+    @staticmethod
+    def verify_weights(reply: dict[str, Any], state_dict: dict[str, torch.Tensor], version: int, where: str) -> None:
+        expected = weights_checksum(state_dict)
+        if reply["version"] != version or reply["checksum"] != expected:
+            raise WeightSyncError(
+                f"weight sync to {where} failed: the server reports version {reply['version']} checksum "
+                f"{reply['checksum']}, the trainer sent version {version} checksum {expected}. The rollout would "
+                "keep sampling stale weights; stopping."
+            )
 
     async def get_version(self) -> int:
         return self.engine.version
@@ -153,4 +198,6 @@ class CPURolloutServer(CPUReplicaContract):
             "in_flight": self.engine.num_in_flight,
             "busy_s": self.engine.busy_seconds,
             "version": self.engine.version,
+            "weight_bytes": self.engine.weight_bytes(),
+            "kv_cache_bytes": self.engine.kv_cache_bytes(),
         }

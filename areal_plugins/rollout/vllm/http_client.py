@@ -60,8 +60,13 @@ class VLLMClient:
         top_k: int = -1,
         seed: int | None = None,
         on_tokens: Callable[[int], None] | None = None,
+        into: Generation | None = None,
     ) -> Generation:
-        """Stream one request; ``on_tokens(n)`` is told as each batch of ``n`` tokens arrives."""
+        """Stream one request; ``on_tokens(n)`` is told as each batch of ``n`` tokens arrives.
+
+        ``into`` receives the tokens as they stream, so a caller that cancels the request (closing the
+        stream makes vLLM abort it) still holds every token generated so far.
+        """
         payload: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt_ids,
@@ -75,7 +80,7 @@ class VLLMClient:
         }
         if seed is not None:
             payload["seed"] = seed
-        result = Generation()
+        result = into if into is not None else Generation()
         session = await self.session()
         async with session.post(f"{self.url}/v1/completions", json=payload) as response:
             if response.status != 200:
@@ -110,6 +115,10 @@ class VLLMClient:
 
     async def resume(self) -> None:
         await self._post("/resume")
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop cached prefixes (KV computed under earlier weights)."""
+        await self._post("/reset_prefix_cache")
 
     async def reload_weights(self, weights_path: str, version: int) -> dict[str, Any]:
         """Load the safetensors in ``weights_path``; the worker's report (version, checksum)."""

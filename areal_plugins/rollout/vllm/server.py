@@ -30,8 +30,14 @@ from typing import Any
 import aiohttp
 import torch
 
-from areal_plugins.rollout.base import CPUReplicaContract, record_weight_sync, token_budget, version_fields
-from areal_plugins.rollout.vllm.http_client import ABORTED, VLLMClient
+from areal_plugins.rollout.base import (
+    RolloutServer,
+    WeightSyncError,
+    record_weight_sync,
+    token_budget,
+    version_fields,
+)
+from areal_plugins.rollout.vllm.http_client import ABORTED, Generation, VLLMClient
 from areal_plugins.rollout.vllm.process import VLLMServer
 from areal_plugins.rollout.vllm.worker_extension import layout_free_checksum
 
@@ -52,10 +58,6 @@ def verl_stop_reason(finish_reason: str | None) -> str:
     /pause raced the request's start; as "completed" it reached verl's reward step empty and failed the group).
     """
     return "aborted" if finish_reason in (ABORTED, None) else "completed"
-
-
-class WeightSyncError(RuntimeError):
-    """The engine does not serve the weights the trainer sent."""
 
 
 def expected_checksum(state_dict: dict[str, torch.Tensor]) -> list[float]:
@@ -86,7 +88,7 @@ def save_safetensors(state_dict: dict[str, torch.Tensor], directory: Path) -> No
     save_file(tensors, str(directory / "model.safetensors"))
 
 
-class VLLMRolloutServer(CPUReplicaContract):
+class VLLMRolloutServer(RolloutServer):
     """One rollout replica: a vLLM server process and the HTTP client that drives it.
 
     Args:
@@ -97,7 +99,11 @@ class VLLMRolloutServer(CPUReplicaContract):
         num_threads: CPU threads of the server process.
         seed: sampling seed.
         log_dir: where the server log goes (default: ``$AREAL_RUN_DIR`` or a temporary directory).
+        free_cache_engine: verl's ``rollout.free_cache_engine`` (true is refused: no sleep mode on CPU).
     """
+
+    backend_name = "areal_vllm"
+    releases_memory_on_sleep = False  # vLLM's sleep mode needs CUDA's allocator
 
     def __init__(
         self,
@@ -109,6 +115,7 @@ class VLLMRolloutServer(CPUReplicaContract):
         seed: int = 0,
         replica_rank: int = 0,
         log_dir: str | None = None,
+        free_cache_engine: bool = False,
     ) -> None:
         log_dir = log_dir or os.environ.get("AREAL_RUN_DIR") or tempfile.mkdtemp(prefix="areal_vllm_")
         self.replica_rank = replica_rank
@@ -130,9 +137,8 @@ class VLLMRolloutServer(CPUReplicaContract):
         self.in_flight = 0
         self.busy_s = 0.0
         self._busy_since: float | None = None
-        self._gate_open = asyncio.Event()
-        self._gate_open.set()
-        self._rejecting = False
+        self._init_gate(free_cache_engine)
+        self._aborts: dict[str, asyncio.Event] = {}  # in-flight request id -> set to abort it
         self._restart_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ generation
@@ -152,11 +158,15 @@ class VLLMRolloutServer(CPUReplicaContract):
         params = dict(sampling_params)
         media = bool(image_data or video_data or audio_data)
         max_tokens = token_budget("areal_vllm", prompt_ids, params, self.max_model_len, self.response_length, media)
-        while not self._gate_open.is_set():
-            if self._rejecting:
-                return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted", extra_fields=self._extra([]))
-            await self._gate_open.wait()
-        tokens, logprobs, versions, reason = await self._generate_surviving_restarts(prompt_ids, max_tokens, params)
+        if not await self._wait_for_gate():
+            return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted", extra_fields=self._extra([]))
+        abort = self._aborts.setdefault(request_id, asyncio.Event())
+        try:
+            tokens, logprobs, versions, reason = await self._generate_surviving_restarts(
+                prompt_ids, max_tokens, params, abort
+            )
+        finally:
+            self._aborts.pop(request_id, None)
         return TokenOutput(
             token_ids=tokens,
             log_probs=logprobs if params.get("logprobs") else None,
@@ -165,7 +175,7 @@ class VLLMRolloutServer(CPUReplicaContract):
         )
 
     async def _generate_surviving_restarts(
-        self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any]
+        self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any], abort: asyncio.Event
     ) -> tuple[list[int], list[float], list[int], str | None]:
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -176,22 +186,39 @@ class VLLMRolloutServer(CPUReplicaContract):
             while True:
                 attempt += 1
                 version, incarnation = self.version, self.server.restarts
-                try:
-                    chunk = await self.client.generate(
+                chunk = Generation()
+                stream = asyncio.ensure_future(
+                    self.client.generate(
                         prompt_ids + tokens,
                         max_tokens=max_tokens - len(tokens),
                         temperature=float(params.get("temperature", 1.0)),
                         top_p=float(params.get("top_p", 1.0)),
                         top_k=int(params.get("top_k", -1)),
                         on_tokens=self._count_tokens,
+                        into=chunk,
                     )
+                )
+                aborted = asyncio.ensure_future(abort.wait())
+                try:
+                    await asyncio.wait({stream, aborted}, return_when=asyncio.FIRST_COMPLETED)
+                    if not stream.done():  # abort_request: closing the stream makes vLLM abort the request
+                        stream.cancel()
+                        await asyncio.gather(stream, return_exceptions=True)
+                        chunk.finish_reason = ABORTED
+                    else:
+                        stream.result()
                 except SERVER_GONE as error:
+                    tokens += chunk.token_ids  # what streamed before the server died
+                    logprobs += chunk.logprobs
+                    versions += [version] * len(chunk.token_ids)
                     if await self._recover(error, incarnation, attempt):
                         attempt = 0  # retries count failures of one server
                     if not self._gate_open.is_set():
                         # Paused while the server died: hand back the partial output, as /pause would have.
                         return tokens, logprobs, versions, ABORTED
                     continue
+                finally:
+                    aborted.cancel()
                 tokens += chunk.token_ids
                 logprobs += chunk.logprobs
                 versions += [version] * len(chunk.token_ids)
@@ -257,12 +284,17 @@ class VLLMRolloutServer(CPUReplicaContract):
 
     # ------------------------------------------------------------------ interruption
 
-    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
-        self._rejecting = reject_request
-        self._gate_open.clear()
-        count = self.in_flight
-        await self._on_live_server(lambda client: client.pause())
-        return {"aborted_count": count, "request_ids": []}
+    async def _abort_in_flight(self) -> list[str]:
+        request_ids = list(self._aborts)
+        await self._on_live_server(lambda client: client.pause())  # every stream returns its partial output
+        return request_ids
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
+        abort = self._aborts.get(request_id)
+        if abort is None:
+            return {"aborted": False, "request_id": request_id, "error": "not in flight"}
+        abort.set()
+        return {"aborted": True, "request_id": request_id}
 
     async def resume_generation(self) -> None:
         self._rejecting = False
@@ -273,7 +305,25 @@ class VLLMRolloutServer(CPUReplicaContract):
         while self.in_flight:
             await asyncio.sleep(0.05)
 
+    # ------------------------------------------------------------------ memory
+
+    async def _release_memory(self, weights: bool = True) -> None:
+        raise NotImplementedError(
+            "areal_vllm cannot release memory on sleep (vLLM's sleep mode needs CUDA); "
+            "set actor_rollout_ref.rollout.free_cache_engine=false"
+        )
+
+    async def _restore_memory(self, tags: set[str]) -> None:
+        await self._release_memory()
+
+    async def clear_kv_cache(self) -> None:
+        await self._on_live_server(lambda client: client.reset_prefix_cache())
+
     # ------------------------------------------------------------------ weights
+
+    @staticmethod
+    def verify_weights(reply: dict[str, Any], state_dict: dict[str, torch.Tensor], version: int, where: str) -> None:
+        check_sync(reply, version, expected_checksum(state_dict), where)
 
     async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
         """Write the weights, load them in the server, and return what the server reports."""
