@@ -34,7 +34,8 @@ def areal_validate_config(config: Any) -> None:
 
     Called from: verl's TaskRunner (the trainer's driver, a Ray actor), when the trainer initialises,
     before any worker starts (``areal_plugins.trainers.hooked.HookedTrainerMixin.init``).
-    Default: none (the built-in settings validate themselves in their dataclasses).
+    Default: ``areal_plugins.builtin.validation``: refuses combinations of ``areal:`` and verl settings
+    that cannot work (single fields validate themselves in ``areal_plugins.settings``).
     """
 
 
@@ -72,7 +73,7 @@ def areal_make_rollout_manager(
 
     Called from: verl's TaskRunner (the driver), when the async trainer starts training.
     Default: ``areal_plugins.builtin.async_rollout``: :class:`AdmissionLoop` with
-    :class:`~areal_plugins.core.staleness.StalenessController` (DESIGN.md §1).
+    :class:`~areal_plugins.core.staleness.StalenessController` (docs/design.md, Admission).
     """
 
 

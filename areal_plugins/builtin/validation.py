@@ -15,7 +15,8 @@ def areal_validate_config(config: Any) -> None:
         return
     actor = config.actor_rollout_ref.actor
     if areal.loss.decoupled and areal.loss.prox_logp == "loglinear":
-        # The log-linear π_prox is exact only while θ is still the proximal policy (DESIGN.md §1).
+        # The log-linear π_prox is exact only while θ is still the proximal policy
+        # (docs/design.md, The decoupled objective).
         if actor.ppo_epochs != 1 or actor.ppo_mini_batch_size != config.data.train_batch_size:
             raise ArealConfigError(
                 "areal.loss.prox_logp=loglinear needs one optimizer step per batch: set "

@@ -1,4 +1,4 @@
-"""The sample buffer: finished, accepted rollout groups waiting for the trainer (DESIGN.md §1).
+"""The sample buffer: finished, accepted rollout groups waiting for the trainer (docs/design.md, Admission).
 
 Groups leave oldest head version first (ties: the one that finished first), so staleness stays as
 low as admission allows. A group whose staleness exceeds η when the trainer asks for it can only

@@ -1,4 +1,4 @@
-"""The decoupled PPO objective (AReaL, arXiv 2505.24298 §5.2, Eq. 5; DESIGN.md §1).
+"""The decoupled PPO objective (AReaL, arXiv 2505.24298 §5.2, Eq. 5; docs/design.md, The decoupled objective).
 
 Three policies: behaviour ``π_behav`` (the engine's log-probs, per token, possibly of several
 versions), proximal ``π_prox`` (the trainer's weights before this step's update) and ``π_θ``::

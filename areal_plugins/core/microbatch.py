@@ -1,4 +1,4 @@
-"""Token-budget micro-batching (AReaL, arXiv 2505.24298, Algorithm 1; DESIGN.md §1).
+"""Token-budget micro-batching (AReaL, arXiv 2505.24298, Algorithm 1; docs/design.md, Micro-batches).
 
 Sequences are visited longest first; each goes into the micro-batch with room that holds the fewest
 sequences, and a new micro-batch opens when none has room or fewer than ``min_groups`` exist. The

@@ -1,4 +1,4 @@
-"""Staleness-bounded admission of rollouts (AReaL, arXiv 2505.24298 §5.1; DESIGN.md §1).
+"""Staleness-bounded admission of rollouts (AReaL, arXiv 2505.24298 §5.1; docs/design.md, Admission).
 
 Rollouts are admitted, not discarded: with batch size ``B`` (trajectories or groups the trainer
 consumes per step), staleness bound ``η``, ``running`` rollouts in flight and ``accepted`` finished
@@ -50,12 +50,6 @@ class StalenessController:
     @property
     def rejected(self) -> int:
         return self._rejected
-
-    @property
-    def submitted(self) -> int:
-        """Every rollout ever submitted: ``accepted + rejected + running`` by construction."""
-        with self._lock:
-            return self._accepted + self._rejected + self._running
 
     def capacity(self, version: int) -> int:
         """How many rollouts may be submitted now at trainer ``version`` (may be negative)."""

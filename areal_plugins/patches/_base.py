@@ -36,11 +36,17 @@ class AttributePatch:
         if self.is_applied():
             return
         check_verl_version(verl_version, self.supported_verl)
+        # All or nothing: resolve every target and build every replacement before touching any.
+        originals: dict[tuple[str, str], Any] = {}
+        replacements = []
         for module_name, attr in self.targets:
             module = importlib.import_module(module_name)
             original = getattr(module, attr)
-            self._originals[(module_name, attr)] = original
-            setattr(module, attr, self.make_replacement(original))
+            originals[(module_name, attr)] = original
+            replacements.append((module, attr, self.make_replacement(original)))
+        for module, attr, replacement in replacements:
+            setattr(module, attr, replacement)
+        self._originals = originals
         logger.info("areal_plugins: applied patch %s", self.name)
 
     def revert(self) -> None:

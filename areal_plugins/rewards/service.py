@@ -1,7 +1,7 @@
 """Rewards in worker processes with a time limit: a hung, raising or crashing verifier costs one reward.
 
 math-verify bounds its own time with ``signal.alarm``, which only works in a process's main thread
-(DESIGN.md §4); verl calls reward functions from threads and async actors. So each call runs in the
+(docs/design.md, Rewards); verl calls reward functions from threads and async actors. So each call runs in the
 main thread of a worker process, the caller waits at most ``timeout_s``, and:
 
 - the function raises -> reward 0, counted in ``failures``, logged;

@@ -1,6 +1,6 @@
 """Build a tiny Qwen2 model in Hugging Face format and warm-start it on the addition task.
 
-Hidden 128 x 2 layers with the 16,384-rank tokenizer (DESIGN.md §4: larger models learned less in
+Hidden 128 x 2 layers with the 16,384-rank tokenizer (docs/design.md, The CPU box: larger models learned less in
 the same wall time). Warm start measured here (greedy accuracy on 200 held-out problems, 2 cores):
 70 steps 0.12, 150 steps 0.55 (45 s), 300 steps 0.73 (86 s); lr 3e-3 was worse (0.24 at 150 steps).
 150 leaves GRPO both signal and room to improve.

@@ -1,6 +1,6 @@
 """The CPU task: single-digit addition with exact answers, in verl's RL parquet format.
 
-DESIGN.md §4: a random tiny model never gets the exact answer, so the builder warm-starts it with a
+docs/design.md, The CPU box: a random tiny model never gets the exact answer, so the builder warm-starts it with a
 short supervised pass; after that, GRPO with the exact math-verify reward measurably improves it.
 """
 

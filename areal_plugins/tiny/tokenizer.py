@@ -6,7 +6,7 @@ BPE merges the pair with the lowest *merge* rank. Listing, for every token, a me
 split into two vocabulary tokens, ranked by the token's own rank, makes both procedures pick the
 same pair at every step (keeping only one split per token tokenizes some words wrongly). Keeping
 the first ``vocab_size`` ranks is exact too: BPE never needs a token of higher rank to build one
-of lower rank's splits, and it makes a tiny model 8-15x cheaper on CPU (DESIGN.md §4).
+of lower rank's splits, and it makes a tiny model 8-15x cheaper on CPU (docs/design.md, The CPU box).
 """
 
 from __future__ import annotations

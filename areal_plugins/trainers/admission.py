@@ -1,4 +1,4 @@
-"""Staleness-bounded admission of rollouts, running beside verl's trainer loop (DESIGN.md §1).
+"""Staleness-bounded admission of rollouts, running beside verl's trainer loop (docs/design.md, Admission).
 
 A thread in verl's driver process. Every ``poll_interval`` seconds it reads the rollout state in
 verl's TransferQueue, turns every newly finished group into :class:`Trajectory` objects, asks the

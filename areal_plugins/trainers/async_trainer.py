@@ -1,4 +1,4 @@
-"""``areal_async``: verl's V1 PPO trainer, run the AReaL way (arXiv 2505.24298 §4-5, DESIGN.md §1).
+"""``areal_async``: verl's V1 PPO trainer, run the AReaL way (arXiv 2505.24298 §4-5; docs/design.md).
 
 Registered through verl's ``register_trainer`` seam; ``areal.enable: true`` with ``areal.mode:
 async`` selects it. verl's step pipeline (old log-probs, advantages, actor update, weight sync,
@@ -85,6 +85,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self._wait_s = 0.0
         self._consumed_groups = 0
         self._submissions = 0  # prompt batches drawn from the dataloader (areal_submissions.jsonl lines)
+        self._submitted_groups = 0  # prompt groups handed to verl's agent loop, counted here, not derived
         self._monitor_stop = threading.Event()
         self._step_started = time.time()
 
@@ -151,7 +152,9 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             {"time": time.time(), "version": self.version, "uids": list(batch["uid"])}
             | {"prompts": [prompt_digest(prompt) for prompt in prompts]},
         )
-        return self._submit_batch_to_rollout(batch)
+        sent = self._submit_batch_to_rollout(batch)
+        self._submitted_groups += len(batch["uid"])
+        return sent
 
     def _save_checkpoint(self) -> None:
         """verl's checkpoint (weights, dataloader, TransferQueue) plus ours, taken at one quiet moment.
@@ -184,7 +187,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         return os.path.join(trainer.default_local_dir, f"global_step_{step}")
 
     def _resume_async_state(self) -> None:
-        """Counters after a resume at version v (DESIGN.md §1): accepted = v·B, then the restored groups.
+        """Counters after a resume at version v (docs/design.md, Admission): accepted = v·B, then the restored groups.
 
         verl restored TransferQueue (finished groups) and re-issued the prompts that were in flight;
         all are counted as running, so the admission loop settles each exactly once and the
@@ -248,7 +251,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         """Where every submitted rollout group ended up (``areal_accounting.json`` lines)."""
         counts = self.manager.controller.state_dict()
         record = {
-            "submitted": counts["accepted"] + counts["rejected"] + counts["running"],
+            "submitted": self._submitted_groups,  # this process's count; the restored groups of a resume excluded
             **counts,
             "consumed": self._consumed_groups,
             "buffered": len(self.sample_buffer),

@@ -4,7 +4,7 @@ verl's ``FullyAsyncLLMServerClient`` does the same resubmission but sleeps a fix
 retry and keeps only the first and last version of a trajectory. Ours resubmits at once (the
 server parks the request behind its closed gate until generation resumes, so nothing spins) and
 keeps the generating version of every token, which is what staleness and the log-linear proximal
-approximation need (DESIGN.md §1). Runs inside verl's agent-loop workers.
+approximation need (docs/design.md, Versions). Runs inside verl's agent-loop workers.
 """
 
 from __future__ import annotations

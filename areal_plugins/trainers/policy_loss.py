@@ -70,7 +70,8 @@ def areal_decoupled_loglinear_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl ``PolicyLossFn`` of the decoupled objective with π_prox from the log-linear rule (no forward pass).
 
-    verl runs in bypass mode here: ``old_log_prob`` holds the behaviour log-probs. DESIGN.md §1:
+    verl runs in bypass mode here: ``old_log_prob`` holds the behaviour log-probs
+    (docs/design.md, The decoupled objective):
     logp_prox = logp_behav + α (logp_θ - logp_behav) with α = clamp((v_prox - v_behav) / (v_θ - v_behav), 0, 1).
     With one optimizer step per batch (checked by the trainer) θ *is* the proximal policy, v_θ = v_prox,
     so α = 1 for every token a past version generated, and for tokens of the current version

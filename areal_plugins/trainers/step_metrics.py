@@ -11,7 +11,7 @@ from areal_plugins.core.buffer import BufferedGroup
 def consumed_metrics(groups: list[BufferedGroup], trainer_version: int) -> dict[str, float]:
     """Staleness and version statistics of the trajectories a step consumed.
 
-    Staleness of a trajectory is ``trainer_version - head_version`` (DESIGN.md §1), where
+    Staleness of a trajectory is ``trainer_version - head_version`` (docs/design.md, Versions), where
     ``trainer_version`` is the version of the weights this step starts from.
     """
     infos = [info for group in groups for info in group.info]

@@ -60,6 +60,7 @@ def areal_on_shutdown(reason):
 
 @hookimpl
 def areal_make_policy_loss(config):
+    _record("make_policy_loss", pid=os.getpid())  # in a trainer worker process
     if os.environ.get(LOSS_FAILS_AFTER_ENV) is None:
         return None
     from areal_plugins.core.losses import decoupled_ppo_loss
@@ -84,4 +85,5 @@ def quarter_reward(data_source, solution_str, ground_truth, extra_info):
 
 @hookimpl
 def areal_make_reward_fn(config):
+    _record("make_reward_fn", pid=os.getpid())  # in a reward worker process
     return quarter_reward if os.environ.get(REWARD_ENV) == "quarter" else None

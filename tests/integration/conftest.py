@@ -66,3 +66,74 @@ def train_tiny(
     run_cli(*train_args(recipe, run_dir, tiny_dir, steps, *overrides), env=env)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["data"] for line in lines if line.strip()]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+# ---------------------------------------------------------------- runs shared by several test modules
+# Each verl start costs 1-1.5 min on 2 cores: tests that can read the same run directory share one run.
+
+#: Steps of the runs compared with synchronous verl (η = 0 and the plain sync checks).
+SYNC_STEPS = 2
+#: Steps of the observed async run: step 1 trains fresh samples, later steps stale ones (η = 2).
+OBSERVED_STEPS = 3
+#: Token budget of one micro-batch in the observed run: a few of its sequences (up to ~130 tokens each).
+MICRO_BATCH_TOKENS = 512
+
+
+@pytest.fixture(scope="session")
+def distinct_prompts(tmp_path_factory) -> Path:
+    """Training data without repeated prompts, so that GRPO groups are identified by their prompt."""
+    import pandas as pd
+
+    from areal_plugins.tiny.task import AdditionProblem, to_verl_row
+
+    problems = [AdditionProblem(a, b) for a in range(10) for b in range(10)]
+    path = tmp_path_factory.mktemp("distinct") / "train.parquet"
+    pd.DataFrame([to_verl_row(p, "train", i) for i, p in enumerate(problems)]).to_parquet(path)
+    return path
+
+
+def run_with_dump(recipe: str, tiny_dir: Path, tmp_path_factory, data: Path, *overrides: str, env=None) -> Path:
+    """``recipe`` for :data:`SYNC_STEPS` steps on ``data``, with verl's dump of every trained sample."""
+    run_dir = tmp_path_factory.mktemp(recipe.split(".")[0])
+    train_tiny(
+        recipe,
+        run_dir,
+        tiny_dir,
+        SYNC_STEPS,
+        f"data.train_files={data}",
+        f"trainer.rollout_data_dir={run_dir / 'rollouts'}",
+        *overrides,
+        env=env,
+    )
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def sync_run(tiny_dir, distinct_prompts, tmp_path_factory) -> Path:
+    """Synchronous verl with our features off (``grpo_cpu_sync``): the baseline every comparison uses."""
+    return run_with_dump("grpo_cpu_sync.yaml", tiny_dir, tmp_path_factory, distinct_prompts)
+
+
+@pytest.fixture(scope="session")
+def observed_run(tiny_dir, tmp_path_factory):
+    """The main recipe (async, η = 2) with the example plugin observing and filtering, FFD micro-batches on.
+
+    Returns the per-step metrics, the plugin's event log and the run directory.
+    """
+    tmp_path = tmp_path_factory.mktemp("observed")
+    log = tmp_path / "observer.jsonl"
+    steps = train_tiny(
+        "grpo_cpu_async.yaml",
+        tmp_path / "run",
+        tiny_dir,
+        OBSERVED_STEPS,
+        f"areal.micro_batch.max_tokens={MICRO_BATCH_TOKENS}",
+        env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_LOG=str(log), AREAL_EXAMPLE_OBSERVER_MIN_REWARD="0.5"),
+    )
+    return steps, read_jsonl(log), tmp_path / "run"

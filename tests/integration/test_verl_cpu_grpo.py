@@ -8,36 +8,27 @@ from pathlib import Path
 import pytest
 from math_verify import parse, verify
 
-from tests.integration.conftest import train_tiny
+from tests.integration.conftest import SYNC_STEPS, read_jsonl
 
 pytestmark = pytest.mark.integration
-STEPS = 2
-
-
-@pytest.fixture(scope="module")
-def sync_run(tiny_dir, tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("sync_run")
-    train_tiny("grpo_cpu_sync.yaml", run_dir, tiny_dir, STEPS, f"trainer.rollout_data_dir={run_dir / 'rollouts'}")
-    return run_dir
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["data"] for line in lines if line.strip()]
+    return [record["data"] for record in read_jsonl(run_dir / "metrics.jsonl")]
 
 
 def test_trains_the_requested_steps_with_a_nonzero_policy_loss(sync_run):
     steps = metrics(sync_run)
-    assert [s["training/global_step"] for s in steps] == list(range(1, STEPS + 1))
+    assert [s["training/global_step"] for s in steps] == list(range(1, SYNC_STEPS + 1))
     assert any(abs(s["actor/pg_loss"]) > 0 for s in steps)
     assert all(s["actor/grad_norm"] > 0 for s in steps)
 
 
 def test_rollout_weights_changed_after_training(sync_run):
-    syncs = [json.loads(line) for line in (sync_run / "weight_syncs.jsonl").read_text().splitlines()]
+    syncs = read_jsonl(sync_run / "weight_syncs.jsonl")
     loaded = next(s for s in syncs if s["event"] == "load")
     updates = [s for s in syncs if s["event"] == "update"]
-    assert [u["version"] for u in updates] == list(range(STEPS + 1))  # initial sync, then one per step
+    assert [u["version"] for u in updates] == list(range(SYNC_STEPS + 1))  # initial sync, then one per step
     assert updates[0]["checksum"] == loaded["checksum"]  # step 0 ships the weights it started from
     assert updates[-1]["checksum"] != loaded["checksum"]  # after training, different weights are served
 
@@ -53,7 +44,7 @@ def test_rewards_are_math_verify_scores(sync_run):
     records = []
     for path in sorted((sync_run / "rollouts").glob("*.jsonl")):
         records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    assert len(records) == STEPS * 16 * 8
+    assert len(records) == SYNC_STEPS * 16 * 8
     for record in records:
         expected = 1.0 if verify(parse(record["gts"]), parse(record["output"])) else 0.0
         assert record["score"] == expected, record

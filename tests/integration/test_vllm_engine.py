@@ -118,6 +118,32 @@ def test_interrupt_update_resume_with_two_versions_and_matching_logprobs(server,
     assert torch.allclose(torch.tensor(partial[i].log_probs), old_before, atol=2e-3)
 
 
+def test_single_abort_all_abort_ids_and_prefix_cache_reset_on_a_real_server(server, loop):
+    async def scenario():
+        await server.clear_kv_cache()  # vLLM's /reset_prefix_cache: fails loudly if the server refuses it
+        ids = [f"a{i}" for i in range(len(PROMPTS))]
+        tasks = {
+            rid: asyncio.create_task(server.generate(p, dict(PARAMS), rid)) for rid, p in zip(ids, PROMPTS, strict=True)
+        }
+        while server.generated_tokens == 0 or server.in_flight < len(PROMPTS):
+            await asyncio.sleep(0.002)
+        one = await server.abort_request("a0")
+        missing = await server.abort_request("no-such-request")
+        cut = await tasks["a0"]
+        reply = await server.abort_all_requests()
+        rest = [await tasks[rid] for rid in ids[1:]]
+        await server.resume_generation()
+        return one, missing, cut, reply, rest
+
+    one, missing, cut, reply, rest = loop.run_until_complete(scenario())
+    assert one == {"aborted": True, "request_id": "a0"} and missing["aborted"] is False
+    assert cut.stop_reason == "aborted" and len(cut.token_ids) < MAX_TOKENS
+    assert len(cut.log_probs) == len(cut.token_ids) == len(cut.extra_fields["token_versions"])
+    # abort_all names exactly the requests still in flight (all but the one aborted alone).
+    assert sorted(reply["request_ids"]) == sorted(f"a{i}" for i in range(1, len(PROMPTS)))
+    assert all(r.stop_reason == "aborted" for r in rest)
+
+
 def test_a_killed_server_is_replaced_and_its_requests_finish(server, loop):
     async def scenario():
         tasks = [asyncio.create_task(server.generate(p, dict(PARAMS), f"k{i}")) for i, p in enumerate(PROMPTS)]

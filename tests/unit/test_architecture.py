@@ -92,3 +92,19 @@ def test_the_core_imports_neither_verl_nor_ray():
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             assert not any(n.split(".")[0] in ("verl", "ray", "transfer_queue") for n in names), path
+
+
+def test_every_design_citation_names_a_section_of_the_design_doc():
+    import re
+
+    repo = PACKAGE.parent
+    headings = re.findall(r"^## (.+)$", (repo / "docs" / "design.md").read_text(), flags=re.M)
+    cited, unresolved = 0, []
+    for folder in ("areal_plugins", "tests", "tools"):
+        for path in (repo / folder).rglob("*.py"):
+            for after in re.findall(r"docs/design\.md[,(] ?(\w[^\n]{0,40})", path.read_text()):
+                cited += 1
+                if not any(after.startswith(heading) for heading in headings):
+                    unresolved.append(f"{path.name}: {after}")
+    assert cited > 10, "the code cites the design doc's sections"
+    assert not unresolved, f"citations of missing sections: {unresolved}"

@@ -58,6 +58,53 @@ def test_revert_restores_verls_partitioner():
     assert engine_utils.rearrange_micro_batches is before
 
 
+def test_apply_is_idempotent():
+    before = engine_utils.rearrange_micro_batches
+    try:
+        ffd_micro_batches.apply()
+        first = engine_utils.rearrange_micro_batches
+        ffd_micro_batches.apply()
+        assert engine_utils.rearrange_micro_batches is first  # not a patch of the patch
+    finally:
+        ffd_micro_batches.revert()
+    assert engine_utils.rearrange_micro_batches is before
+
+
+def test_refused_on_unsupported_verl():
+    from areal_plugins._compat import UnsupportedVerlVersionError
+
+    before = engine_utils.rearrange_micro_batches
+    with pytest.raises(UnsupportedVerlVersionError, match=r"verl 0\.10\.0 is installed"):
+        ffd_micro_batches.apply(verl_version="0.10.0")
+    assert not ffd_micro_batches.is_applied() and engine_utils.rearrange_micro_batches is before
+
+
+def test_a_patch_that_fails_on_its_second_target_changes_nothing():
+    import types
+
+    from packaging.specifiers import SpecifierSet
+
+    from areal_plugins.patches._base import AttributePatch
+
+    first, second = types.ModuleType("areal_test_first"), types.ModuleType("areal_test_second")
+    first.target = "original"
+    import sys
+
+    sys.modules.update({"areal_test_first": first, "areal_test_second": second})  # second lacks "target"
+    try:
+        patch = AttributePatch(
+            "two_targets",
+            (("areal_test_first", "target"), ("areal_test_second", "target")),
+            lambda original: "patched",
+            SpecifierSet(">=0"),
+        )
+        with pytest.raises(AttributeError):
+            patch.apply()
+        assert first.target == "original" and not patch.is_applied()
+    finally:
+        del sys.modules["areal_test_first"], sys.modules["areal_test_second"]
+
+
 def test_grouped_samples_keep_verls_partitioner(patched):
     data = padded_batch([5, 3, 8, 2])
     tu.assign_non_tensor(data, force_group_size=2)

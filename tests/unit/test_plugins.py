@@ -36,10 +36,40 @@ def test_every_hook_is_documented_with_its_exact_signature():
         assert f"def {name}{signature}" in text, f"{name} is missing from docs/hooks.md or its signature changed"
 
 
-def test_hooks_follow_the_naming_rule_and_are_documented():
+#: The lifecycle phases, in order, and the verbs a hook name may use (areal_<phase>_<verb>...).
+PHASES = ("validate", "make", "accept", "before", "on", "after")
+
+
+def test_hook_names_follow_the_naming_rule_in_lifecycle_order():
+    import re
+
+    phases = []
     for name in HOOK_NAMES:
-        function = getattr(hookspecs, name)
-        assert "Called from:" in function.__doc__ and "Default:" in function.__doc__, name
+        match = re.fullmatch(r"areal_([a-z]+)(_[a-z]+)+", name)
+        assert match, f"{name} is not areal_<phase>_<verb>"
+        assert match.group(1) in PHASES, f"{name}: phase {match.group(1)!r} is not one of {PHASES}"
+        phases.append(PHASES.index(match.group(1)))
+    # Specs are declared in lifecycle order: startup (validate, make), rollout (accept), training (before,
+    # on, after); shutdown (on_shutdown) is the one "on" hook after "after".
+    startup_to_training = [p for name, p in zip(HOOK_NAMES, phases, strict=True) if name != "areal_on_shutdown"]
+    assert startup_to_training == sorted(startup_to_training)
+    assert HOOK_NAMES[-1] == "areal_on_shutdown"
+
+
+def test_each_hooks_default_names_the_builtin_that_implements_it():
+    from areal_plugins.builtin import BUILTIN_PLUGINS
+
+    manager = build_plugin_manager()
+    for name in HOOK_NAMES:
+        doc = getattr(hookspecs, name).__doc__
+        assert "Called from:" in doc and "Default:" in doc, name
+        default = doc.split("Default:", 1)[1]
+        implementers = {impl.plugin_name for impl in getattr(manager.hook, name).get_hookimpls()}
+        builtins = sorted(implementers & {plugin for plugin, _ in BUILTIN_PLUGINS})
+        if builtins:
+            assert all(b.split(".")[-1] in default for b in builtins), f"{name}: Default: must name {builtins}"
+        else:
+            assert default.strip().startswith("none"), f"{name}: no built-in implements it; Default: says otherwise"
 
 
 def test_accept_trajectory_firstresult_semantics():

@@ -68,7 +68,7 @@ def test_shipped_config_group_is_generated_from_the_dataclasses():
 
 
 def test_shipped_defaults_are_the_paper_defaults():
-    # Values from the paper / docs/design.md, written here by hand, read from the shipped YAML.
+    # The paper's values (docs/design.md, The decoupled objective), written by hand; read from the shipped YAML.
     node = yaml.safe_load((REPO / "areal_plugins" / "config" / "areal" / "default.yaml").read_text())["areal"]
     assert node["enable"] is False and node["max_staleness"] == 4 and node["on_stale"] == "wait"
     assert node["loss"] == {

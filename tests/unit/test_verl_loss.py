@@ -35,7 +35,7 @@ def batch(seed):
 
 
 def reference_token_mean(old, new, behav, adv, mask, cap=None, mode="mask"):
-    """Independent formula of DESIGN.md §1 over the whole batch."""
+    """Independent formula of docs/design.md (The decoupled objective) over the whole batch."""
     ratio = torch.exp(new - old)
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
     pg = torch.where(adv < 0, torch.minimum(pg, -3.0 * adv), pg)

@@ -1,4 +1,11 @@
-"""The vLLM rollout server's policy after a failed call: retry on a live server, replace a dead one."""
+"""The vLLM rollout server's *decision* after a failed call: retry on a live server, ask for a replacement
+of a dead one, retry budgets per server.
+
+No server runs here: the process is a stand-in that says whether it is up, and the replacement is a
+recorded call. That a real vLLM server killed mid-request is really restarted, reloaded with the
+served weights and its requests finished is tested against a real server in
+``tests/integration/test_vllm_engine.py``.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +17,8 @@ import pytest
 from areal_plugins.rollout.vllm.server import TRANSIENT_RETRIES, VLLMRolloutServer
 
 
-class FakeProcess:
-    """The server process as the policy sees it: up or not, answering /health or not."""
+class StandInProcess:
+    """What the policy reads of the server process: up or not, answering /health or not."""
 
     def __init__(self, up: bool) -> None:
         self.up = up
@@ -24,19 +31,19 @@ class FakeProcess:
         return self.up
 
 
-def rollout_server(process: FakeProcess) -> VLLMRolloutServer:
-    server = VLLMRolloutServer.__new__(VLLMRolloutServer)  # no real server: only the retry policy runs
+def rollout_server(process: StandInProcess) -> VLLMRolloutServer:
+    server = VLLMRolloutServer.__new__(VLLMRolloutServer)  # no real server: only the decision runs
     server.server = process
     server.client = "client-0"
     restarted = []
 
-    async def restart_if_dead(error, incarnation):
+    async def record_replacement(error, incarnation):  # stands in for the real restart
         process.restarts += 1
         server.client = f"client-{process.restarts}"
         process.up = True
         restarted.append(error)
 
-    server._restart_if_dead = restart_if_dead
+    server._restart_if_dead = record_replacement
     return server
 
 
@@ -53,7 +60,7 @@ def failing(times: int):
 
 
 def test_a_dropped_connection_on_a_live_server_is_retried_without_a_restart():
-    process = FakeProcess(up=True)
+    process = StandInProcess(up=True)
     server = rollout_server(process)
     call, calls = failing(TRANSIENT_RETRIES)
     assert asyncio.run(server._on_live_server(call)) == "done"
@@ -61,15 +68,15 @@ def test_a_dropped_connection_on_a_live_server_is_retried_without_a_restart():
 
 
 def test_a_live_server_that_keeps_failing_stops_with_the_error():
-    server = rollout_server(FakeProcess(up=True))
+    server = rollout_server(StandInProcess(up=True))
     call, calls = failing(TRANSIENT_RETRIES + 1)
     with pytest.raises(RuntimeError, match=f"failed {TRANSIENT_RETRIES + 1} times while the server is up"):
         asyncio.run(server._on_live_server(call))
     assert len(calls) == TRANSIENT_RETRIES + 1
 
 
-def test_a_dead_server_is_replaced_and_the_call_goes_to_the_new_one():
-    process = FakeProcess(up=False)
+def test_a_dead_server_is_asked_for_a_replacement_and_the_call_goes_to_the_new_client():
+    process = StandInProcess(up=False)
     server = rollout_server(process)
     call, calls = failing(1)
     assert asyncio.run(server._on_live_server(call)) == "done"
@@ -77,7 +84,7 @@ def test_a_dead_server_is_replaced_and_the_call_goes_to_the_new_one():
 
 
 def test_a_replaced_server_gets_its_own_retry_budget():
-    process = FakeProcess(up=False)
+    process = StandInProcess(up=False)
     server = rollout_server(process)
     call, calls = failing(1 + TRANSIENT_RETRIES)  # the dead server's failure, then the new one's resets
     assert asyncio.run(server._on_live_server(call)) == "done"

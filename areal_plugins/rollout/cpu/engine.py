@@ -1,6 +1,6 @@
 """A small continuous-batching generation engine on Hugging Face transformers, for CPUs.
 
-verl registers no rollout backend that runs on CPU (DESIGN.md §3). This engine is the zero-setup
+verl registers no rollout backend that runs on CPU (docs/design.md, Engines). This engine is the zero-setup
 default for tests and laptops: requests join and leave the running batch at every decode step,
 each request keeps its own KV cache, every generated token carries its log-prob under the
 temperature-scaled distribution (what verl's trainer recomputes) and the policy version that

