@@ -1,8 +1,8 @@
 """Loaded by verl in every process (entry point group ``verl.plugins``), Ray workers included.
 
-It only registers: the CPU platform, the ``areal_cpu`` rollout backend, the ``areal_decoupled`` policy
-loss, the ``areal_*`` trainer modes, config resolvers and, when this process runs
-verl on the CPU platform (``VERL_PLATFORM=cpu``), the patches verl needs there. verl logs a
+It only registers: the CPU platform, our rollout backends (``areal_cpu``, ``areal_vllm``), the
+``areal_decoupled`` policy losses, the ``areal_*`` trainer modes, config resolvers and, when this process
+runs verl on the CPU platform (``VERL_PLATFORM=cpu``), the patches verl needs there. verl logs a
 plugin's load failure at debug level only, so failures here are logged as errors instead.
 """
 

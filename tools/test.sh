@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # The README's test command: set up .venv, lint, then the unit and integration suites.
+# `tools/test.sh --full` also runs the soak- and benchmark-length tests (marker `full`, ~1 h more).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+MARKERS="integration and not full"
+if [ "${1:-}" = "--full" ]; then
+  MARKERS="integration or full"
+fi
 bash tools/setup.sh
 .venv/bin/ruff check areal_plugins tests tools
 .venv/bin/ruff format --check areal_plugins tests tools
 .venv/bin/mypy areal_plugins
-.venv/bin/python -m pytest tests/unit -q
-.venv/bin/python -m pytest tests/integration -m integration -q -p no:cacheprovider
+.venv/bin/python -m pytest tests/unit -q --durations=5
+.venv/bin/python -m pytest tests/integration -m "$MARKERS" -q -p no:cacheprovider --durations=15

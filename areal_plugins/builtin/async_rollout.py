@@ -39,5 +39,11 @@ def areal_make_rollout_manager(
         max_concurrent=settings.max_concurrent_rollouts or (settings.max_staleness + 1) * batch,
     )
     return AdmissionLoop(
-        controller, buffer, submit_prompts, accept_trajectory, settings.poll_interval_s, store=transfer_queue
+        controller,
+        buffer,
+        submit_prompts,
+        accept_trajectory,
+        settings.poll_interval_s,
+        store=transfer_queue,
+        failure_limit=2 * batch,  # two batches' worth of failures in a row, none finished: not a fluke
     )

@@ -32,6 +32,10 @@ class MissingRolloutFieldError(RuntimeError):
     """A finished rollout lacks a field asynchronous training cannot do without."""
 
 
+class RolloutsFailingError(RuntimeError):
+    """Every recent rollout group failed: the engines or agent-loop workers are broken, not one request."""
+
+
 class AdmissionLoop:
     """Keeps the rollout engines fed within the staleness bound, and the buffer filled.
 
@@ -42,6 +46,8 @@ class AdmissionLoop:
         accept: False drops a finished trajectory (the ``areal_accept_trajectory`` hooks).
         poll_interval: seconds between looks at TransferQueue.
         store: TransferQueue's module (``kv_list``, ``kv_batch_get``, ``kv_clear``).
+        failure_limit: this many failed groups in a row, none finished since, stop the loop with
+            :class:`RolloutsFailingError` (resubmitting into a dead engine would spin forever).
     """
 
     def __init__(
@@ -52,6 +58,7 @@ class AdmissionLoop:
         accept: Callable[[Trajectory], bool],
         poll_interval: float,
         store: Any,
+        failure_limit: int = 32,
     ) -> None:
         self.controller = controller
         self.buffer = buffer
@@ -62,6 +69,8 @@ class AdmissionLoop:
         self.version = 0
         self.rejected_trajectories = 0
         self.failed_groups = 0
+        self.failure_limit = failure_limit
+        self._failures_in_a_row = 0
         self._handled: set[str] = set()
         self._admitting = threading.Event()
         self._admitting.set()
@@ -132,8 +141,8 @@ class AdmissionLoop:
             if tag.get("status") in ("finished", "failure"):
                 self._handled.add(uid)
                 keys = sorted(trajectory_keys.get(uid, []))
-                self._settle(uid, tag["status"], keys, [listing[k] for k in keys])
-                self.last_progress = time.monotonic()
+                if self._settle(uid, tag["status"], keys, [listing[k] for k in keys]):
+                    self.last_progress = time.monotonic()  # a failed group is not progress
         if self._admitting.is_set():
             room = self.controller.capacity(self.version)
             if room > 0:
@@ -144,13 +153,23 @@ class AdmissionLoop:
                     self.controller.on_reject(room)
                     raise
 
-    def _settle(self, uid: str, status: str, keys: list[str], tags: list[dict[str, Any]]) -> None:
+    def _settle(self, uid: str, status: str, keys: list[str], tags: list[dict[str, Any]]) -> bool:
+        """Account for one finished group; False when it failed (no trajectory came back)."""
         if status == "failure" or not keys:
             self.failed_groups += 1
+            self._failures_in_a_row += 1
             logger.warning("rollout group %s failed (%d trajectories); its slot is freed", uid, len(keys))
             self.store.kv_clear(keys=[uid, *keys], partition_id=PARTITION)
             self.controller.on_reject()
-            return
+            if self._failures_in_a_row >= self.failure_limit:
+                raise RolloutsFailingError(
+                    f"{self._failures_in_a_row} rollout groups in a row failed and none finished since: the rollout "
+                    "engines or verl's agent-loop workers are failing (train.log has their error; a rollout server "
+                    "that died is the usual cause). Stopping instead of resubmitting; fix the cause and resume from "
+                    "the last checkpoint (trainer.resume_mode=auto)"
+                )
+            return False
+        self._failures_in_a_row = 0
         data = self.store.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=TRAJECTORY_FIELDS)
         kept_keys, kept_tags, dropped = [], [], []
         info: list[dict[str, Any]] = []
@@ -177,10 +196,11 @@ class AdmissionLoop:
         if not kept_keys:
             self.store.kv_clear(keys=[uid], partition_id=PARTITION)
             self.controller.on_reject()
-            return
+            return True
         self.controller.on_accept()
         heads = [item["head_version"] for item in info]
         self.buffer.put(BufferedGroup(group_id=uid, head_versions=heads, keys=kept_keys, tags=kept_tags, info=info))
+        return True
 
 
 def reward_report(extra: dict[str, Any]) -> dict[str, float]:

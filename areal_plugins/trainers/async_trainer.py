@@ -53,6 +53,10 @@ def prompt_digest(prompt: Any) -> str:
     return hashlib.sha1(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+class RolloutServerDiedError(RuntimeError):
+    """A rollout server actor is gone and nothing replaces it."""
+
+
 def accept_trajectory(trajectory: Any) -> bool:
     """What the ``areal_accept_trajectory`` hooks say of ``trajectory`` (no answer keeps it)."""
     return call_hook("areal_accept_trajectory", trajectory=trajectory) is not False
@@ -316,7 +320,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         engines = (
             f"engines: {stats['in_flight']} requests in flight, {stats['generated_tokens']} tokens generated in total"
             if stats
-            else "engines: no activity statistics (not the areal_cpu backend)"
+            else "engines: no activity statistics (verl's own engines keep none)"
         )
         return (
             f"areal watchdog: the trainer waited {waited:.0f} s (areal.watchdog_s) for "
@@ -341,8 +345,17 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
 
         if self.config.actor_rollout_ref.rollout.name not in BACKENDS:
             return None
-        servers = [s for replica in self.llm_server_manager.get_replicas() for s in replica.servers]
-        stats: list[dict[str, Any]] = ray.get([server.get_stats.remote() for server in servers], timeout=60)
+        replicas = self.llm_server_manager.get_replicas()
+        servers = [(replica.replica_rank, s) for replica in replicas for s in replica.servers]
+        try:
+            stats: list[dict[str, Any]] = ray.get([server.get_stats.remote() for _, server in servers], timeout=60)
+        except ray.exceptions.RayActorError as error:
+            raise RolloutServerDiedError(
+                f"a rollout server of {self.config.actor_rollout_ref.rollout.name} (replicas "
+                f"{[rank for rank, _ in servers]}) died and this backend does not restart it: "
+                f"{str(error).splitlines()[0]}. Stopping the run; resume from the last checkpoint "
+                "(trainer.resume_mode=auto) once the cause (memory? a kill?) is fixed"
+            ) from error
         total = {"replicas": len(stats), "busy_s": 0.0, "generated_tokens": 0, "in_flight": 0, "restarts": 0}
         for item in stats:
             for key in ("busy_s", "generated_tokens", "in_flight"):

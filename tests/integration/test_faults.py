@@ -35,3 +35,54 @@ def test_a_trainer_worker_error_stops_the_run_and_the_last_checkpoint_resumes(ti
     # The checkpoint is whole: the same run resumes from it (without the failing loss) and trains on.
     steps = train_tiny("grpo_cpu_async.yaml", run_dir, tiny_dir, latest + 1, "trainer.save_freq=1")
     assert [s["areal/trainer_version"] for s in steps] == [float(latest)]
+
+
+def test_a_killed_cpu_rollout_server_stops_the_run_naming_it_instead_of_spinning(tiny_dir, tmp_path):
+    """The areal_cpu server is not restarted: its death must end the run with a reason, within the watchdog."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from tests.integration.conftest import REPO, read_jsonl
+
+    run_dir = tmp_path / "run"
+    watchdog_s = 120
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "areal_plugins.cli",
+            *train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 6, f"areal.watchdog_s={watchdog_s}"),
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while len(read_jsonl(run_dir / "areal_steps.jsonl")) < 1:
+            assert process.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 1"
+            time.sleep(0.5)
+        servers = [
+            p for p in psutil.process_iter(["cmdline"]) if "CPURolloutServer" in " ".join(p.info["cmdline"] or [])
+        ]
+        assert servers, "no CPURolloutServer actor process found"
+        for server in servers:
+            server.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        code = process.wait(timeout=watchdog_s + 120)
+        stopped_after = time.monotonic() - killed
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    log = (run_dir / "train.log").read_text()
+    assert code != 0
+    assert stopped_after < watchdog_s + 60, f"the run took {stopped_after:.0f} s to stop"
+    assert "rollout server" in log and ("died" in log or "in a row failed" in log), log[-3000:]
+    assert (run_dir / "train.log").stat().st_size < 20_000_000  # no error loop filling the disk

@@ -14,7 +14,7 @@ from areal_plugins.core.staleness import StalenessController
 from areal_plugins.hookimpl import hookimpl
 from areal_plugins.manager import call_hook
 from areal_plugins.testing import plugin_registered
-from areal_plugins.trainers.admission import AdmissionLoop, MissingRolloutFieldError
+from areal_plugins.trainers.admission import AdmissionLoop, MissingRolloutFieldError, RolloutsFailingError
 
 
 class MemoryStore:
@@ -170,4 +170,26 @@ def test_a_trajectory_without_per_token_versions_is_refused():
     store.finish("p0", [1.0], [[0, 0]])
     store.rows["p0_0_0"]["extra_fields"] = {}
     with pytest.raises(MissingRolloutFieldError, match="2 response tokens carries 0 token versions"):
+        loop.poll_once()
+
+
+def test_failed_groups_in_a_row_stop_the_loop_instead_of_resubmitting_forever():
+    store = MemoryStore()
+    loop, submitted = make_loop(store, eta=0, batch=2)
+    loop.failure_limit = 3
+    loop.poll_once()
+    progress = loop.last_progress
+    store.finish("p0", [], [], status="failure")
+    store.finish("p1", [1.0], [[0]])  # one success resets the count
+    loop.poll_once()
+    store.finish("p2", [], [], status="failure")  # p2, p3: refills of the freed slots
+    loop.poll_once()
+    assert loop.last_progress > progress  # p1 finished
+    progress = loop.last_progress
+    store.finish("p3", [], [], status="failure")
+    loop.poll_once()
+    assert loop.last_progress == progress  # failures are not progress (the watchdog keeps counting)
+    failing = submitted[-1]
+    store.finish(failing, [], [], status="failure")
+    with pytest.raises(RolloutsFailingError, match="3 rollout groups in a row failed"):
         loop.poll_once()
