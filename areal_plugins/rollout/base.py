@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from areal_plugins.records import append_record
@@ -39,6 +40,9 @@ class RolloutServer(abc.ABC):
     releases_memory_on_sleep: ClassVar[bool]
 
     free_cache_engine: bool
+    replica_rank: int
+    max_model_len: int
+    response_length: int
     _gate_open: asyncio.Event
     _rejecting: bool
 
@@ -50,9 +54,47 @@ class RolloutServer(abc.ABC):
 
     # ------------------------------------------------------------------ generation
 
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: Any = None,
+        video_data: Any = None,
+        audio_data: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Token-in/token-out generation with per-token log-probs and versions (verl's ``TokenOutput``).
+
+        verl's stop reasons: ``completed``, or ``aborted`` for a request cut short (verl's client
+        re-submits it as prompt + partial output).
+        """
+        from verl.workers.rollout.replica import TokenOutput
+
+        params = dict(sampling_params)
+        media = bool(image_data or video_data or audio_data)
+        max_tokens = token_budget(
+            self.backend_name, prompt_ids, params, self.max_model_len, self.response_length, media
+        )
+        if not await self._wait_for_gate():
+            out = Generated([], [], [], "aborted")
+        else:
+            out = await self._generate(prompt_ids, max_tokens, params, request_id)
+        return TokenOutput(
+            token_ids=out.token_ids,
+            log_probs=out.logprobs if params.get("logprobs") else None,
+            stop_reason=out.stop_reason,
+            extra_fields=version_fields(self.served_version, out.versions),
+        )
+
     @abc.abstractmethod
-    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, **kwargs: Any):
-        """Token-in/token-out generation with per-token log-probs and versions (verl's ``TokenOutput``)."""
+    async def _generate(self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any], request_id: str):
+        """Generate up to ``max_tokens``; a :class:`Generated` (stop reason ``completed`` or ``aborted``)."""
+
+    @property
+    @abc.abstractmethod
+    def served_version(self) -> int:
+        """The policy version of the weights the engine serves now."""
 
     async def _wait_for_gate(self) -> bool:
         """Park a request while generation is paused; False when the server rejects it instead."""
@@ -81,6 +123,7 @@ class RolloutServer(abc.ABC):
         self._rejecting = reject_request
         self._gate_open.clear()
         request_ids = await self._abort_in_flight()
+        record_replica_event(self.replica_rank, "abort", aborted=len(request_ids))
         return {"aborted_count": len(request_ids), "request_ids": request_ids}
 
     async def resume_engine_generation(self) -> None:
@@ -99,14 +142,17 @@ class RolloutServer(abc.ABC):
     async def sleep(self) -> None:
         """Release KV caches and weights (``free_cache_engine: true``); in-flight requests must be aborted first."""
         if not self.free_cache_engine:
+            record_replica_event(self.replica_rank, "sleep", released=False)
             return  # verl's own servers keep their memory too (rollout.free_cache_engine: false)
         await self._release_memory()
+        record_replica_event(self.replica_rank, "sleep", released=True, **self._memory())
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what :meth:`sleep` released: ``tags`` among ``weights``, ``kv_cache`` (None: both)."""
         if not self.free_cache_engine:
             return
         await self._restore_memory(set(tags or ("weights", "kv_cache")))
+        record_replica_event(self.replica_rank, "wake_up", tags=sorted(tags or ("weights", "kv_cache")))
 
     async def release_kv_cache(self) -> None:
         if self.free_cache_engine:
@@ -118,6 +164,10 @@ class RolloutServer(abc.ABC):
 
     @abc.abstractmethod
     async def _release_memory(self, weights: bool = True) -> None: ...
+
+    def _memory(self) -> dict[str, int]:
+        """Bytes the engine holds now (``weight_bytes``, ``kv_cache_bytes``), where it can tell."""
+        return {}
 
     @abc.abstractmethod
     async def _restore_memory(self, tags: set[str]) -> None: ...
@@ -143,6 +193,16 @@ class RolloutServer(abc.ABC):
     @abc.abstractmethod
     async def get_stats(self) -> dict[str, Any]:
         """``generated_tokens``, ``in_flight``, ``busy_s``, ``version`` (and ``restarts`` where servers restart)."""
+
+
+@dataclass
+class Generated:
+    """What one request produced: tokens with their log-probs and generating versions, and why it stopped."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    stop_reason: str
 
 
 class WeightSyncError(RuntimeError):
@@ -172,6 +232,11 @@ def version_fields(served_version: int, versions: list[int]) -> dict[str, Any]:
         extra["min_global_steps"] = min(versions)
         extra["max_global_steps"] = max(versions)
     return extra
+
+
+def record_replica_event(replica: int, event: str, **fields: Any) -> None:
+    """``replica_events.jsonl``: what verl asked of each replica, in order (abort, sleep, wake_up, update, resume)."""
+    append_record("replica_events.jsonl", {"time": time.time(), "replica": replica, "event": event, **fields})
 
 
 def record_weight_sync(replica: int, version: int, checksum: Any, event: str) -> None:

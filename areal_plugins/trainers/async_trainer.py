@@ -224,10 +224,13 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
 
     def on_sample_end(self) -> None:
         if self.areal.placement == "colocated":
-            # The engines share the devices with training: interrupt them until the new weights are in.
+            # verl's colocated lifecycle: the engines share the devices with training, so they are
+            # interrupted and put to sleep (weights and KV caches released under free_cache_engine)
+            # until on_step_end's update wakes them with the new weights.
             self.manager.pause()
             with self.recorder.span("rollout", "paused_for_training"):
                 self.checkpoint_manager.abort_replicas()
+                self.checkpoint_manager.sleep_replicas()
 
     def on_step_end(self) -> None:
         new_version = self.global_steps

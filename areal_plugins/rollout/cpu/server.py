@@ -15,13 +15,13 @@ from typing import Any
 import torch
 
 from areal_plugins.rollout.base import (
+    Generated,
     RolloutServer,
     WeightSyncError,
+    record_replica_event,
     record_weight_sync,
-    token_budget,
-    version_fields,
 )
-from areal_plugins.rollout.cpu.engine import STOP_ABORTED, ContinuousBatchingEngine
+from areal_plugins.rollout.cpu.engine import ContinuousBatchingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -82,26 +82,7 @@ class CPURolloutServer(RolloutServer):
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        request_id: str,
-        image_data: Any = None,
-        video_data: Any = None,
-        audio_data: Any = None,
-        mm_processor_kwargs: Any = None,
-        priority: int = 0,
-        **kwargs: Any,
-    ) -> Any:
-        """Token-in/token-out generation with per-token log-probs and versions (verl contract)."""
-        from verl.workers.rollout.replica import TokenOutput
-
-        params = dict(sampling_params)
-        media = bool(image_data or video_data or audio_data)
-        max_tokens = token_budget("areal_cpu", prompt_ids, params, self.max_model_len, self.response_length, media)
-        if not await self._wait_for_gate():
-            return TokenOutput(token_ids=[], log_probs=None, stop_reason=STOP_ABORTED, extra_fields=self._extra([]))
+    async def _generate(self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any], request_id: str):
         result = await self.engine.generate(
             prompt_ids,
             max_tokens=max_tokens,
@@ -110,15 +91,11 @@ class CPURolloutServer(RolloutServer):
             top_k=int(params.get("top_k", -1)),
             request_id=request_id,
         )
-        return TokenOutput(
-            token_ids=result.token_ids,
-            log_probs=result.logprobs if params.get("logprobs") else None,
-            stop_reason=result.stop_reason,
-            extra_fields=self._extra(result.versions),
-        )
+        return Generated(result.token_ids, result.logprobs, result.versions, result.stop_reason)
 
-    def _extra(self, versions: list[int]) -> dict[str, Any]:
-        return version_fields(self.engine.version, versions)
+    @property
+    def served_version(self) -> int:
+        return self.engine.version
 
     # ------------------------------------------------------------------ interruption
 
@@ -139,6 +116,7 @@ class CPURolloutServer(RolloutServer):
             )
         self._rejecting = False
         self._gate_open.set()
+        record_replica_event(self.replica_rank, "resume", version=self.engine.version, **self._memory())
 
     async def wait_for_requests_to_drain(self) -> None:
         await self.engine.wait_idle()
@@ -162,6 +140,9 @@ class CPURolloutServer(RolloutServer):
         # which fills it (a GPU engine's wake-up allocates it, then the update writes it).
         return None
 
+    def _memory(self) -> dict[str, int]:
+        return {"weight_bytes": self.engine.weight_bytes(), "kv_cache_bytes": self.engine.kv_cache_bytes()}
+
     async def clear_kv_cache(self) -> None:
         """Nothing to drop: the engine keeps no prefix cache, each request's KV cache ends with the request."""
 
@@ -174,6 +155,7 @@ class CPURolloutServer(RolloutServer):
         served = self.engine.model.state_dict()
         checksum = weights_checksum({k: served[k] for k in state_dict})
         record_weight_sync(self.replica_rank, version, checksum, "update")
+        record_replica_event(self.replica_rank, "update", version=version, **self._memory())
         return {"version": self.engine.version, "checksum": checksum}
 
     @staticmethod

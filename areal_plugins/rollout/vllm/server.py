@@ -31,11 +31,11 @@ import aiohttp
 import torch
 
 from areal_plugins.rollout.base import (
+    Generated,
     RolloutServer,
     WeightSyncError,
+    record_replica_event,
     record_weight_sync,
-    token_budget,
-    version_fields,
 )
 from areal_plugins.rollout.vllm.http_client import ABORTED, Generation, VLLMClient
 from areal_plugins.rollout.vllm.process import VLLMServer
@@ -143,23 +143,7 @@ class VLLMRolloutServer(RolloutServer):
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        request_id: str,
-        image_data: Any = None,
-        video_data: Any = None,
-        audio_data: Any = None,
-        **kwargs: Any,
-    ) -> Any:
-        from verl.workers.rollout.replica import TokenOutput
-
-        params = dict(sampling_params)
-        media = bool(image_data or video_data or audio_data)
-        max_tokens = token_budget("areal_vllm", prompt_ids, params, self.max_model_len, self.response_length, media)
-        if not await self._wait_for_gate():
-            return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted", extra_fields=self._extra([]))
+    async def _generate(self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any], request_id: str):
         abort = self._aborts.setdefault(request_id, asyncio.Event())
         try:
             tokens, logprobs, versions, reason = await self._generate_surviving_restarts(
@@ -167,12 +151,11 @@ class VLLMRolloutServer(RolloutServer):
             )
         finally:
             self._aborts.pop(request_id, None)
-        return TokenOutput(
-            token_ids=tokens,
-            log_probs=logprobs if params.get("logprobs") else None,
-            stop_reason=verl_stop_reason(reason),
-            extra_fields=self._extra(versions),
-        )
+        return Generated(tokens, logprobs, versions, verl_stop_reason(reason))
+
+    @property
+    def served_version(self) -> int:
+        return self.version
 
     async def _generate_surviving_restarts(
         self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any], abort: asyncio.Event
@@ -279,9 +262,6 @@ class VLLMRolloutServer(RolloutServer):
             self.busy_s += time.monotonic() - self._busy_since
             self._busy_since = None
 
-    def _extra(self, versions: list[int]) -> dict[str, Any]:
-        return version_fields(self.version, versions)
-
     # ------------------------------------------------------------------ interruption
 
     async def _abort_in_flight(self) -> list[str]:
@@ -300,6 +280,7 @@ class VLLMRolloutServer(RolloutServer):
         self._rejecting = False
         await self._on_live_server(lambda client: client.resume())
         self._gate_open.set()
+        record_replica_event(self.replica_rank, "resume", version=self.version)
 
     async def wait_for_requests_to_drain(self) -> None:
         while self.in_flight:
@@ -337,6 +318,7 @@ class VLLMRolloutServer(RolloutServer):
         self.version = int(report["version"])
         self._last_checksum = report["checksum"]
         record_weight_sync(self.replica_rank, version, report["checksum"], "update")
+        record_replica_event(self.replica_rank, "update", version=version)
         return {"version": report["version"], "checksum": report["checksum"]}
 
     async def get_version(self) -> int:
