@@ -31,11 +31,13 @@ def register_with_verl() -> None:
     from areal_plugins.rollout.verl_registration import register_rollout_backends
     from areal_plugins.trainers import register_trainers
     from areal_plugins.trainers.policy_loss import register_policy_loss_with_verl
+    from areal_plugins.weight_sync.gloo import register_gloo_checkpoint_engine
 
     register_cpu_platform()
     register_rollout_backends()
     register_policy_loss_with_verl()
     register_trainers()
+    register_gloo_checkpoint_engine()
     _register_config_resolvers()
     if cpu_platform_selected():
         # verl's FSDP engine is registered for cuda/npu only; its code is device-agnostic

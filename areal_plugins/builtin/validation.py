@@ -40,6 +40,19 @@ def areal_validate_config(config: Any) -> None:
             "async training needs the engine's per-token behaviour log-probs: remove the override "
             "actor_rollout_ref.rollout.calculate_log_probs=false"
         )
+    rollout = config.actor_rollout_ref.rollout
+    if areal.mode == "async" and areal.placement == "separate":
+        if rollout.checkpoint_engine.backend == "naive":
+            raise ArealConfigError(
+                "areal.placement=separate gives the engines a resource pool of their own, and weights reach it "
+                "through a checkpoint engine: set actor_rollout_ref.rollout.checkpoint_engine.backend=nccl on GPUs "
+                "(or areal_gloo without them); 'naive' only works for engines on the trainer's devices"
+            )
+        if not (rollout.nnodes > 0 and rollout.n_gpus_per_node > 0):
+            raise ArealConfigError(
+                "areal.placement=separate needs the size of the rollout pool: set actor_rollout_ref.rollout.nnodes "
+                f"and actor_rollout_ref.rollout.n_gpus_per_node (got {rollout.nnodes} x {rollout.n_gpus_per_node})"
+            )
     budget = (areal.get("micro_batch") or {}).get("max_tokens", None)
     longest = config.data.max_prompt_length + config.data.max_response_length
     if budget is not None and not (actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu == budget):

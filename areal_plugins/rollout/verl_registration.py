@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from areal_plugins.rollout.base import RolloutServer
 
@@ -70,6 +71,10 @@ def check_capabilities(rollout_config: Any) -> None:
         )
 
 
+def _node_id(_actor: Any) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
 def _replica_class() -> type:
     from verl.workers.rollout.replica import RolloutReplica
 
@@ -86,8 +91,12 @@ def _replica_class() -> type:
             model_path = getattr(self.model_config, "local_path", None) or self.model_config.path
             name = server_actor_name(backend, self.replica_rank, self.name_suffix)
             server_cls: Any = ray.remote(server_class(backend))
+            placement: dict[str, Any] = {}
+            if self.workers:  # on the node of this replica's workers (its devices), as verl's vLLM replica does
+                node = str(ray.get(self.workers[0].__ray_call__.remote(_node_id)))
+                placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
             server: Any = server_cls.options(
-                name=name, num_cpus=SERVER_NUM_CPUS, max_concurrency=self.max_concurrency
+                name=name, num_cpus=SERVER_NUM_CPUS, max_concurrency=self.max_concurrency, **placement
             ).remote(
                 model_path=model_path,
                 response_length=self.config.response_length,
@@ -146,8 +155,12 @@ def _adapter_class() -> type:
         async def update_weights(self, weights: Any, wire_format: str = "named_tensors", **kwargs: Any) -> None:
             if wire_format != "named_tensors":
                 raise ValueError(f"the {self.config.name} backend takes full named tensors, not {wire_format!r}")
-            # Every rank must drain the generator: producing full tensors is a collective.
-            state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
+            # Every rank must drain the generator: producing full tensors is a collective. Checkpoint
+            # engines hand weights over as a generator, some (verl's nccl) as an async one.
+            if hasattr(weights, "__aiter__"):
+                state = {name: tensor.detach().to("cpu", copy=True) async for name, tensor in weights}
+            else:
+                state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
             if not self.is_leader_rank:
                 return
             version = int(kwargs.get("global_steps") or 0)

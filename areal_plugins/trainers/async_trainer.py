@@ -80,6 +80,9 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
 
     def __init__(self, config: Any) -> None:
         self.areal = ArealConfig.from_node(config.areal)
+        # separate: no engines on the trainer's devices (verl builds none when this is False); they get a
+        # standalone pool of their own in _setup, fed by a checkpoint engine (docs/design.md, Placements).
+        self._enable_hybrid_replicas = self.areal.placement == "colocated"
         super().__init__(config)
         self.version = 0  # the policy version the engines serve
         self.recorder = RunRecorder()
@@ -108,13 +111,53 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             refill_fn=self._add_prompts_to_generate,
         )
 
+    def _setup(self) -> None:
+        super()._setup()
+        if self.areal.placement == "separate":
+            self._setup_standalone_rollout()
+        from areal_plugins.trainers.placement_report import record_ray_placement
+
+        record_ray_placement(self.areal.placement)
+
+    def _setup_standalone_rollout(self) -> None:
+        """verl's own standalone machinery: replicas on a resource pool of their own, weights by a checkpoint engine."""
+        from verl.checkpoint_engine import CheckpointEngineManager
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.rollout.llm_server import LLMServerManager
+
+        self.standalone_server_manager = LLMServerManager.create(config=self.config, start_rank=0)
+        engine_config = omega_conf_to_dataclass(self.config.actor_rollout_ref.rollout.checkpoint_engine)
+        self.standalone_checkpoint_manager = CheckpointEngineManager(
+            config=engine_config,
+            actor_wg=self.actor_rollout_wg,
+            replicas=self.standalone_server_manager.get_replicas(),
+        )
+        logger.info(
+            "areal_async separate: %d standalone rollout replicas, weights by checkpoint engine %s",
+            len(self.standalone_server_manager.get_replicas()),
+            engine_config.backend,
+        )
+
+    @property
+    def rollout_servers(self) -> Any:
+        """The LLM server manager whose replicas generate (standalone in ``separate``)."""
+        return self.standalone_server_manager if self.areal.placement == "separate" else self.llm_server_manager
+
+    @property
+    def weight_sync(self) -> Any:
+        """The checkpoint manager that moves weights to :attr:`rollout_servers`."""
+        return self.standalone_checkpoint_manager if self.areal.placement == "separate" else self.checkpoint_manager
+
+    def _rollout_server_managers(self) -> list:
+        return [self.rollout_servers]
+
     def get_llm_client(self) -> Any:
-        return self.llm_server_manager.get_client(client_cls=InterruptibleLLMClient)
+        return self.rollout_servers.get_client(client_cls=InterruptibleLLMClient)
 
     # ------------------------------------------------------------------ lifecycle
 
     def on_init_end(self) -> None:
-        self.checkpoint_manager.update_weights(self.global_steps)
+        self.weight_sync.update_weights(self.global_steps)
         self.version = self.global_steps
         super().on_init_end()  # HookedTrainerMixin: areal_on_weights_updated(version)
 
@@ -237,11 +280,11 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         with marked_timer("update_weights", self.timing_raw, color="red"), self.recorder.span("trainer", "update"):
             self.manager.pause()
             call_hook("areal_before_weight_update", version=new_version)
-            if self.areal.placement == "separate":
-                self.checkpoint_manager.abort_replicas()  # interrupt: do not wait for the longest request
-            self.checkpoint_manager.update_weights(new_version)
+            # Interruption: colocated engines were aborted and put to sleep at on_sample_end; verl's
+            # checkpoint manager aborts standalone ones itself before a non-naive sync.
+            self.weight_sync.update_weights(new_version)
             self.version = new_version
-            self.checkpoint_manager.resume_generation_replicas()
+            self.weight_sync.resume_generation_replicas()
             self.manager.resume(new_version)
         call_hook("areal_on_weights_updated", version=new_version)
 
@@ -348,7 +391,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
 
         if self.config.actor_rollout_ref.rollout.name not in BACKENDS:
             return None
-        replicas = self.llm_server_manager.get_replicas()
+        replicas = self.rollout_servers.get_replicas()
         servers = [(replica.replica_rank, s) for replica in replicas for s in replica.servers]
         try:
             stats: list[dict[str, Any]] = ray.get([server.get_stats.remote() for _, server in servers], timeout=60)

@@ -25,3 +25,53 @@ def test_colocated_engines_sleep_with_weights_released_and_wake_with_the_new_one
         # The adapter woke the engine for the weights before loading them (verl's hybrid update).
         woken = [e for e in events[:i] if e["event"] == "wake_up"]
         assert woken and woken[-1]["time"] > before[1]["time"]
+
+
+SEPARATE_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def separate_run(tiny_dir, tmp_path_factory):
+    from tests.integration.conftest import train_tiny
+
+    run_dir = tmp_path_factory.mktemp("separate") / "run"
+    steps = train_tiny("grpo_cpu_async_separate.yaml", run_dir, tiny_dir, SEPARATE_STEPS)
+    return steps, run_dir
+
+
+def gpu_actors(run_dir) -> list[dict]:
+    """Actors holding (fake) GPU slots, as Ray placed them (recorded by the trainer after setup)."""
+    return [a for a in read_jsonl(run_dir / "ray_actors.jsonl") if a["required_resources"].get("GPU", 0) > 0]
+
+
+def test_separate_engines_hold_a_resource_pool_disjoint_from_the_trainers(separate_run):
+    _, run_dir = separate_run
+    actors = gpu_actors(run_dir)
+    rollout = [a for a in actors if a["class_name"] == "CheckpointEngineWorker"]
+    trainer = [a for a in actors if a["class_name"] != "CheckpointEngineWorker"]
+    assert rollout and trainer, actors
+    assert not {a["placement_group_id"] for a in rollout} & {a["placement_group_id"] for a in trainer}
+    assert not {a["pid"] for a in rollout} & {a["pid"] for a in trainer}
+
+
+def test_colocated_engines_live_in_the_trainers_workers(observed_run):
+    _, _, run_dir = observed_run
+    actors = gpu_actors(run_dir)
+    assert actors and not [a for a in actors if a["class_name"] == "CheckpointEngineWorker"]
+    assert len({a["placement_group_id"] for a in actors}) == 1  # one pool: the engines share the trainer's slots
+
+
+def test_separate_weights_cross_by_the_checkpoint_engine_and_engines_never_sleep(separate_run):
+    steps, run_dir = separate_run
+    assert len(steps) == SEPARATE_STEPS
+    syncs = [s for s in read_jsonl(run_dir / "weight_syncs.jsonl") if s["event"] == "update"]
+    # Version 0 at start, then one per step, each loaded and checked by checksum on the engine's side.
+    assert [s["version"] for s in syncs] == list(range(SEPARATE_STEPS + 1))
+    assert len({s["checksum"] for s in syncs}) == SEPARATE_STEPS + 1
+    events = read_jsonl(run_dir / "replica_events.jsonl")
+    assert not [e for e in events if e["event"] == "sleep"]  # generation never yields the devices
+    assert [e["version"] for e in events if e["event"] == "update"] == list(range(SEPARATE_STEPS + 1))
+    samples = read_jsonl(run_dir / "areal_samples.jsonl")
+    assert max(s["trainer_version"] - s["head_version"] for s in samples) <= 2  # the recipe's η
+    log = (run_dir / "train.log").read_text()
+    assert "areal_gloo: sent" in log and "standalone rollout replicas" in log

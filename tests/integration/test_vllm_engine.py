@@ -122,10 +122,11 @@ def test_single_abort_all_abort_ids_and_prefix_cache_reset_on_a_real_server(serv
     async def scenario():
         await server.clear_kv_cache()  # vLLM's /reset_prefix_cache: fails loudly if the server refuses it
         ids = [f"a{i}" for i in range(len(PROMPTS))]
+        before = server.generated_tokens
         tasks = {
             rid: asyncio.create_task(server.generate(p, dict(PARAMS), rid)) for rid, p in zip(ids, PROMPTS, strict=True)
         }
-        while server.generated_tokens == 0 or server.in_flight < len(PROMPTS):
+        while server.generated_tokens - before < 8 * len(PROMPTS) or server.in_flight < len(PROMPTS):
             await asyncio.sleep(0.002)
         one = await server.abort_request("a0")
         missing = await server.abort_request("no-such-request")

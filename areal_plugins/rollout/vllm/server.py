@@ -266,7 +266,15 @@ class VLLMRolloutServer(RolloutServer):
 
     async def _abort_in_flight(self) -> list[str]:
         request_ids = list(self._aborts)
-        await self._on_live_server(lambda client: client.pause())  # every stream returns its partial output
+        await self._on_live_server(lambda client: client.pause())  # running requests return their partial output
+        # vLLM's pause holds requests it had not scheduled yet; they would run after the next resume
+        # under new weights while stamped with the old version. Close their streams: vLLM drops them
+        # and each returns what it has (nothing), to be re-submitted after the update.
+        for request_id in request_ids:
+            abort = self._aborts.get(request_id)
+            if abort is not None:
+                abort.set()
+        await self.wait_for_requests_to_drain()
         return request_ids
 
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:

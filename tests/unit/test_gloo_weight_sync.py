@@ -1,0 +1,78 @@
+"""The areal_gloo checkpoint engine between real processes: one sender, two receivers, several buckets."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+
+import pytest
+import torch
+
+from areal_plugins.weight_sync.gloo import buckets
+
+
+def weights() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "embed": torch.randn(64, 16, generator=generator),
+        "norm": torch.randn(16, generator=generator).to(torch.bfloat16),
+        "layer.0": torch.randn(16, 16, generator=generator),
+        "count": torch.arange(5, dtype=torch.int64),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_rank(rank: int, world: int, port: int, out) -> None:
+    import asyncio
+
+    from areal_plugins.weight_sync.gloo import _make_engine_class
+
+    engine = _make_engine_class()(bucket_size=5000, is_master=rank == 0)
+    engine.init_process_group(rank=rank, world_size=world, master={"host": "127.0.0.1", "port": port})
+    if rank == 0:
+        asyncio.run(engine.send_weights(iter(weights().items()), global_steps=3))
+        out.put((rank, None))
+    else:
+        out.put((rank, {name: t.clone() for name, t in engine.receive_weights(global_steps=3)}))
+    engine.finalize()
+
+
+def test_every_receiver_gets_every_tensor_bit_for_bit():
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=run_rank, args=(rank, 3, port, out)) for rank in range(3)]
+    for process in processes:
+        process.start()
+    results = dict(out.get(timeout=120) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    sent = weights()
+    for rank in (1, 2):
+        received = results[rank]
+        assert list(received) == list(sent)  # order kept
+        for name, tensor in sent.items():
+            assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), (rank, name)
+
+
+def test_buckets_respect_the_size_and_end_with_one_that_may_be_empty():
+    tensors = [("a", torch.zeros(300)), ("b", torch.zeros(300)), ("c", torch.zeros(1000))]  # 1200, 1200, 4000 B
+    sizes = [[name for name, _ in bucket] for bucket in buckets(iter(tensors), bucket_size=2500)]
+    assert sizes == [["a", "b"], ["c"]]  # c alone exceeds the size: a bucket of its own
+    assert [list(b) for b in buckets(iter([]), 100)] == [[]]
+
+
+@pytest.mark.parametrize("world", [2])
+def test_topology_has_one_sender_and_every_rollout_worker(world):
+    from areal_plugins.weight_sync.gloo import _make_engine_class
+
+    engine_cls = _make_engine_class()
+    actor, rollout = engine_cls.build_topology(3, 2, [{"host": "h", "port": 1}, {}, {}, {}, {}])
+    assert actor["rank"] == [0, -1, -1] and rollout["rank"] == [1, 2]
+    assert set(actor["world_size"] + rollout["world_size"]) == {3}
