@@ -31,14 +31,14 @@ ROUTED_VERL_KEYS: dict[str, str] = {
 }
 
 
-def verl_setting(name: str, config: ArealConfig) -> Any:
-    """The value of the verl setting ``name`` under ``config`` (verl's default when disabled)."""
+def routed_settings(config: ArealConfig) -> dict[str, tuple[bool, Any, Any]]:
+    """Every routed setting: ``name -> (applies under config, value when it applies, verl's default)``."""
     on = config.enable
     decoupled = on and config.loss.decoupled
     loglinear = decoupled and config.loss.prox_logp == "loglinear"
     recompute = decoupled and not loglinear
     ffd = on and config.micro_batch.max_tokens is not None
-    table: dict[str, tuple[bool, Any, Any]] = {
+    return {
         # async: our staleness-bounded trainer (areal_plugins.trainers); sync: verl's, with our hooks.
         "trainer_mode": (on, "areal_async" if config.mode == "async" else "areal_sync", "sync"),
         "loss_mode": (decoupled, LOGLINEAR_LOSS_NAME if loglinear else RECOMPUTE_LOSS_NAME, "vanilla"),
@@ -57,10 +57,60 @@ def verl_setting(name: str, config: ArealConfig) -> Any:
         "use_dynamic_bsz": (ffd, True, False),
         "ppo_max_token_len_per_gpu": (ffd, config.micro_batch.max_tokens, 16384),
     }
+
+
+def verl_setting(name: str, config: ArealConfig) -> Any:
+    """The value of the verl setting ``name`` under ``config`` (verl's default when it does not apply)."""
+    table = routed_settings(config)
     if name not in table:
         raise ArealConfigError(f"areal_verl has no setting {name!r}; known: {', '.join(sorted(table))}")
     applies, value, default = table[name]
     return value if applies else default
+
+
+#: A path absent from a config.
+_ABSENT = object()
+
+
+def route_composed_config(config: Any) -> dict[str, Any]:
+    """Route a composed verl config whose ``areal:`` node did not come with our config group.
+
+    A verl user's own recipe with ``areal.enable: true`` (or ``+areal.enable=true`` on the command
+    line) gets what our recipes get from ``${areal_verl:...}``: the ``areal`` node completed with
+    its defaults, and every routed verl key that applies set to its routed value. A key the recipe
+    set to something else (neither verl's default nor the routed value) is refused, naming both.
+    Returns the keys it changed (path -> value); nothing without an enabled ``areal`` node.
+    """
+    from omegaconf import OmegaConf, open_dict
+
+    node = config.get("areal") if hasattr(config, "get") else None
+    if node is None:
+        return {}
+    areal = ArealConfig.from_node(node)
+    if not areal.enable:
+        return {}
+    table = routed_settings(areal)
+    changes: dict[str, Any] = {}
+    for path, name in ROUTED_VERL_KEYS.items():
+        applies, value, verl_default = table[name]
+        if not applies:
+            continue
+        have = OmegaConf.select(config, path, default=_ABSENT)
+        if have == value:
+            continue
+        if have is not _ABSENT and have != verl_default:
+            raise ArealConfigError(
+                f"the recipe sets {path}={have!r}, but areal.enable=true routes it to {value!r}: remove {path} "
+                "from the recipe (areal_plugins sets it) or set areal.enable=false to keep yours"
+            )
+        changes[path] = value
+    import dataclasses
+
+    with open_dict(config):
+        config.areal = OmegaConf.create(dataclasses.asdict(areal))
+        for path, value in changes.items():
+            OmegaConf.update(config, path, value, force_add=True)
+    return changes
 
 
 def parse_cap_threshold(threshold: float | str) -> tuple[float | None, str]:

@@ -5,9 +5,10 @@ sampler, LLM client) is registered, not patched. A module here exists only where
 no seam; each says why, where upstream stands and when to delete it.
 
 ``apply_enabled_patches(config)`` is the one entry point: it walks :data:`PATCHES` in order and
-applies each patch whose feature is enabled. Two exist: the CPU platform's (selected by
-``VERL_PLATFORM=cpu``, applied at plugin load in every process) and FFD micro-batching (selected
-by ``areal.micro_batch.max_tokens``; the trainer applies it in its worker processes with
+applies each patch whose feature is enabled. Three exist: the CPU platform's (selected by
+``VERL_PLATFORM=cpu``, applied at plugin load in every process), the routing of ``areal.enable`` in
+any recipe (applied at plugin load in verl's ``main_ppo`` driver only) and FFD micro-batching
+(selected by ``areal.micro_batch.max_tokens``; the trainer applies it in its worker processes with
 :func:`apply_in_workers`, since only the driver sees the recipe). ``areal.enable: false`` on a GPU
 machine patches nothing.
 """
@@ -18,13 +19,21 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from areal_plugins.patches import ffd_micro_batches, gloo_backend
+from areal_plugins.patches import ffd_micro_batches, gloo_backend, route_areal_node
 
 
 def _cpu_platform(config: Any) -> bool:
     from areal_plugins.platforms.cpu import cpu_platform_selected
 
     return cpu_platform_selected()
+
+
+def _verl_driver(config: Any) -> bool:
+    """This process is verl's ``main_ppo`` driver, where the recipe is composed (plugin load only)."""
+    import sys
+    from pathlib import Path
+
+    return config is None and Path(sys.argv[0]).name == "main_ppo.py"
 
 
 def _ffd_micro_batches(config: Any) -> bool:
@@ -40,6 +49,7 @@ def _ffd_micro_batches(config: Any) -> bool:
 #: (feature, is it enabled for this run?, patch), in the order they are applied.
 PATCHES: tuple[tuple[str, Callable[[Any], bool], ModuleType], ...] = (
     ("cpu platform (VERL_PLATFORM=cpu)", _cpu_platform, gloo_backend),
+    ("areal.enable in any recipe (verl's main_ppo driver)", _verl_driver, route_areal_node),
     ("areal.micro_batch.max_tokens", _ffd_micro_batches, ffd_micro_batches),
 )
 
