@@ -41,7 +41,10 @@ def separate_run(tiny_dir, tmp_path_factory):
 
 def gpu_actors(run_dir) -> list[dict]:
     """Actors holding (fake) GPU slots, as Ray placed them (recorded by the trainer after setup)."""
-    return [a for a in read_jsonl(run_dir / "ray_actors.jsonl") if a["required_resources"].get("GPU", 0) > 0]
+    def gpus(actor: dict) -> float:  # Ray names a placement group's share "GPU_group_<bundle>_<group id>"
+        return sum(v for k, v in actor["required_resources"].items() if k == "GPU" or k.startswith("GPU_group_"))
+
+    return [a for a in read_jsonl(run_dir / "ray_actors.jsonl") if gpus(a) > 0]
 
 
 def test_separate_engines_hold_a_resource_pool_disjoint_from_the_trainers(separate_run):

@@ -52,15 +52,36 @@ def test_ffd_micro_batches_and_reward_service_metrics(observed_run):
     assert all(s["areal/reward_latency_s_mean"] > 0 and s["areal/reward_failed"] == 0 for s in steps)
 
 
-def test_a_raising_plugin_stops_a_sync_mode_run_naming_plugin_and_hook(tiny_dir, tmp_path):
-    # areal.mode=sync: verl's synchronous trainer with our hooks (areal_sync) calls them too.
+#: A verl user's own recipe: verl's ppo_trainer and our CPU body, no ``areal`` config group (see test_route_any_recipe).
+USER_RECIPE = """
+hydra:
+  searchpath: [pkg://verl.trainer.config]
+defaults: [ppo_trainer, _cpu_grpo_tiny, _self_]
+areal:
+  enable: true
+  mode: sync
+  plugins: {include: null, exclude: []}
+  reward: {service: false}
+"""
+
+
+def test_a_users_recipe_is_routed_and_a_raising_plugin_stops_the_run_naming_plugin_and_hook(tiny_dir, tmp_path):
+    # The recipe has no areal config group: only the routing at verl's startup turns areal.enable into
+    # our areal_sync trainer (verl's sync trainer with our hooks), whose hook call then meets the failure.
+    import shutil
+
+    from tests.integration.conftest import REPO
+
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    shutil.copy(REPO / "recipes" / "_cpu_grpo_tiny.yaml", recipes)
+    (recipes / "my_recipe.yaml").write_text(USER_RECIPE)
     run_dir = tmp_path / "run"
-    result = run_cli(
-        *train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 1, "areal.mode=sync"),
-        env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_RAISE="1"),
-        check=False,
-    )
+    args = train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 1)
+    args[1] = str(recipes / "my_recipe.yaml")
+    result = run_cli(*args, env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_RAISE="1"), check=False)
     assert result.returncode != 0
     log = (run_dir / "train.log").read_text()
+    assert "areal.enable=true routed trainer.v1.trainer_mode='areal_sync'" in log
     assert "plugin 'example_observer' raised in hook areal_after_train_step" in log
     assert "the example observer was told to fail" in log
