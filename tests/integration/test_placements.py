@@ -41,6 +41,7 @@ def separate_run(tiny_dir, tmp_path_factory):
 
 def gpu_actors(run_dir) -> list[dict]:
     """Actors holding (fake) GPU slots, as Ray placed them (recorded by the trainer after setup)."""
+
     def gpus(actor: dict) -> float:  # Ray names a placement group's share "GPU_group_<bundle>_<group id>"
         return sum(v for k, v in actor["required_resources"].items() if k == "GPU" or k.startswith("GPU_group_"))
 
