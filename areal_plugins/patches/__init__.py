@@ -29,11 +29,16 @@ def _cpu_platform(config: Any) -> bool:
 
 
 def _verl_driver(config: Any) -> bool:
-    """This process is verl's ``main_ppo`` driver, where the recipe is composed (plugin load only)."""
+    """This process is verl's ``main_ppo`` driver, where the recipe is composed (plugin load only).
+
+    Under ``python -m verl.trainer.main_ppo`` verl is imported (and this asked) while ``sys.argv[0]``
+    is still ``-m``: the interpreter's original command line says which module runs.
+    """
     import sys
     from pathlib import Path
 
-    return config is None and Path(sys.argv[0]).name == "main_ppo.py"
+    command = [*getattr(sys, "orig_argv", []), sys.argv[0]]
+    return config is None and ("verl.trainer.main_ppo" in command or Path(sys.argv[0]).name == "main_ppo.py")
 
 
 def _ffd_micro_batches(config: Any) -> bool:

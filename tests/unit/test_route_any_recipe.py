@@ -134,7 +134,13 @@ def test_enabled_only_in_verls_main_ppo_driver(monkeypatch):
     from areal_plugins import patches
 
     monkeypatch.setenv("VERL_PLATFORM", "cuda")
+    monkeypatch.setattr(sys, "orig_argv", ["python", "x.py"])
     monkeypatch.setattr(sys, "argv", ["/x/verl/trainer/main_ppo.py", "+areal.enable=true"])
     assert patches.enabled_patches(None) == [route_areal_node]
+    # python -m verl.trainer.main_ppo: verl loads its plugins while argv[0] is still "-m".
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "verl.trainer.main_ppo", "+areal.enable=true"])
+    monkeypatch.setattr(sys, "argv", ["-m", "+areal.enable=true"])
+    assert patches.enabled_patches(None) == [route_areal_node]
+    monkeypatch.setattr(sys, "orig_argv", ["python", "/x/default_worker.py"])
     monkeypatch.setattr(sys, "argv", ["/x/default_worker.py"])
     assert patches.enabled_patches(None) == []
