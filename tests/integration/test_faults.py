@@ -41,28 +41,15 @@ def test_a_killed_cpu_rollout_server_stops_the_run_naming_it_instead_of_spinning
     """The areal_cpu server is not restarted: its death must end the run with a reason, within the watchdog."""
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
     import psutil
 
-    from tests.integration.conftest import REPO, read_jsonl
+    from tests.integration.conftest import read_jsonl, start_cli
 
     run_dir = tmp_path / "run"
     watchdog_s = 120
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "areal_plugins.cli",
-            *train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 6, f"areal.watchdog_s={watchdog_s}"),
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    process = start_cli(*train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 6, f"areal.watchdog_s={watchdog_s}"))
     try:
         deadline = time.monotonic() + 600
         while len(read_jsonl(run_dir / "areal_steps.jsonl")) < 1:

@@ -52,30 +52,18 @@ def test_ffd_micro_batches_and_reward_service_metrics(observed_run):
     assert all(s["areal/reward_latency_s_mean"] > 0 and s["areal/reward_failed"] == 0 for s in steps)
 
 
-#: A verl user's own recipe: verl's ppo_trainer and our CPU body, no ``areal`` config group (see test_route_any_recipe).
-USER_RECIPE = """
-hydra:
-  searchpath: [pkg://verl.trainer.config]
-defaults: [ppo_trainer, _cpu_grpo_tiny, _self_]
-areal:
-  enable: true
-  mode: sync
-  plugins: {include: null, exclude: []}
-  reward: {service: false}
-"""
-
-
 def test_a_users_recipe_is_routed_and_a_raising_plugin_stops_the_run_naming_plugin_and_hook(tiny_dir, tmp_path):
     # The recipe has no areal config group: only the routing at verl's startup turns areal.enable into
     # our areal_sync trainer (verl's sync trainer with our hooks), whose hook call then meets the failure.
     import shutil
 
     from tests.integration.conftest import REPO
+    from tests.user_recipe import user_recipe
 
     recipes = tmp_path / "recipes"
     recipes.mkdir()
     shutil.copy(REPO / "recipes" / "_cpu_grpo_tiny.yaml", recipes)
-    (recipes / "my_recipe.yaml").write_text(USER_RECIPE)
+    (recipes / "my_recipe.yaml").write_text(user_recipe(mode="sync"))
     run_dir = tmp_path / "run"
     args = train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 1)
     args[1] = str(recipes / "my_recipe.yaml")

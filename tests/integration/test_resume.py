@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import REPO, run_cli, train_args
+from tests.integration.conftest import run_cli, start_cli, train_args
 
 pytestmark = pytest.mark.integration
 STEPS = 4
@@ -28,18 +28,7 @@ def read_jsonl(path):
 def kill_after_checkpoint(run_dir, tiny_dir) -> None:
     """Start the run; SIGKILL its whole process group once step CHECKPOINT_STEP is saved and more was drawn."""
     marker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "areal_plugins.cli",
-            *train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, STEPS, *OVERRIDES),
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,  # its own process group: the driver, verl and the Ray processes it starts
-    )
+    process = start_cli(*train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, STEPS, *OVERRIDES))
     deadline = time.monotonic() + 900
     try:
         while not (marker.exists() and marker.read_text().strip() == str(CHECKPOINT_STEP)):

@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_module
 from areal_plugins.patches import route_areal_node
 from areal_plugins.routing import route_composed_config
 from areal_plugins.settings import ArealConfigError
+from tests.user_recipe import user_recipe
 
 
 def verl_config(*overrides: str):
@@ -72,18 +73,6 @@ def unpatched():
         route_areal_node.apply()
 
 
-#: A verl user's own recipe: verl's ppo_trainer and our CPU body, an ``areal`` node, no ``areal`` config group.
-USER_RECIPE = """
-hydra:
-  searchpath: [pkg://verl.trainer.config]
-defaults: [ppo_trainer, _cpu_grpo_tiny, _self_]
-areal:
-  enable: true
-  plugins: {include: null, exclude: []}
-  reward: {service: false}
-"""
-
-
 def test_applied_verls_validate_config_routes_a_users_recipe(unpatched, tmp_path, monkeypatch):
     import shutil
 
@@ -97,7 +86,7 @@ def test_applied_verls_validate_config_routes_a_users_recipe(unpatched, tmp_path
     recipes = tmp_path / "recipes"
     recipes.mkdir()
     shutil.copy(Path(__file__).resolve().parents[2] / "recipes" / "_cpu_grpo_tiny.yaml", recipes)
-    (recipes / "mine.yaml").write_text(USER_RECIPE)
+    (recipes / "mine.yaml").write_text(user_recipe())
     with initialize_config_dir(config_dir=str(recipes), version_base=None):
         config = compose(config_name="mine")
     OmegaConf.resolve(config)
