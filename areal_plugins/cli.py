@@ -12,10 +12,13 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from areal_plugins.run_control import RunStopper, kill_run_leftovers
 
 logger = logging.getLogger("areal_plugins.cli")
 
@@ -172,7 +175,11 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
     logger.info("run directory %s (full log: train.log, metrics: metrics.jsonl)", run_dir)
     started = time.monotonic()
     with open(run_dir / "train.log", "a") as log_file:  # a resumed run continues the log
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        stopper = RunStopper(process)
+        stopper.install()
         assert process.stdout is not None
         for line in process.stdout:
             log_file.write(line)
@@ -188,6 +195,13 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
                         logger.info("%s (%.0f s)", message, time.monotonic() - started)
         code = process.wait()
     elapsed = time.monotonic() - started
+    leftovers = kill_run_leftovers(run_dir)  # Ray daemons and engines a killed driver could not stop
+    if leftovers:
+        logger.warning("killed %d processes the run left behind", leftovers)
+    if stopper.signal_received is not None:
+        name = signal.Signals(stopper.signal_received).name
+        logger.error("stopped by %s after %.0f s; resume from the last checkpoint with the same command", name, elapsed)
+        return 128 + stopper.signal_received
     if code != 0:
         logger.error("verl exited with code %d after %.0f s; see %s", code, elapsed, run_dir / "train.log")
     else:

@@ -73,3 +73,41 @@ def test_a_killed_cpu_rollout_server_stops_the_run_naming_it_instead_of_spinning
     assert stopped_after < watchdog_s + 60, f"the run took {stopped_after:.0f} s to stop"
     assert "rollout server" in log and ("died" in log or "in a row failed" in log), log[-3000:]
     assert (run_dir / "train.log").stat().st_size < 20_000_000  # no error loop filling the disk
+
+
+def test_ctrl_c_stops_the_run_within_seconds_and_leaves_no_process(tiny_dir, tmp_path):
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    from tests.integration.conftest import read_jsonl, start_cli
+
+    before = set(psutil.pids())
+    run_dir = tmp_path / "run"
+    cli = start_cli(*train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 20))
+    try:
+        deadline = time.monotonic() + 600
+        while len(read_jsonl(run_dir / "areal_steps.jsonl")) < 1:
+            assert cli.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 1"
+            time.sleep(0.5)
+        os.killpg(cli.pid, signal.SIGINT)  # what Ctrl-C delivers to the foreground process group
+        interrupted = time.monotonic()
+        code = cli.wait(timeout=120)
+        stopped_after = time.monotonic() - interrupted
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+    assert code == 128 + signal.SIGINT
+    assert stopped_after < 45, f"Ctrl-C took {stopped_after:.0f} s to stop the run"
+    time.sleep(3)
+    left = []
+    for pid in set(psutil.pids()) - before:  # every process started since, still alive: Ray's, verl's, engines
+        try:
+            process = psutil.Process(pid)
+            if process.status() != psutil.STATUS_ZOMBIE and pid != os.getpid():
+                left.append(" ".join(process.cmdline())[:120])
+        except psutil.NoSuchProcess:
+            continue
+    assert not [c for c in left if "ray" in c or "verl" in c or "areal" in c or "python" in c], left
