@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from areal_plugins.run_control import RunStopper, kill_run_leftovers
+from areal_plugins.run_control import RunStopper, kill_run_leftovers, new_group_dying_with_parent
 
 logger = logging.getLogger("areal_plugins.cli")
 
@@ -176,7 +176,12 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
     started = time.monotonic()
     with open(run_dir / "train.log", "a") as log_file:  # a resumed run continues the log
         process = subprocess.Popen(
-            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=new_group_dying_with_parent,
         )
         stopper = RunStopper(process)
         stopper.install()

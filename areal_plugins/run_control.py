@@ -22,6 +22,20 @@ logger = logging.getLogger(__name__)
 GRACE_S = 20.0
 
 
+def new_group_dying_with_parent() -> None:
+    """``preexec_fn`` of a child the caller owns: a process group of its own, and SIGTERM when the caller dies.
+
+    Runs in the child between fork and exec. The own group lets the caller signal the child and
+    everything it starts at once; the parent-death signal stops the child even when the caller is
+    SIGKILLed and never gets to stop it.
+    """
+    import ctypes
+
+    os.setsid()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class RunStopper:
     """Signal handling of the CLI while ``process`` (verl, group leader of its own group) runs."""
 

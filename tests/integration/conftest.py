@@ -47,6 +47,23 @@ def start_cli(*args: str):
     )
 
 
+def kill_tree(process) -> None:
+    """SIGKILL a run started by :func:`start_cli` and every process under it (verl, Ray, engines): a crash."""
+    import psutil
+
+    try:
+        tree = psutil.Process(process.pid)
+        members = [*tree.children(recursive=True), tree]
+    except psutil.NoSuchProcess:
+        members = []
+    for member in members:
+        try:
+            member.kill()
+        except psutil.NoSuchProcess:
+            pass
+    process.wait()
+
+
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
     run_cli("build-tiny", "--out", str(TINY_DIR))

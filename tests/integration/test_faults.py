@@ -39,13 +39,12 @@ def test_a_trainer_worker_error_stops_the_run_and_the_last_checkpoint_resumes(ti
 
 def test_a_killed_cpu_rollout_server_stops_the_run_naming_it_instead_of_spinning(tiny_dir, tmp_path):
     """The areal_cpu server is not restarted: its death must end the run with a reason, within the watchdog."""
-    import os
     import signal
     import time
 
     import psutil
 
-    from tests.integration.conftest import read_jsonl, start_cli
+    from tests.integration.conftest import kill_tree, read_jsonl, start_cli
 
     run_dir = tmp_path / "run"
     watchdog_s = 120
@@ -66,8 +65,7 @@ def test_a_killed_cpu_rollout_server_stops_the_run_naming_it_instead_of_spinning
         stopped_after = time.monotonic() - killed
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            kill_tree(process)
     log = (run_dir / "train.log").read_text()
     assert code != 0
     assert stopped_after < watchdog_s + 60, f"the run took {stopped_after:.0f} s to stop"
@@ -82,7 +80,7 @@ def test_ctrl_c_stops_the_run_within_seconds_and_leaves_no_process(tiny_dir, tmp
 
     import psutil
 
-    from tests.integration.conftest import read_jsonl, start_cli
+    from tests.integration.conftest import kill_tree, read_jsonl, start_cli
 
     before = set(psutil.pids())
     run_dir = tmp_path / "run"
@@ -98,7 +96,7 @@ def test_ctrl_c_stops_the_run_within_seconds_and_leaves_no_process(tiny_dir, tmp
         stopped_after = time.monotonic() - interrupted
     finally:
         if cli.poll() is None:
-            os.killpg(cli.pid, signal.SIGKILL)
+            kill_tree(cli)
     assert code == 128 + signal.SIGINT
     assert stopped_after < 45, f"Ctrl-C took {stopped_after:.0f} s to stop the run"
     time.sleep(3)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import run_cli, start_cli, train_args
+from tests.integration.conftest import kill_tree, run_cli, start_cli, train_args
 
 pytestmark = pytest.mark.integration
 STEPS = 4
@@ -44,8 +42,7 @@ def kill_after_checkpoint(run_dir, tiny_dir) -> None:
             time.sleep(0.2)
         time.sleep(1.0)
     finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        kill_tree(process)
     ray = Path(sys.executable).with_name("ray")
     subprocess.run([str(ray), "stop", "--force"], capture_output=True, check=True)  # what a user does after a crash
 

@@ -13,7 +13,6 @@ stops with its owner even when the owner is killed with SIGKILL; :meth:`VLLMServ
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import os
 import shutil
@@ -25,6 +24,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from areal_plugins.run_control import new_group_dying_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +82,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    os.setsid()
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: SIGTERM when the parent dies
 
 
 class VLLMServer:
@@ -175,7 +170,7 @@ class VLLMServer:
         log.write(f"\n==== areal_plugins: starting {' '.join(self.command())}\n".encode())
         log.flush()
         self.process = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=new_group_dying_with_parent
         )
         log.close()
         started = time.monotonic()
