@@ -10,8 +10,10 @@ validation, checkpoints, loggers) is reused as is; what changes:
 - a weight update pauses admission, interrupts in-flight requests (they come back as partial
   output and are re-submitted as prompt + partial by :class:`InterruptibleLLMClient`), loads the
   new weights and resumes; per-token versions record which policy produced each token;
-- ``areal.placement: colocated`` also pauses the engines while the trainer computes (they share
-  the devices); ``separate`` lets them generate throughout.
+- ``areal.placement: colocated`` interrupts the engines and puts them to sleep while the trainer
+  computes (they share its devices; verl's colocated lifecycle); ``separate`` gives them a resource
+  pool of their own (verl's standalone replicas, weights through a checkpoint engine), where they
+  generate throughout (docs/design.md, Placements).
 """
 
 from __future__ import annotations
