@@ -133,9 +133,16 @@ class RolloutServer(abc.ABC):
     async def open_submission_gate(self) -> None:
         await self.resume_generation()
 
-    @abc.abstractmethod
     async def resume_generation(self) -> None:
-        """Let parked and new requests run again."""
+        """Let parked and new requests run again (after the engine itself resumed)."""
+        await self._resume_engine()
+        self._rejecting = False
+        self._gate_open.set()
+        record_replica_event(self.replica_rank, "resume", version=self.served_version, **self._memory())
+
+    @abc.abstractmethod
+    async def _resume_engine(self) -> None:
+        """Make the engine generate again; raise when it cannot (e.g. no weights since a sleep)."""
 
     # ------------------------------------------------------------------ memory
 

@@ -286,7 +286,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             # checkpoint manager aborts standalone ones itself before a non-naive sync.
             self.weight_sync.update_weights(new_version)
             self.version = new_version
-            self.weight_sync.resume_generation_replicas()
+            if self.weight_sync.backend == "naive":  # verl's other checkpoint engines resume the replicas themselves
+                self.weight_sync.resume_generation_replicas()
             self.manager.resume(new_version)
         call_hook("areal_on_weights_updated", version=new_version)
 

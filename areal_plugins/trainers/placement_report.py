@@ -20,6 +20,10 @@ def record_ray_placement(placement: str) -> int:
     import ray
     from ray.util.state import list_actors
 
+    from areal_plugins.records import run_dir
+
+    if run_dir() is None:  # nowhere to write: no state-API query at start-up for nothing
+        return 0
     job = ray.get_runtime_context().get_job_id()
     actors = list_actors(filters=[("state", "=", "ALIVE"), ("job_id", "=", job)], detail=True, limit=10_000)
     for actor in actors:

@@ -108,15 +108,12 @@ class CPURolloutServer(RolloutServer):
         aborted = self.engine.abort(request_id)
         return {"aborted": aborted, "request_id": request_id} | ({} if aborted else {"error": "not in flight"})
 
-    async def resume_generation(self) -> None:
+    async def _resume_engine(self) -> None:
         if not self.engine.has_weights:
             raise WeightSyncError(
                 f"replica {self.replica_rank} was asked to resume generation while asleep with no weights loaded "
                 "since: the weight update must come before resume_generation"
             )
-        self._rejecting = False
-        self._gate_open.set()
-        record_replica_event(self.replica_rank, "resume", version=self.engine.version, **self._memory())
 
     async def wait_for_requests_to_drain(self) -> None:
         await self.engine.wait_idle()

@@ -284,11 +284,8 @@ class VLLMRolloutServer(RolloutServer):
         abort.set()
         return {"aborted": True, "request_id": request_id}
 
-    async def resume_generation(self) -> None:
-        self._rejecting = False
+    async def _resume_engine(self) -> None:
         await self._on_live_server(lambda client: client.resume())
-        self._gate_open.set()
-        record_replica_event(self.replica_rank, "resume", version=self.version)
 
     async def wait_for_requests_to_drain(self) -> None:
         while self.in_flight:
