@@ -242,6 +242,28 @@ def _run_tool(name: str, argv: list[str]) -> int:
     return int(namespace["main"](argv) or 0)
 
 
+def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
+    from areal_plugins.planning.plan import PAPER_FIT
+
+    plan.add_argument("--model", default="1.5b", help="1.5b, 7b, 14b or 32b (R1-Distill-Qwen shapes)")
+    plan.add_argument("--gpu", default="h100", help="h100, h800, h200 or a100")
+    plan.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
+    plan.add_argument("--gpus-per-node", type=int, default=8)
+    plan.add_argument("--batch", type=int, default=512, help="prompts per step (data.train_batch_size)")
+    plan.add_argument("--group", type=int, default=16, help="responses per prompt (rollout.n)")
+    plan.add_argument("--response-mean", type=float, default=2117.0, help="mean response length, tokens")
+    plan.add_argument("--max-response", type=int, default=27648, help="response length cap, tokens")
+    plan.add_argument(
+        "--truncated-fraction", type=float, default=0.005, help="share of responses that would run past the cap"
+    )
+    plan.add_argument("--lengths-file", type=Path, help="a sample of your response lengths, one per line")
+    plan.add_argument("--prompt-len", type=int, default=200)
+    plan.add_argument("--decode-efficiency", type=float, default=PAPER_FIT.decode_bandwidth,
+                      help="achieved share of HBM bandwidth while decoding (default: fitted to the paper)")  # fmt: skip
+    plan.add_argument("--compute-efficiency", type=float, default=PAPER_FIT.compute,
+                      help="achieved share of BF16 FLOPs while training (default: fitted to the paper)")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s areal-plugins: %(message)s", datefmt="%H:%M:%S")
     parser = argparse.ArgumentParser(prog="areal-plugins", description=__doc__)
@@ -264,11 +286,18 @@ def main(argv: list[str] | None = None) -> int:
     plot = commands.add_parser("plot", help="draw reward, staleness and timeline pictures of a run directory")
     plot.add_argument("run_dir", type=Path)
     commands.add_parser("bench", help="async vs sync benchmark (tools/bench.py; --help there)", add_help=False)
+    add_plan_arguments(
+        commands.add_parser("plan", help="recommend η, the GPU split and the recipe keys for a GPU cluster")
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return _run_tool("bench.py", rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "plan":
+        from areal_plugins.planning.plan import run_plan
+
+        return run_plan(args)
     if args.command == "plot":
         from areal_plugins.run_plots import plot_all
 

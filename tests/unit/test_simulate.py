@@ -83,3 +83,13 @@ def test_calibration_reproduces_the_measured_sync_phases():
     run = simulate.simulate_sync(replace(workload, steps=1), hw)  # seed 0: the lengths the fit used
     assert run["gen_s"] == pytest.approx(9.0, rel=1e-3)
     assert run["train_s"] == pytest.approx(7.0, rel=1e-3)
+
+
+def test_shared_cores_limit_is_cpu_work_over_cores():
+    # Sync spends 8 CPU-s per 1k tokens; async skips a quarter of it (the old-log-prob pass) and pays one
+    # more 0.1 CPU-s overhead for each of the 30% interrupted trajectories of 40 tokens (25 per 1k
+    # tokens): 6 + 0.3 x 0.1 x 25 = 6.75 CPU-s per 1k tokens on 2 cores: 3.375 s.
+    assert simulate.shared_cores_s_per_1k(8.0, 0.75, 0.3, 0.1, 40.0, 2) == pytest.approx(3.375)
+    assert simulate.machine_cores({"machine": "vm: x86_64, 2 CPUs, no GPU"}) == 2
+    with pytest.raises(SystemExit, match="how many CPUs"):
+        simulate.machine_cores({"machine": "unknown"})
