@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from areal_plugins.bounded_log import BoundedLog
 from areal_plugins.run_control import RunStopper, kill_run_leftovers, new_group_dying_with_parent
 
 logger = logging.getLogger("areal_plugins.cli")
@@ -174,7 +175,7 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
     total = _total_steps(recipe, overrides)
     logger.info("run directory %s (full log: train.log, metrics: metrics.jsonl)", run_dir)
     started = time.monotonic()
-    with open(run_dir / "train.log", "a") as log_file:  # a resumed run continues the log
+    with BoundedLog(run_dir / "train.log") as log_file:  # a resumed run continues the log
         process = subprocess.Popen(
             command,
             env=env,
@@ -199,6 +200,10 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
                     if needle in line:
                         logger.info("%s (%.0f s)", message, time.monotonic() - started)
         code = process.wait()
+    if log_file.suppressed_total:
+        logger.warning(
+            "%d repeated log lines were counted, not written (train.log says which)", log_file.suppressed_total
+        )
     elapsed = time.monotonic() - started
     leftovers = kill_run_leftovers(run_dir)  # Ray daemons and engines a killed driver could not stop
     if leftovers:

@@ -35,6 +35,7 @@ from verl.utils.debug import marked_timer
 from areal_plugins.manager import call_hook
 from areal_plugins.records import RunRecorder
 from areal_plugins.settings import ArealConfig
+from areal_plugins.trainers.actor_liveness import ActorLiveness
 from areal_plugins.trainers.hooked import HookedTrainerMixin
 from areal_plugins.trainers.llm_client import InterruptibleLLMClient
 from areal_plugins.trainers.step_metrics import consumed_metrics, rollout_rates
@@ -97,6 +98,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self._submitted_groups = 0  # prompt groups handed to verl's agent loop, counted here, not derived
         self._monitor_stop = threading.Event()
         self._step_started = time.time()
+        self._actor_liveness = ActorLiveness()
 
     # ------------------------------------------------------------------ construction
 
@@ -324,6 +326,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         with self.recorder.span("trainer", "wait") as started:
             while True:
                 self.manager.check_alive()
+                self._actor_liveness.check()
                 watchdog.check(self._progress_marker, self._stuck_report)
                 groups, stale = self.sample_buffer.take(batch_size, trainer_version, timeout=WAIT_CHECK_S)
                 if stale:

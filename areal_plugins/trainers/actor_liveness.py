@@ -1,0 +1,87 @@
+"""Stop the run when any Ray actor it depends on dies, naming it, instead of waiting on its work forever.
+
+verl's agent-loop and reward-loop workers, TransferQueue's controller and storage, the request load
+balancer and the rollout servers are actors of this Ray job; when one dies mid-run its requests are never
+answered and nothing raises where the trainer waits (measured: a killed agent-loop worker left the run
+silent until the watchdog). While the trainer waits for a batch it asks Ray's state API, every few
+seconds, whether an actor that was alive when training began has died; verl's trainer workers are covered
+by verl itself (their calls raise).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CHECK_INTERVAL_S = 5.0
+#: Deaths the program asked for (an actor handle dropped, ``ray.kill``) are not faults.
+DELIBERATE_DEATHS = ("OUT_OF_SCOPE", "RAY_KILL")
+
+
+class RunActorDiedError(RuntimeError):
+    """An actor of the run died; the run cannot continue without it."""
+
+
+def _death_reason(actor: Any) -> tuple[str, str]:
+    context = (actor.death_cause or {}).get("actor_died_error_context") or {}
+    lines = str(context.get("error_message", "")).splitlines()
+    return str(context.get("reason", "UNKNOWN")), lines[0] if lines else ""
+
+
+def _list_job_actors() -> list[Any]:
+    import ray
+    from ray.util.state import list_actors
+
+    job = ray.get_runtime_context().get_job_id()
+    return list_actors(filters=[("job_id", "=", job)], detail=True, limit=10_000, raise_on_missing_output=False)
+
+
+class ActorLiveness:
+    """Remembers the job's live actors at the first check; later checks raise if one has died."""
+
+    def __init__(
+        self,
+        list_actors: Callable[[], list[Any]] = _list_job_actors,
+        interval_s: float = CHECK_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.list_actors = list_actors
+        self.interval_s = interval_s
+        self.clock = clock
+        self.watched: dict[str, str] = {}  # actor id -> what to call it
+        self.unavailable: str | None = None
+        self._last = -float("inf")
+
+    def check(self) -> None:
+        now = self.clock()
+        if self.unavailable is not None or now - self._last < self.interval_s:
+            return
+        self._last = now
+        try:
+            actors = self.list_actors()
+        except Exception as error:  # no dashboard (ray.init(include_dashboard=False)): the watchdog remains
+            self.unavailable = f"{type(error).__name__}: {error}"
+            logger.warning("areal: Ray's state API is unavailable (%s); dead actors are left to the watchdog", error)
+            return
+        if not self.watched:
+            self.watched = {
+                a.actor_id: f"{a.class_name} (pid {a.pid}, node {str(a.node_id)[:8]})"
+                for a in actors
+                if a.state == "ALIVE"
+            }
+            return
+        for actor in actors:
+            if actor.actor_id not in self.watched or actor.state != "DEAD":
+                continue
+            reason, message = _death_reason(actor)
+            if reason in DELIBERATE_DEATHS:
+                continue
+            raise RunActorDiedError(
+                f"{self.watched[actor.actor_id]} died ({reason}{': ' + message if message else ''}); the run "
+                "cannot continue without it and verl does not restart it. Stopping; resume from the last "
+                "checkpoint (trainer.resume_mode=auto) once the cause (memory? a kill? a lost node?) is fixed"
+            )

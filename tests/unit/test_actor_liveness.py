@@ -1,0 +1,60 @@
+"""A dead actor of the run stops the trainer's wait with its name; deliberate deaths do not."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from areal_plugins.trainers.actor_liveness import ActorLiveness, RunActorDiedError
+
+
+def actor(actor_id, class_name, state="ALIVE", reason=None, message=""):
+    cause = {"actor_died_error_context": {"reason": reason, "error_message": message}} if reason else None
+    return SimpleNamespace(actor_id=actor_id, class_name=class_name, state=state, pid=42, node_id="ab" * 14,
+                           death_cause=cause)  # fmt: skip
+
+
+class Cluster:
+    def __init__(self, actors):
+        self.actors = actors
+        self.calls = 0
+
+    def __call__(self):
+        self.calls += 1
+        return list(self.actors)
+
+
+def test_an_actor_that_dies_after_the_start_is_named():
+    cluster = Cluster([actor("a1", "AgentLoopWorkerTQ"), actor("t1", "TransferQueueController")])
+    now = [0.0]
+    liveness = ActorLiveness(cluster, interval_s=5, clock=lambda: now[0])
+    liveness.check()  # the first look remembers who is alive
+    now[0] = 5.0
+    liveness.check()
+    cluster.actors[0] = actor("a1", "AgentLoopWorkerTQ", "DEAD", "WORKER_DIED", "The actor died unexpectedly\nmore")
+    now[0] = 7.0
+    liveness.check()  # within the interval: no look at Ray
+    assert cluster.calls == 2
+    now[0] = 10.0
+    with pytest.raises(RunActorDiedError, match=r"AgentLoopWorkerTQ \(pid 42, node abababab\) died \(WORKER_DIED: "
+                       r"The actor died unexpectedly\).*resume from the last checkpoint"):  # fmt: skip
+        liveness.check()
+
+
+def test_deliberate_deaths_and_later_actors_are_not_faults():
+    cluster = Cluster([actor("a1", "Helper")])
+    liveness = ActorLiveness(cluster, interval_s=0)
+    liveness.check()
+    cluster.actors = [actor("a1", "Helper", "DEAD", "OUT_OF_SCOPE"), actor("n1", "Later", "DEAD", "WORKER_DIED")]
+    liveness.check()  # neither a dropped handle nor an actor born after the start stops the run
+
+
+def test_without_the_state_api_the_watchdog_remains():
+    def broken():
+        raise ConnectionError("dashboard not running")
+
+    liveness = ActorLiveness(broken, interval_s=0)
+    liveness.check()
+    liveness.check()
+    assert liveness.unavailable == "ConnectionError: dashboard not running"

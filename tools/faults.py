@@ -1,0 +1,208 @@
+"""The fault matrix: kill each kind of process of a real run mid-step and record what the run did.
+
+``python tools/faults.py`` runs every case in both placements (~4 min a case on 2 cores) and writes
+``docs/results/faults.json``; ``--cases`` and ``--placements`` pick a part. Each case trains the tiny model
+with ``areal-plugins train`` (checkpoint every step, ``areal.watchdog_s`` 120 s), waits for step 2, kills
+the target and measures: how the run ended (stopped, recovered = finished all its steps, or spinning =
+still running after the watchdog plus a margin, then killed), the seconds from the kill to the end, the
+steps trained after the kill, the steps lost (trained but not checkpointed), whether the log names the dead
+actor, how much the log grew, and what processes the run left behind. docs/faults.md reads the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results" / "faults.json"
+RECIPES = {"colocated": "grpo_cpu_async.yaml", "separate": "grpo_cpu_async_separate.yaml"}
+WATCHDOG_S = 120
+MARGIN_S = 120
+STEPS = 8
+KILL_AFTER_STEP = 2
+
+#: case -> (what is killed, how it is found: a substring of the process's command line, or a signal to the CLI)
+CASES = {
+    "rollout_server": ("our areal_cpu rollout server (Ray actor)", "ray::CPURolloutServer"),
+    "agent_loop_worker": ("verl's agent-loop worker (Ray actor)", "ray::AgentLoopWorker"),
+    "load_balancer": ("verl's request load balancer (Ray actor)", "ray::GlobalRequestLoadBalancer"),
+    "reward_loop_worker": ("verl's reward-loop worker (Ray actor)", "ray::RewardLoopWorker"),
+    "reward_service_process": ("a worker process of our reward service", "reward-service"),
+    "transfer_queue_controller": ("TransferQueue's controller (Ray actor)", "ray::TransferQueueController"),
+    "transfer_queue_storage": ("TransferQueue's storage unit (Ray actor)", "ray::SimpleStorageUnit"),
+    "trainer_worker": ("verl's trainer worker (Ray actor)", "ray::WorkerDict"),
+    "task_runner": ("verl's driver actor TaskRunner", "ray::TaskRunner"),
+    "ctrl_c": ("Ctrl-C (SIGINT to the CLI's process group)", "SIGINT"),
+    "sigterm": ("SIGTERM to the CLI", "SIGTERM"),
+}
+
+
+@dataclass
+class Outcome:
+    case: str
+    placement: str
+    target: str
+    killed: int
+    outcome: str  # stopped | recovered | spinning | not-reached
+    exit_code: int | None
+    seconds_to_end: float | None
+    steps_before_kill: int
+    steps_after_kill: int
+    steps_lost: int | None
+    names_the_actor: bool
+    log_growth_bytes: int
+    processes_left: int
+    last_error: str
+
+
+def read_steps(run_dir: Path) -> int:
+    path = run_dir / "areal_steps.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def checkpointed(run_dir: Path) -> int:
+    path = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    return int(path.read_text()) if path.exists() else 0
+
+
+def targets(pattern: str) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        if pattern == "reward-service":  # spawned children of the reward-loop worker
+            try:
+                parent = " ".join(process.parent().cmdline()) if process.parent() else ""
+            except psutil.Error:
+                continue
+            if "multiprocessing" in cmdline and "RewardLoopWorker" in parent:
+                found.append(process)
+        elif pattern in cmdline:
+            found.append(process)
+    return found[:1] if pattern in ("ray::WorkerDict", "reward-service") else found
+
+
+def last_error(log: str) -> str:
+    for line in reversed(log.splitlines()):
+        if "Error" in line and ("died" in line or "areal" in line.lower() or "Traceback" not in line):
+            return line.strip()[:400]
+    return ""
+
+
+def run_case(case: str, placement: str, tiny_dir: Path) -> Outcome:
+    target, pattern = CASES[case]
+    run_dir = Path(tempfile.mkdtemp(prefix=f"fault-{case}-{placement}-"))
+    before = set(psutil.pids())
+    command = [
+        str(ROOT / ".venv" / "bin" / "areal-plugins"), "train", str(ROOT / "recipes" / RECIPES[placement]),
+        f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer.val_before_train=false",
+        "trainer.test_freq=-1", f"areal.watchdog_s={WATCHDOG_S}", "--run-dir", str(run_dir), "--tiny-dir", str(tiny_dir),
+    ]  # fmt: skip
+    cli = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.monotonic() + 600
+    while read_steps(run_dir) < KILL_AFTER_STEP and cli.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    steps_before = read_steps(run_dir)
+    log_path = run_dir / "train.log"
+    log_before = log_path.stat().st_size if log_path.exists() else 0
+    killed = 0
+    if cli.poll() is None and steps_before >= KILL_AFTER_STEP:
+        if pattern in ("SIGINT", "SIGTERM"):
+            os.killpg(cli.pid, getattr(signal, pattern)) if pattern == "SIGINT" else cli.send_signal(signal.SIGTERM)
+            killed = 1
+        else:
+            for process in targets(pattern):
+                try:
+                    process.send_signal(signal.SIGKILL)
+                    killed += 1
+                except psutil.Error:
+                    pass
+    kill_time = time.monotonic()
+    outcome = "not-reached" if not killed else None
+    try:
+        code = cli.wait(timeout=WATCHDOG_S + MARGIN_S)
+    except subprocess.TimeoutExpired:
+        code, outcome = None, "spinning"
+        os.killpg(cli.pid, signal.SIGKILL)
+        cli.wait()
+    seconds = time.monotonic() - kill_time if killed else None
+    time.sleep(3)
+    left = 0
+    for pid in set(psutil.pids()) - before:
+        try:
+            process = psutil.Process(pid)
+            if process.status() != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(process.environ().values()):
+                left += 1
+                process.kill()
+        except psutil.Error:
+            continue
+    steps_after = read_steps(run_dir) - steps_before
+    if outcome is None:
+        outcome = "recovered" if code == 0 and read_steps(run_dir) >= STEPS else "stopped"
+    log = log_path.read_text(errors="replace") if log_path.exists() else ""
+    class_name = pattern.removeprefix("ray::")
+    names = class_name in last_error(log) or (case in ("ctrl_c", "sigterm") and code is not None and code > 128)
+    return Outcome(
+        case=case, placement=placement, target=target, killed=killed, outcome=outcome, exit_code=code,
+        seconds_to_end=round(seconds, 1) if seconds is not None else None, steps_before_kill=steps_before,
+        steps_after_kill=steps_after, steps_lost=read_steps(run_dir) - checkpointed(run_dir) if killed else None,
+        names_the_actor=bool(names),
+        log_growth_bytes=(log_path.stat().st_size if log_path.exists() else 0) - log_before,
+        processes_left=left, last_error=last_error(log),
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
+    parser.add_argument("--placements", default="colocated,separate")
+    parser.add_argument("--tiny-dir", type=Path, default=ROOT / ".areal" / "tiny")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        parser.error(f"unknown cases {unknown}; choose from {', '.join(CASES)}")
+    previous = json.loads(args.out.read_text())["cases"] if args.out.exists() else []
+    results = {(r["case"], r["placement"]): r for r in previous}
+    for placement in args.placements.split(","):
+        for case in cases:
+            print(f"{case} ({placement}) ...", flush=True)
+            outcome = run_case(case, placement, args.tiny_dir)
+            print(
+                f"  {outcome.outcome} in {outcome.seconds_to_end} s, exit {outcome.exit_code}, "
+                f"names it: {outcome.names_the_actor}, log +{outcome.log_growth_bytes} B, "
+                f"left {outcome.processes_left}: "
+                f"{outcome.last_error[:160]}",
+                flush=True,
+            )
+            results[(case, placement)] = asdict(outcome)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(
+                json.dumps(
+                    {
+                        "machine": f"{os.cpu_count()} CPUs, no GPU",
+                        "watchdog_s": WATCHDOG_S,
+                        "cases": sorted(results.values(), key=lambda r: (r["placement"], list(CASES).index(r["case"]))),
+                    },
+                    indent=2,
+                )
+                + "\n"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
