@@ -106,7 +106,8 @@ def run_case(case: str, placement: str, tiny_dir: Path) -> Outcome:
     command = [
         str(ROOT / ".venv" / "bin" / "areal-plugins"), "train", str(ROOT / "recipes" / RECIPES[placement]),
         f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer.val_before_train=false",
-        "trainer.test_freq=-1", f"areal.watchdog_s={WATCHDOG_S}", "--run-dir", str(run_dir), "--tiny-dir", str(tiny_dir),
+        "trainer.test_freq=-1", f"areal.watchdog_s={WATCHDOG_S}", "--run-dir", str(run_dir),
+        "--tiny-dir", str(tiny_dir),
     ]  # fmt: skip
     cli = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
