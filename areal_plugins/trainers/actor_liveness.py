@@ -56,9 +56,10 @@ class ActorLiveness:
         self.unavailable: str | None = None
         self._last = -float("inf")
 
-    def check(self) -> None:
+    def check(self, force: bool = False) -> None:
+        """Raise :class:`RunActorDiedError` if a watched actor died; ``force`` looks now, not on schedule."""
         now = self.clock()
-        if self.unavailable is not None or now - self._last < self.interval_s:
+        if self.unavailable is not None or (now - self._last < self.interval_s and not force):
             return
         self._last = now
         try:

@@ -325,7 +325,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         watchdog = Watchdog(self.areal.watchdog_s)
         with self.recorder.span("trainer", "wait") as started:
             while True:
-                self.manager.check_alive()
+                self._check_admission_alive()
                 self._actor_liveness.check()
                 watchdog.check(self._progress_marker, self._stuck_report)
                 groups, stale = self.sample_buffer.take(batch_size, trainer_version, timeout=WAIT_CHECK_S)
@@ -360,6 +360,17 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                     | info,
                 )
         return KVBatchMeta(partition_id="train", keys=keys, tags=tags), metrics
+
+    def _check_admission_alive(self) -> None:
+        """The admission loop's error; when an actor's death caused it, the error names that actor."""
+        import ray
+
+        try:
+            self.manager.check_alive()
+        except RuntimeError as error:
+            if isinstance(error.__cause__, ray.exceptions.RayActorError):
+                self._actor_liveness.check(force=True)  # raises RunActorDiedError naming the dead actor
+            raise
 
     def _progress_marker(self) -> tuple:
         """Changes whenever rollout work moves: groups settled, tokens generated."""

@@ -58,3 +58,13 @@ def test_without_the_state_api_the_watchdog_remains():
     liveness.check()
     liveness.check()
     assert liveness.unavailable == "ConnectionError: dashboard not running"
+
+
+def test_a_forced_look_ignores_the_interval():
+    cluster = Cluster([actor("s1", "SimpleStorageUnit")])
+    liveness = ActorLiveness(cluster, interval_s=3600, clock=lambda: 0.0)
+    liveness.check(force=True)
+    cluster.actors = [actor("s1", "SimpleStorageUnit", "DEAD", "WORKER_DIED")]
+    liveness.check()  # on schedule: not yet
+    with pytest.raises(RunActorDiedError, match="SimpleStorageUnit"):
+        liveness.check(force=True)
