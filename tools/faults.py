@@ -31,6 +31,7 @@ WATCHDOG_S = 120
 MARGIN_S = 120
 STEPS = 8
 KILL_AFTER_STEP = 2
+LOSS_CALLS_PER_STEP = 2  # 128 samples in micro-batches of 64 (recipes/_cpu_grpo_tiny.yaml)
 
 #: case -> (what is killed, how it is found: a substring of the process's command line, or a signal to the CLI)
 CASES = {
@@ -42,6 +43,7 @@ CASES = {
     "transfer_queue_controller": ("TransferQueue's controller (Ray actor)", "ray::TransferQueueController"),
     "transfer_queue_storage": ("TransferQueue's storage unit (Ray actor)", "ray::SimpleStorageUnit"),
     "trainer_worker": ("verl's trainer worker (Ray actor)", "ray::WorkerDict"),
+    "trainer_worker_hangs": ("a trainer worker that hangs in its loss (example plugin)", "HANG"),
     "task_runner": ("verl's driver actor TaskRunner", "ray::TaskRunner"),
     "ctrl_c": ("Ctrl-C (SIGINT to the CLI's process group)", "SIGINT"),
     "sigterm": ("SIGTERM to the CLI", "SIGTERM"),
@@ -120,7 +122,9 @@ def run_case(case: str, placement: str, tiny_dir: Path) -> Outcome:
     log_before = log_path.stat().st_size if log_path.exists() else 0
     killed = 0
     if cli.poll() is None and steps_before >= KILL_AFTER_STEP:
-        if pattern in ("SIGINT", "SIGTERM"):
+        if pattern == "HANG":
+            killed = 1  # the hang starts by itself in the next step
+        elif pattern in ("SIGINT", "SIGTERM"):
             os.killpg(cli.pid, getattr(signal, pattern)) if pattern == "SIGINT" else cli.send_signal(signal.SIGTERM)
             killed = 1
         else:
@@ -153,8 +157,8 @@ def run_case(case: str, placement: str, tiny_dir: Path) -> Outcome:
     if outcome is None:
         outcome = "recovered" if code == 0 and read_steps(run_dir) >= STEPS else "stopped"
     log = log_path.read_text(errors="replace") if log_path.exists() else ""
-    class_name = pattern.removeprefix("ray::")
-    names = class_name in last_error(log) or (case in ("ctrl_c", "sigterm") and code is not None and code > 128)
+    class_name = {"HANG": "trainer has been computing"}.get(pattern, pattern.removeprefix("ray::"))
+    names = class_name in log[-20000:] or (case in ("ctrl_c", "sigterm") and code is not None and code > 128)
     return Outcome(
         case=case, placement=placement, target=target, killed=killed, outcome=outcome, exit_code=code,
         seconds_to_end=round(seconds, 1) if seconds is not None else None, steps_before_kill=steps_before,

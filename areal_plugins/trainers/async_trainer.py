@@ -39,7 +39,7 @@ from areal_plugins.trainers.actor_liveness import ActorLiveness
 from areal_plugins.trainers.hooked import HookedTrainerMixin
 from areal_plugins.trainers.llm_client import InterruptibleLLMClient
 from areal_plugins.trainers.step_metrics import consumed_metrics, rollout_rates
-from areal_plugins.trainers.watchdog import Watchdog
+from areal_plugins.trainers.watchdog import StallGuard, Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self._monitor_stop = threading.Event()
         self._step_started = time.time()
         self._actor_liveness = ActorLiveness()
+        self._stall_guard: StallGuard | None = None
 
     # ------------------------------------------------------------------ construction
 
@@ -181,6 +182,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self.manager.start()
         self._last_stats, self._last_stats_time = self._rollout_stats(), time.time()
         threading.Thread(target=self._monitor_rollout, name="areal-rollout-monitor", daemon=True).start()
+        self._stall_guard = StallGuard(self.areal.watchdog_s, self._trainer_stall_report)
+        self._stall_guard.start()
         logger.info(
             "areal_async: max_staleness=%d placement=%s batch=%d groups",
             self.areal.max_staleness,
@@ -293,11 +296,19 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             self.manager.resume(new_version)
         call_hook("areal_on_weights_updated", version=new_version)
 
+    def _validate(self) -> dict[str, float]:
+        if self._stall_guard is None:
+            return super()._validate()
+        with self._stall_guard.paused():  # validation's generation is judged by nothing else; it may be long
+            return super()._validate()
+
     def fit(self, agent_loop_manager: Any) -> None:
         try:
             super().fit(agent_loop_manager)
         finally:
             self._monitor_stop.set()
+            if self._stall_guard is not None:
+                self._stall_guard.close()
             if self.manager is not None:
                 self.manager.stop()
                 self._write_accounting()
@@ -325,6 +336,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         watchdog = Watchdog(self.areal.watchdog_s)
         with self.recorder.span("trainer", "wait") as started:
             while True:
+                if self._stall_guard is not None:
+                    self._stall_guard.beat()
                 self._check_admission_alive()
                 self._actor_liveness.check()
                 watchdog.check(self._progress_marker, self._stuck_report)
@@ -360,6 +373,14 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                     | info,
                 )
         return KVBatchMeta(partition_id="train", keys=keys, tags=tags), metrics
+
+    def _trainer_stall_report(self, idle: float) -> str:
+        return (
+            f"areal watchdog: the trainer has been computing step {self.global_steps} for {idle:.0f} s "
+            "(areal.watchdog_s) without finishing it: a trainer worker (old log-probs, update, weight sync) is "
+            "stuck. Stopping the run; resume from the last checkpoint (trainer.resume_mode=auto), and raise "
+            "areal.watchdog_s if one step legitimately takes this long"
+        )
 
     def _check_admission_alive(self) -> None:
         """The admission loop's error; when an actor's death caused it, the error names that actor."""

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 #: Seconds between looks at the progress marker (each look may ask the engines for statistics).
 CHECK_INTERVAL_S = 1.0
@@ -28,3 +33,74 @@ class Watchdog:
             self._marker, self._since = current, now
         elif now - self._since > self.limit_s:
             raise TimeoutError(report(now - self._since))
+
+
+class StallGuard:
+    """Stops the run when the trainer stays away from its batch wait for ``limit_s`` (a hung trainer worker).
+
+    The wait beats it on every look; between two waits the trainer computes (old log-probs, update, weight
+    sync). A worker that hangs there never returns, so nothing in the trainer's own thread can notice:
+    this thread logs the report and stops the run through ``stop`` (by default: KeyboardInterrupt in the
+    trainer's thread, then, if that does not end it within ``grace_s``, the process).
+    """
+
+    def __init__(
+        self,
+        limit_s: float,
+        report: Callable[[float], str],
+        stop: Callable[[str], None] | None = None,
+        interval_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limit_s = limit_s
+        self.report = report
+        self.stop = stop or _stop_the_process
+        self.interval_s = interval_s
+        self.clock = clock
+        self.fired: str | None = None
+        self._last_beat = clock()
+        self._paused = False
+        self._done = threading.Event()
+
+    def beat(self) -> None:
+        self._last_beat = self.clock()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Not judged inside (validation: as long as the validation set takes to generate)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+            self.beat()
+
+    def look(self) -> bool:
+        """One look; True once it has stopped the run."""
+        idle = self.clock() - self._last_beat
+        if self.fired is None and not self._paused and idle > self.limit_s:
+            self.fired = self.report(idle)
+            logger.error(self.fired)
+            self.stop(self.fired)
+        return self.fired is not None
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="areal-stall-guard", daemon=True).start()
+
+    def close(self) -> None:
+        self._done.set()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.interval_s):
+            if self.look():
+                return
+
+
+def _stop_the_process(reason: str, grace_s: float = 30.0) -> None:
+    import _thread
+    import os
+
+    _thread.interrupt_main()  # raises KeyboardInterrupt in the trainer's thread if it returns to Python
+    time.sleep(grace_s)
+    logger.error("areal: the trainer did not stop within %.0f s of %r; exiting the process", grace_s, reason)
+    os._exit(1)

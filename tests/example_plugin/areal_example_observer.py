@@ -4,7 +4,8 @@ It records the lifecycle hooks it sees to ``$AREAL_EXAMPLE_OBSERVER_LOG`` (JSON 
 metric to every step; with ``AREAL_EXAMPLE_OBSERVER_MIN_REWARD`` set it rejects finished trajectories
 scoring below it; with ``AREAL_EXAMPLE_OBSERVER_RAISE`` set it fails inside a hook, to show how a
 broken plugin stops a run; with ``AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER=N`` its policy loss (in the
-trainer workers) raises from its N+1-th call on, to show a trainer worker's error stopping a run; with
+trainer workers) raises from its N+1-th call on, to show a trainer worker's error stopping a run (with
+``AREAL_EXAMPLE_OBSERVER_LOSS_HANGS_AFTER=N`` it never returns instead: a hung worker); with
 ``AREAL_EXAMPLE_OBSERVER_REWARD=quarter`` its reward function scores everything 0.25.
 The integration tests put this folder on ``PYTHONPATH``.
 """
@@ -20,6 +21,7 @@ LOG_ENV = "AREAL_EXAMPLE_OBSERVER_LOG"
 RAISE_ENV = "AREAL_EXAMPLE_OBSERVER_RAISE"
 MIN_REWARD_ENV = "AREAL_EXAMPLE_OBSERVER_MIN_REWARD"
 LOSS_FAILS_AFTER_ENV = "AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER"
+LOSS_HANGS_AFTER_ENV = "AREAL_EXAMPLE_OBSERVER_LOSS_HANGS_AFTER"
 REWARD_ENV = "AREAL_EXAMPLE_OBSERVER_REWARD"
 
 
@@ -61,17 +63,22 @@ def areal_on_shutdown(reason):
 @hookimpl
 def areal_make_policy_loss(config):
     _record("make_policy_loss", pid=os.getpid())  # in a trainer worker process
-    if os.environ.get(LOSS_FAILS_AFTER_ENV) is None:
+    fails, hangs = os.environ.get(LOSS_FAILS_AFTER_ENV), os.environ.get(LOSS_HANGS_AFTER_ENV)
+    if fails is None and hangs is None:
         return None
+    import time
+
     from areal_plugins.core.losses import decoupled_ppo_loss
 
     calls = {"n": 0}
-    limit = int(os.environ[LOSS_FAILS_AFTER_ENV])
+    limit = int(fails if fails is not None else hangs)
 
     def failing_after_a_while(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] > limit:
+        if calls["n"] > limit and fails is not None:
             raise FloatingPointError(f"example observer: loss call {calls['n']} hit a NaN (deliberate)")
+        while calls["n"] > limit:  # hangs (deliberate)
+            time.sleep(3600)
         return decoupled_ppo_loss(*args, **kwargs)
 
     return failing_after_a_while

@@ -25,3 +25,34 @@ def test_progress_resets_the_clock(monkeypatch):
     for tokens in range(5):
         time.sleep(0.03)
         watchdog.check(lambda tokens=tokens: (1, tokens), lambda waited: "stuck")  # tokens keep coming
+
+
+def test_stall_guard_stops_a_trainer_that_never_comes_back_to_its_wait():
+    from areal_plugins.trainers.watchdog import StallGuard
+
+    now = [0.0]
+    stopped: list[str] = []
+    guard = StallGuard(100.0, lambda idle: f"stuck for {idle:.0f} s", stop=stopped.append, clock=lambda: now[0])
+    now[0] = 90.0
+    assert not guard.look()
+    guard.beat()  # the trainer came back to its wait at 90 s
+    now[0] = 180.0
+    assert not guard.look() and not stopped
+    now[0] = 191.0
+    assert guard.look() and stopped == ["stuck for 101 s"]
+    now[0] = 500.0
+    guard.look()
+    assert stopped == ["stuck for 101 s"]  # once
+
+
+def test_stall_guard_does_not_judge_validation():
+    from areal_plugins.trainers.watchdog import StallGuard
+
+    now = [0.0]
+    stopped: list[str] = []
+    guard = StallGuard(100.0, str, stop=stopped.append, clock=lambda: now[0])
+    with guard.paused():
+        now[0] = 1000.0
+        assert not guard.look()
+    now[0] = 1050.0
+    assert not guard.look() and not stopped  # leaving validation counts as a beat
