@@ -111,9 +111,13 @@ def run_case(case: str, placement: str, tiny_dir: Path) -> Outcome:
         "trainer.test_freq=-1", f"areal.watchdog_s={WATCHDOG_S}", "--run-dir", str(run_dir),
         "--tiny-dir", str(tiny_dir),
     ]  # fmt: skip
-    cli = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    env = dict(os.environ)
+    if pattern == "HANG":  # the example plugin's loss never returns from its 5th call: in step 3
+        plugin = str(ROOT / "tests" / "example_plugin")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (plugin, env.get("PYTHONPATH")) if p)
+        env["AREAL_EXAMPLE_OBSERVER_LOSS_HANGS_AFTER"] = str(KILL_AFTER_STEP * LOSS_CALLS_PER_STEP)
+    quiet = subprocess.DEVNULL
+    cli = subprocess.Popen(command, cwd=ROOT, env=env, stdout=quiet, stderr=quiet, start_new_session=True)
     deadline = time.monotonic() + 600
     while read_steps(run_dir) < KILL_AFTER_STEP and cli.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
