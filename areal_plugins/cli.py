@@ -19,7 +19,12 @@ import time
 from pathlib import Path
 
 from areal_plugins.bounded_log import BoundedLog
-from areal_plugins.run_control import RunStopper, kill_run_leftovers, new_group_dying_with_parent
+from areal_plugins.run_control import (
+    STOP_REQUEST_FILE,
+    RunStopper,
+    kill_run_leftovers,
+    new_group_dying_with_parent,
+)
 
 logger = logging.getLogger("areal_plugins.cli")
 
@@ -125,18 +130,23 @@ def _recipe_files(recipe: Path) -> list[Path]:
     return files
 
 
-def _total_steps(recipe: Path, overrides: list[str]) -> str:
-    """``trainer.total_training_steps`` from the overrides, else from the recipe's files."""
+def _recipe_value(recipe: Path, overrides: list[str], section: str, key: str) -> str | None:
+    """``section.key`` from the overrides, else from the recipe's files (the recipe before its shared files)."""
     import yaml
 
     for override in overrides:
-        if override.startswith("trainer.total_training_steps="):
+        if override.lstrip("+").startswith(f"{section}.{key}="):
             return override.split("=", 1)[1]
     for path in _recipe_files(recipe):
-        steps = ((yaml.safe_load(path.read_text()) or {}).get("trainer") or {}).get("total_training_steps")
-        if steps is not None:
-            return str(steps)
-    return "?"
+        value = ((yaml.safe_load(path.read_text()) or {}).get(section) or {}).get(key)
+        if value is not None:
+            return str(value)
+    return None
+
+
+def _total_steps(recipe: Path, overrides: list[str]) -> str:
+    """``trainer.total_training_steps`` from the overrides, else from the recipe's files."""
+    return _recipe_value(recipe, overrides, "trainer", "total_training_steps") or "?"
 
 
 def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Path) -> int:
@@ -172,6 +182,9 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
         *overrides,
     ]
     (run_dir / "command.txt").write_text(" ".join(command) + "\n")
+    stop_request = run_dir / STOP_REQUEST_FILE
+    stop_request.unlink(missing_ok=True)  # a request left by an earlier (stopped) run of this directory
+    saves_checkpoints = float(_recipe_value(recipe, overrides, "trainer", "save_freq") or -1) > 0
     total = _total_steps(recipe, overrides)
     logger.info("run directory %s (full log: train.log, metrics: metrics.jsonl)", run_dir)
     started = time.monotonic()
@@ -184,7 +197,7 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
             text=True,
             preexec_fn=new_group_dying_with_parent,
         )
-        stopper = RunStopper(process)
+        stopper = RunStopper(process, stop_request=stop_request if saves_checkpoints else None)
         stopper.install()
         assert process.stdout is not None
         for line in process.stdout:

@@ -20,6 +20,10 @@ logger = logging.getLogger(__name__)
 
 #: Seconds verl gets to stop after SIGTERM before its process group is killed.
 GRACE_S = 20.0
+#: The file in the run directory that asks the trainer to stop between two steps (with a checkpoint).
+STOP_REQUEST_FILE = "areal_stop_requested"
+#: How long the first Ctrl-C waits for that checkpointed stop before it sends SIGTERM.
+STOP_WAIT_S = 120.0
 
 
 def new_group_dying_with_parent() -> None:
@@ -39,9 +43,17 @@ def new_group_dying_with_parent() -> None:
 class RunStopper:
     """Signal handling of the CLI while ``process`` (verl, group leader of its own group) runs."""
 
-    def __init__(self, process: subprocess.Popen, grace_s: float = GRACE_S) -> None:
+    def __init__(
+        self,
+        process: subprocess.Popen,
+        grace_s: float = GRACE_S,
+        stop_request: Path | None = None,
+        stop_wait_s: float = STOP_WAIT_S,
+    ) -> None:
         self.process = process
         self.grace_s = grace_s
+        self.stop_request = stop_request
+        self.stop_wait_s = stop_wait_s
         self.signal_received: int | None = None
         self._count = 0
 
@@ -52,19 +64,35 @@ class RunStopper:
     def _on_signal(self, signum: int, frame: object) -> None:
         self._count += 1
         self.signal_received = self.signal_received or signum
-        if self._count == 1:
+        if self._count == 1 and self.stop_request is not None:
+            logger.warning(
+                "%s: stopping after the current step with a checkpoint (SIGTERM to verl in %.0f s if it has not "
+                "stopped; Ctrl-C again to kill at once)",
+                signal.Signals(signum).name,
+                self.stop_wait_s,
+            )
+            self.stop_request.write_text(f"{signal.Signals(signum).name}\n")
+            self._later(self.stop_wait_s, self._terminate)
+        elif self._count == 1:
             logger.warning(
                 "%s: stopping the run (SIGTERM to verl; SIGKILL in %.0f s; Ctrl-C again to kill at once)",
                 signal.Signals(signum).name,
                 self.grace_s,
             )
-            self._kill_group(signal.SIGTERM)
-            timer = threading.Timer(self.grace_s, self._kill_group, args=(signal.SIGKILL,))
-            timer.daemon = True  # never keeps the CLI alive after verl is gone
-            timer.start()
+            self._terminate()
         else:
             logger.warning("%s again: killing the run now", signal.Signals(signum).name)
             self._kill_group(signal.SIGKILL)
+
+    def _terminate(self) -> None:
+        self._kill_group(signal.SIGTERM)
+        self._later(self.grace_s, self._kill_group, signal.SIGKILL)
+
+    @staticmethod
+    def _later(delay_s: float, action, *args: object) -> None:  # type: ignore[no-untyped-def]
+        timer = threading.Timer(delay_s, action, args=args)
+        timer.daemon = True  # never keeps the CLI alive after verl is gone
+        timer.start()
 
     def _kill_group(self, signum: int) -> None:
         if self.process.poll() is None:

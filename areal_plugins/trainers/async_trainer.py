@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import transfer_queue as tq
@@ -34,6 +35,7 @@ from verl.utils.debug import marked_timer
 
 from areal_plugins.manager import call_hook
 from areal_plugins.records import RunRecorder
+from areal_plugins.run_control import STOP_REQUEST_FILE
 from areal_plugins.settings import ArealConfig
 from areal_plugins.trainers.actor_liveness import ActorLiveness
 from areal_plugins.trainers.hooked import HookedTrainerMixin
@@ -54,6 +56,10 @@ ASYNC_STATE_FILE = "areal_state.json"
 def prompt_digest(prompt: Any) -> str:
     """A short content id of a prompt (chat messages or text), to trace prompts across a resume."""
     return hashlib.sha1(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+class RunStoppedOnRequestError(RuntimeError):
+    """Ctrl-C or SIGTERM to ``areal-plugins train`` asked the trainer to stop between two steps."""
 
 
 class RolloutServerDiedError(RuntimeError):
@@ -338,6 +344,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             while True:
                 if self._stall_guard is not None:
                     self._stall_guard.beat()
+                if self.recorder.run_dir is not None and (self.recorder.run_dir / STOP_REQUEST_FILE).exists():
+                    self._stop_on_request()
                 self._check_admission_alive()
                 self._actor_liveness.check()
                 watchdog.check(self._progress_marker, self._stuck_report)
@@ -373,6 +381,26 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                     | info,
                 )
         return KVBatchMeta(partition_id="train", keys=keys, tags=tags), metrics
+
+    def _stop_on_request(self) -> None:
+        """Between two steps: checkpoint the last finished step (if checkpoints are on), then stop."""
+        done = self.global_steps - 1  # verl counts the step being waited for
+        saved = ""
+        latest = Path(self.config.trainer.default_local_dir) / "latest_checkpointed_iteration.txt"
+        already = latest.exists() and latest.read_text().strip() == str(done)
+        if self.config.trainer.save_freq > 0 and done > 0 and not already:
+            self.global_steps = done
+            try:
+                self._save_checkpoint()
+            finally:
+                self.global_steps = done + 1
+            saved = f"; a checkpoint of step {done} was saved"
+        elif already:
+            saved = f"; step {done} was already checkpointed"
+        raise RunStoppedOnRequestError(
+            f"areal: stopped on request (Ctrl-C or SIGTERM) after step {done}{saved}; "
+            "the same command with trainer.resume_mode=auto resumes"
+        )
 
     def _trainer_stall_report(self, idle: float) -> str:
         return (

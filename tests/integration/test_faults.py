@@ -73,7 +73,7 @@ def test_a_killed_cpu_rollout_server_stops_the_run_naming_it_instead_of_spinning
     assert (run_dir / "train.log").stat().st_size < 20_000_000  # no error loop filling the disk
 
 
-def test_ctrl_c_stops_the_run_within_seconds_and_leaves_no_process(tiny_dir, tmp_path):
+def test_ctrl_c_checkpoints_and_stops_the_run_within_seconds_leaving_no_process(tiny_dir, tmp_path):
     import os
     import signal
     import time
@@ -84,7 +84,8 @@ def test_ctrl_c_stops_the_run_within_seconds_and_leaves_no_process(tiny_dir, tmp
 
     before = set(psutil.pids())
     run_dir = tmp_path / "run"
-    cli = start_cli(*train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 20))
+    # Checkpoints every 5 steps: the stop checkpoints the last finished step on its way out.
+    cli = start_cli(*train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 20, "trainer.save_freq=5"))
     try:
         deadline = time.monotonic() + 600
         while len(read_jsonl(run_dir / "areal_steps.jsonl")) < 1:
@@ -99,6 +100,10 @@ def test_ctrl_c_stops_the_run_within_seconds_and_leaves_no_process(tiny_dir, tmp
             kill_tree(cli)
     assert code == 128 + signal.SIGINT
     assert stopped_after < 45, f"Ctrl-C took {stopped_after:.0f} s to stop the run"
+    trained = len(read_jsonl(run_dir / "areal_steps.jsonl"))
+    latest = int((run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
+    assert latest == trained >= 1  # not step 5's periodic one: the stop saved the last finished step
+    assert f"stopped on request (Ctrl-C or SIGTERM) after step {trained}" in (run_dir / "train.log").read_text()
     time.sleep(3)
     left = []
     for pid in set(psutil.pids()) - before:  # every process started since, still alive: Ray's, verl's, engines

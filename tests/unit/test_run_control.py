@@ -52,3 +52,19 @@ def test_leftovers_are_the_processes_carrying_the_run_directory(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+def test_with_checkpoints_the_first_signal_asks_for_a_stop_between_steps(tmp_path):
+    # A child that stops by itself once the request file appears (as the trainer does at its next wait).
+    request = tmp_path / "areal_stop_requested"
+    polite = f"import os, time\nwhile not os.path.exists({str(request)!r}): time.sleep(0.05)\nraise SystemExit(3)"
+    child = start(polite)
+    RunStopper(child, grace_s=30, stop_request=request, stop_wait_s=30)._on_signal(signal.SIGINT, None)
+    assert child.wait(timeout=10) == 3  # it stopped itself: no SIGTERM was sent
+    assert request.read_text() == "SIGINT\n"
+    # One that does not react is terminated once the wait is over.
+    child = start("import time; time.sleep(60)")
+    RunStopper(child, grace_s=30, stop_request=tmp_path / "again", stop_wait_s=0.5)._on_signal(signal.SIGTERM, None)
+    started = time.monotonic()
+    assert child.wait(timeout=10) == -signal.SIGTERM
+    assert time.monotonic() - started >= 0.4
