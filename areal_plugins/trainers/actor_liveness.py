@@ -56,6 +56,16 @@ class ActorLiveness:
         self.unavailable: str | None = None
         self._last = -float("inf")
 
+    def explain(self, settle_s: float = 5.0, sleep=time.sleep) -> None:  # type: ignore[no-untyped-def]
+        """Another error stopped the run: name a dead actor behind it if there is one. Ray reports a death
+        to the caller before its state API marks the actor dead, so look for up to ``settle_s``."""
+        deadline = self.clock() + settle_s
+        while True:
+            self.check(force=True)
+            if self.clock() >= deadline or self.unavailable is not None:
+                return
+            sleep(1.0)
+
     def check(self, force: bool = False) -> None:
         """Raise :class:`RunActorDiedError` if a watched actor died; ``force`` looks now, not on schedule."""
         now = self.clock()

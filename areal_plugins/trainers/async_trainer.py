@@ -412,13 +412,10 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
 
     def _check_admission_alive(self) -> None:
         """The admission loop's error; when an actor's death caused it, the error names that actor."""
-        import ray
-
         try:
             self.manager.check_alive()
-        except RuntimeError as error:
-            if isinstance(error.__cause__, ray.exceptions.RayActorError):
-                self._actor_liveness.check(force=True)  # raises RunActorDiedError naming the dead actor
+        except RuntimeError:
+            self._actor_liveness.explain()  # raises RunActorDiedError when a dead actor is behind it
             raise
 
     def _progress_marker(self) -> tuple:

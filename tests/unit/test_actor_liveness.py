@@ -68,3 +68,24 @@ def test_a_forced_look_ignores_the_interval():
     liveness.check()  # on schedule: not yet
     with pytest.raises(RunActorDiedError, match="SimpleStorageUnit"):
         liveness.check(force=True)
+
+
+def test_explain_waits_for_ray_to_mark_the_death():
+    cluster = Cluster([actor("w1", "CPURolloutServer")])
+    now = [0.0]
+    liveness = ActorLiveness(cluster, interval_s=3600, clock=lambda: now[0])
+    liveness.check(force=True)
+
+    dies_at = [2.0]
+
+    def sleep(seconds):  # Ray marks the actor dead two seconds after the caller saw the error
+        now[0] += seconds
+        if now[0] >= dies_at[0]:
+            cluster.actors = [actor("w1", "CPURolloutServer", "DEAD", "WORKER_DIED")]
+
+    with pytest.raises(RunActorDiedError, match="CPURolloutServer"):
+        liveness.explain(settle_s=5, sleep=sleep)
+    cluster.actors = [actor("w1", "CPURolloutServer")]
+    now[0], dies_at[0] = 100.0, float("inf")
+    liveness.explain(settle_s=5, sleep=sleep)  # nobody died: returns after the settle time, the caller re-raises
+    assert now[0] >= 105
