@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -94,10 +95,24 @@ def targets(pattern: str) -> list[psutil.Process]:
     return found[:1] if pattern in ("ray::WorkerDict", "reward-service") else found
 
 
+RAY_PREFIX = re.compile(r"^(\x1b\[\d+m)?\(\w+ pid=\d+(, ip=[\d.]+)?\)(\x1b\[0m)? ?")
+#: Our stop messages, the most specific first.
+STOP_MESSAGES = ("RunActorDiedError:", "RolloutServerDiedError:", "RunStoppedOnRequestError:", "areal watchdog:",
+                 "RolloutsFailingError:", "RuntimeError:", "RayTaskError")  # fmt: skip
+
+
+def stop_lines(log: str) -> list[str]:
+    """The last 400 lines that report an error, without Ray's ``(Actor pid=...)`` prefix."""
+    lines = [RAY_PREFIX.sub("", line).strip() for line in log.splitlines()[-400:]]
+    return [line for line in lines if "Error" in line or "areal watchdog" in line]
+
+
 def last_error(log: str) -> str:
-    for line in reversed(log.splitlines()):
-        if "Error" in line and ("died" in line or "areal" in line.lower() or "Traceback" not in line):
-            return line.strip()[:400]
+    lines = stop_lines(log)
+    for message in STOP_MESSAGES:
+        for line in reversed(lines):
+            if message in line and not line.startswith("[areal-plugins]"):
+                return line[:400]
     return ""
 
 
@@ -162,7 +177,9 @@ def run_case(case: str, placement: str, tiny_dir: Path) -> Outcome:
         outcome = "recovered" if code == 0 and read_steps(run_dir) >= STEPS else "stopped"
     log = log_path.read_text(errors="replace") if log_path.exists() else ""
     class_name = {"HANG": "trainer has been computing"}.get(pattern, pattern.removeprefix("ray::"))
-    names = class_name in log[-20000:] or (case in ("ctrl_c", "sigterm") and code is not None and code > 128)
+    names = any(class_name in line for line in stop_lines(log)) or (
+        case in ("ctrl_c", "sigterm") and code is not None and code > 128
+    )
     return Outcome(
         case=case, placement=placement, target=target, killed=killed, outcome=outcome, exit_code=code,
         seconds_to_end=round(seconds, 1) if seconds is not None else None, steps_before_kill=steps_before,
