@@ -190,13 +190,46 @@ def run_case(case: str, placement: str, tiny_dir: Path) -> Outcome:
     )  # fmt: skip
 
 
+def markdown_table(result: dict) -> str:
+    """The README's table: one row per case, a column per placement."""
+    by_case: dict[str, dict[str, dict]] = {}
+    for row in result["cases"]:
+        by_case.setdefault(row["case"], {})[row["placement"]] = row
+    placements = [p for p in RECIPES if any(p in cells for cells in by_case.values())]
+    lines = [
+        "| killed | " + " | ".join(placements) + " |",
+        "|---|" + "---|" * len(placements),
+    ]
+    for case in CASES:
+        if case not in by_case:
+            continue
+        cells = []
+        for placement in placements:
+            row = by_case[case].get(placement)
+            if row is None:
+                cells.append("not run")
+                continue
+            named = "named" if row["names_the_actor"] else "not named"
+            cells.append(
+                f"**{row['outcome']}** in {row['seconds_to_end']} s, exit {row['exit_code']}, {named}; "
+                f"steps lost {row['steps_lost']}, log +{row['log_growth_bytes'] // 1000} kB, "
+                f"{row['processes_left']} processes left"
+            )
+        lines.append(f"| {CASES[case][0]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     parser.add_argument("--placements", default="colocated,separate")
     parser.add_argument("--tiny-dir", type=Path, default=ROOT / ".areal" / "tiny")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--table", action="store_true", help="print the README table of --out and stop")
     args = parser.parse_args(argv)
+    if args.table:
+        print(markdown_table(json.loads(args.out.read_text())))
+        return 0
     cases = [c for c in args.cases.split(",") if c]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
