@@ -13,9 +13,7 @@ Error executing job with overrides: ['trainer.total_training_steps=8']
 
 
 def test_the_stop_message_is_ours_without_rays_prefix():
-    assert faults.last_error(LOG).startswith(
-        "areal_plugins.trainers.actor_liveness.RunActorDiedError: CPURolloutServer"
-    )
+    assert faults.last_error(LOG).startswith("areal_plugins.RunActorDiedError: CPURolloutServer")
     # A class name only in Ray's "(Class pid=...)" prefix does not count as naming it.
     assert not any("AgentLoopWorkerTQ" in line for line in faults.stop_lines(LOG))
 
