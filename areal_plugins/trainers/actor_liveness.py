@@ -11,6 +11,7 @@ by verl itself (their calls raise).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,10 +56,12 @@ class ActorLiveness:
         self.watched: dict[str, str] = {}  # actor id -> what to call it
         self.unavailable: str | None = None
         self._last = -float("inf")
+        self._lock = threading.Lock()  # the trainer's wait and the stall guard's thread both look
 
-    def explain(self, settle_s: float = 5.0, sleep=time.sleep) -> None:  # type: ignore[no-untyped-def]
+    def explain(self, settle_s: float = 30.0, sleep=time.sleep) -> None:  # type: ignore[no-untyped-def]
         """Another error stopped the run: name a dead actor behind it if there is one. Ray reports a death
-        to the caller before its state API marks the actor dead, so look for up to ``settle_s``."""
+        to the caller before its state API marks the actor dead (tens of seconds on a loaded machine), so
+        look for up to ``settle_s``."""
         deadline = self.clock() + settle_s
         while True:
             self.check(force=True)
@@ -68,31 +71,41 @@ class ActorLiveness:
 
     def check(self, force: bool = False) -> None:
         """Raise :class:`RunActorDiedError` if a watched actor died; ``force`` looks now, not on schedule."""
-        now = self.clock()
-        if self.unavailable is not None or (now - self._last < self.interval_s and not force):
-            return
-        self._last = now
-        try:
-            actors = self.list_actors()
-        except Exception as error:  # no dashboard (ray.init(include_dashboard=False)): the watchdog remains
-            self.unavailable = f"{type(error).__name__}: {error}"
-            logger.warning("areal: Ray's state API is unavailable (%s); dead actors are left to the watchdog", error)
-            return
-        if not self.watched:
-            self.watched = {
-                a.actor_id: f"{a.class_name} (pid {a.pid}, node {str(a.node_id)[:8]})"
-                for a in actors
-                if a.state == "ALIVE"
-            }
-            return
-        for actor in actors:
-            if actor.actor_id not in self.watched or actor.state != "DEAD":
-                continue
-            reason, message = _death_reason(actor)
-            if reason in DELIBERATE_DEATHS:
-                continue
-            raise RunActorDiedError(
-                f"{self.watched[actor.actor_id]} died ({reason}{': ' + message if message else ''}); the run "
-                "cannot continue without it and verl does not restart it. Stopping; resume from the last "
-                "checkpoint (trainer.resume_mode=auto) once the cause (memory? a kill? a lost node?) is fixed"
-            )
+        death = self.dead_actor(force)
+        if death is not None:
+            raise RunActorDiedError(death)
+
+    def dead_actor(self, force: bool = False) -> str | None:
+        """The report on a watched actor that died, or None (also between looks and without a state API)."""
+        with self._lock:
+            now = self.clock()
+            if self.unavailable is not None or (now - self._last < self.interval_s and not force):
+                return None
+            self._last = now
+            try:
+                actors = self.list_actors()
+            except Exception as error:  # no dashboard (ray.init(include_dashboard=False)): the watchdog remains
+                self.unavailable = f"{type(error).__name__}: {error}"
+                logger.warning(
+                    "areal: Ray's state API is unavailable (%s); dead actors are left to the watchdog", error
+                )
+                return None
+            if not self.watched:
+                self.watched = {
+                    a.actor_id: f"{a.class_name} (pid {a.pid}, node {str(a.node_id)[:8]})"
+                    for a in actors
+                    if a.state == "ALIVE"
+                }
+                return None
+            for actor in actors:
+                if actor.actor_id not in self.watched or actor.state != "DEAD":
+                    continue
+                reason, message = _death_reason(actor)
+                if reason in DELIBERATE_DEATHS:
+                    continue
+                return (
+                    f"{self.watched[actor.actor_id]} died ({reason}{': ' + message if message else ''}); the run "
+                    "cannot continue without it and verl does not restart it. Stopping; resume from the last "
+                    "checkpoint (trainer.resume_mode=auto) once the cause (memory? a kill? a lost node?) is fixed"
+                )
+            return None

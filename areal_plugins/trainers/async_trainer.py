@@ -188,7 +188,9 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self.manager.start()
         self._last_stats, self._last_stats_time = self._rollout_stats(), time.time()
         threading.Thread(target=self._monitor_rollout, name="areal-rollout-monitor", daemon=True).start()
-        self._stall_guard = StallGuard(self.areal.watchdog_s, self._trainer_stall_report)
+        self._stall_guard = StallGuard(
+            self.areal.watchdog_s, self._trainer_stall_report, probe=self._actor_liveness.dead_actor
+        )
         self._stall_guard.start()
         logger.info(
             "areal_async: max_staleness=%d placement=%s batch=%d groups",

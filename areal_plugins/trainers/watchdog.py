@@ -51,9 +51,11 @@ class StallGuard:
         stop: Callable[[str], None] | None = None,
         interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        probe: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.limit_s = limit_s
         self.report = report
+        self.probe = probe
         self.stop = stop or _stop_the_process
         self.interval_s = interval_s
         self.clock = clock
@@ -77,9 +79,12 @@ class StallGuard:
 
     def look(self) -> bool:
         """One look; True once it has stopped the run."""
+        if self.fired is not None:
+            return True
         idle = self.clock() - self._last_beat
-        if self.fired is None and not self._paused and idle > self.limit_s:
-            self.fired = self.report(idle)
+        found = self.probe()  # a dead actor the trainer may be blocked on: no need to wait for the limit
+        if found is not None or (not self._paused and idle > self.limit_s):
+            self.fired = found if found is not None else self.report(idle)
             logger.error(self.fired)
             self.stop(self.fired)
         return self.fired is not None
@@ -96,7 +101,7 @@ class StallGuard:
                 return
 
 
-def _stop_the_process(reason: str, grace_s: float = 30.0) -> None:
+def _stop_the_process(reason: str, grace_s: float = 10.0) -> None:
     import _thread
     import os
 

@@ -56,3 +56,14 @@ def test_stall_guard_does_not_judge_validation():
         assert not guard.look()
     now[0] = 1050.0
     assert not guard.look() and not stopped  # leaving validation counts as a beat
+
+
+def test_stall_guard_stops_at_once_when_its_probe_finds_a_dead_actor():
+    from areal_plugins.trainers.watchdog import StallGuard
+
+    stopped: list[str] = []
+    dead: list[str | None] = [None]
+    guard = StallGuard(900.0, str, stop=stopped.append, clock=lambda: 10.0, probe=lambda: dead[0])
+    assert not guard.look()
+    dead[0] = "SimpleStorageUnit (pid 7) died"
+    assert guard.look() and stopped == ["SimpleStorageUnit (pid 7) died"]  # long before the 900 s limit
