@@ -51,6 +51,14 @@ CASES = {
 }
 
 
+#: What else counts as naming the dead part (our messages say it in words).
+NAMED_AS = {
+    "rollout_server": ("CPURolloutServer", "rollout server of areal_cpu"),
+    "trainer_worker_hangs": ("trainer has been computing",),
+    "reward_service_process": ("reward worker",),
+}
+
+
 @dataclass
 class Outcome:
     case: str
@@ -104,7 +112,7 @@ STOP_MESSAGES = ("RunActorDiedError:", "RolloutServerDiedError:", "RunStoppedOnR
 def stop_lines(log: str) -> list[str]:
     """The last 400 lines that report an error, without Ray's ``(Actor pid=...)`` prefix."""
     lines = [RAY_PREFIX.sub("", line).strip() for line in log.splitlines()[-400:]]
-    return [line for line in lines if "Error" in line or "areal watchdog" in line]
+    return [line for line in lines if "Error" in line or "areal watchdog" in line or line.startswith("class_name:")]
 
 
 def last_error(log: str) -> str:
@@ -176,8 +184,8 @@ def run_case(case: str, placement: str, tiny_dir: Path) -> Outcome:
     if outcome is None:
         outcome = "recovered" if code == 0 and read_steps(run_dir) >= STEPS else "stopped"
     log = log_path.read_text(errors="replace") if log_path.exists() else ""
-    class_name = {"HANG": "trainer has been computing"}.get(pattern, pattern.removeprefix("ray::"))
-    names = any(class_name in line for line in stop_lines(log)) or (
+    names_for_it = NAMED_AS.get(case, (pattern.removeprefix("ray::"),))
+    names = any(name in line for line in stop_lines(log) for name in names_for_it) or (
         case in ("ctrl_c", "sigterm") and code is not None and code > 128
     )
     return Outcome(

@@ -42,7 +42,7 @@ def _list_job_actors() -> list[Any]:
 
 
 class ActorLiveness:
-    """Remembers the job's live actors at the first check; later checks raise if one has died."""
+    """Watches every actor of the job it has seen alive; a look raises (or reports) if one has died."""
 
     def __init__(
         self,
@@ -90,13 +90,13 @@ class ActorLiveness:
                     "areal: Ray's state API is unavailable (%s); dead actors are left to the watchdog", error
                 )
                 return None
-            if not self.watched:
-                self.watched = {
-                    a.actor_id: f"{a.class_name} (pid {a.pid}, node {str(a.node_id)[:8]})"
-                    for a in actors
-                    if a.state == "ALIVE"
-                }
-                return None
+            # Every actor seen alive is watched from then on: verl creates some (the agent-loop workers)
+            # after training began.
+            self.watched.update(
+                (a.actor_id, f"{a.class_name} (pid {a.pid}, node {str(a.node_id)[:8]})")
+                for a in actors
+                if a.state == "ALIVE"
+            )
             for actor in actors:
                 if actor.actor_id not in self.watched or actor.state != "DEAD":
                     continue

@@ -89,3 +89,14 @@ def test_explain_waits_for_ray_to_mark_the_death():
     now[0], dies_at[0] = 100.0, float("inf")
     liveness.explain(settle_s=5, sleep=sleep)  # nobody died: returns after the settle time, the caller re-raises
     assert now[0] >= 105
+
+
+def test_an_actor_created_after_the_first_look_is_watched_too():
+    cluster = Cluster([actor("t1", "TaskRunnerV1")])
+    liveness = ActorLiveness(cluster, interval_s=0)
+    liveness.check()
+    cluster.actors.append(actor("a1", "AgentLoopWorkerTQ"))  # verl starts its agent-loop workers later
+    liveness.check()
+    cluster.actors[1] = actor("a1", "AgentLoopWorkerTQ", "DEAD", "WORKER_DIED")
+    with pytest.raises(RunActorDiedError, match="AgentLoopWorkerTQ"):
+        liveness.check()
