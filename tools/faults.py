@@ -112,7 +112,11 @@ STOP_MESSAGES = ("RunActorDiedError:", "RolloutServerDiedError:", "RunStoppedOnR
 def stop_lines(log: str) -> list[str]:
     """The last 400 lines that report an error, without Ray's ``(Actor pid=...)`` prefix."""
     lines = [RAY_PREFIX.sub("", line).strip() for line in log.splitlines()[-400:]]
-    return [line for line in lines if "Error" in line or "areal watchdog" in line or line.startswith("class_name:")]
+    return [
+        line
+        for line in lines
+        if "Error" in line or "ERROR:" in line or "areal watchdog" in line or line.startswith("class_name:")
+    ]
 
 
 def last_error(log: str) -> str:
