@@ -110,8 +110,8 @@ STOP_MESSAGES = ("RunActorDiedError:", "RolloutServerDiedError:", "RunStoppedOnR
 
 
 def stop_lines(log: str) -> list[str]:
-    """The last 400 lines that report an error, without Ray's ``(Actor pid=...)`` prefix."""
-    lines = [RAY_PREFIX.sub("", line).strip() for line in log.splitlines()[-400:]]
+    """The last 2,000 lines that report an error, without Ray's ``(Actor pid=...)`` prefix."""
+    lines = [RAY_PREFIX.sub("", line).strip() for line in log.splitlines()[-2000:]]
     return [
         line
         for line in lines
@@ -221,10 +221,15 @@ def markdown_table(result: dict) -> str:
             if row is None:
                 cells.append("not run")
                 continue
-            named = "named" if row["names_the_actor"] else "not named"
+            if row["outcome"] == "recovered":
+                head = f"**recovered**: all {STEPS} steps done {row['seconds_to_end']} s after the kill"
+            else:
+                named = "named" if row["names_the_actor"] else "not named"
+                head = f"**{row['outcome']}** in {row['seconds_to_end']} s, exit {row['exit_code']}, {named}"
+            lost = row["steps_lost"]
+            lost_text = f"{lost}" if lost is None or lost >= 0 else "0 (its checkpoint is saved, its metrics not)"
             cells.append(
-                f"**{row['outcome']}** in {row['seconds_to_end']} s, exit {row['exit_code']}, {named}; "
-                f"steps lost {row['steps_lost']}, log +{row['log_growth_bytes'] // 1000} kB, "
+                f"{head}; steps lost {lost_text}, log +{row['log_growth_bytes'] // 1000} kB, "
                 f"{row['processes_left']} processes left"
             )
         lines.append(f"| {CASES[case][0]} | " + " | ".join(cells) + " |")
