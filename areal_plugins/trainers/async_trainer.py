@@ -41,7 +41,7 @@ from areal_plugins.trainers.actor_liveness import ActorLiveness
 from areal_plugins.trainers.hooked import HookedTrainerMixin
 from areal_plugins.trainers.llm_client import InterruptibleLLMClient
 from areal_plugins.trainers.step_metrics import consumed_metrics, rollout_rates
-from areal_plugins.trainers.watchdog import StallGuard, Watchdog
+from areal_plugins.trainers.watchdog import StallGuard, Watchdog, stall_limit
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self._last_stats, self._last_stats_time = self._rollout_stats(), time.time()
         threading.Thread(target=self._monitor_rollout, name="areal-rollout-monitor", daemon=True).start()
         self._stall_guard = StallGuard(
-            self.areal.watchdog_s, self._trainer_stall_report, probe=self._actor_liveness.dead_actor
+            stall_limit(self.areal.watchdog_s), self._trainer_stall_report, probe=self._actor_liveness.dead_actor
         )
         self._stall_guard.start()
         logger.info(
@@ -406,8 +406,9 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
 
     def _trainer_stall_report(self, idle: float) -> str:
         return (
-            f"areal watchdog: the trainer has been computing step {self.global_steps} for {idle:.0f} s "
-            "(areal.watchdog_s) without finishing it: a trainer worker (old log-probs, update, weight sync) is "
+            f"areal watchdog: the trainer has been computing step {self.global_steps} for {idle:.0f} s without "
+            f"finishing it (areal.watchdog_s = {self.areal.watchdog_s:.0f}, with time left to stop within it): a "
+            "trainer worker (old log-probs, update, weight sync) is "
             "stuck. Stopping the run; resume from the last checkpoint (trainer.resume_mode=auto), and raise "
             "areal.watchdog_s if one step legitimately takes this long"
         )

@@ -101,6 +101,15 @@ class StallGuard:
                 return
 
 
+#: Seconds the guard may need after its limit: one look interval and the grace before the process ends.
+STOP_MARGIN_S = 15.0
+
+
+def stall_limit(watchdog_s: float) -> float:
+    """The guard's limit, so that a hung trainer is stopped within ``watchdog_s`` of its last progress."""
+    return max(watchdog_s - STOP_MARGIN_S, watchdog_s / 2)
+
+
 def _stop_the_process(reason: str, grace_s: float = 10.0) -> None:
     import _thread
     import os
