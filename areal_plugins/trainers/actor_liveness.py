@@ -3,9 +3,8 @@
 verl's agent-loop and reward-loop workers, TransferQueue's controller and storage, the request load
 balancer and the rollout servers are actors of this Ray job; when one dies mid-run its requests are never
 answered and nothing raises where the trainer waits (measured: a killed agent-loop worker left the run
-silent until the watchdog). While the trainer waits for a batch it asks Ray's state API, every few
-seconds, whether an actor that was alive when training began has died; verl's trainer workers are covered
-by verl itself (their calls raise).
+silent until the watchdog). Every few seconds (from the trainer's batch wait, and from the stall guard
+while the trainer is away from it) Ray's state API says whether an actor seen alive has died since.
 """
 
 from __future__ import annotations
@@ -33,12 +32,17 @@ def _death_reason(actor: Any) -> tuple[str, str]:
     return str(context.get("reason", "UNKNOWN")), lines[0] if lines else ""
 
 
-def _list_job_actors() -> list[Any]:
+def list_job_actors(*filters: tuple[str, str, str], **options: Any) -> list[Any]:
+    """The actors of this Ray job with their details (Ray's state API), narrowed by further ``filters``."""
     import ray
     from ray.util.state import list_actors
 
     job = ray.get_runtime_context().get_job_id()
-    return list_actors(filters=[("job_id", "=", job)], detail=True, limit=10_000, raise_on_missing_output=False)
+    return list_actors(filters=[("job_id", "=", job), *filters], detail=True, limit=10_000, **options)
+
+
+def _list_job_actors() -> list[Any]:
+    return list_job_actors(raise_on_missing_output=False)
 
 
 class ActorLiveness:

@@ -17,15 +17,12 @@ logger = logging.getLogger(__name__)
 
 def record_ray_placement(placement: str) -> int:
     """Append one line per live actor of this Ray job to ``ray_actors.jsonl``; how many were recorded."""
-    import ray
-    from ray.util.state import list_actors
-
     from areal_plugins.records import run_dir
+    from areal_plugins.trainers.actor_liveness import list_job_actors
 
     if run_dir() is None:  # nowhere to write: no state-API query at start-up for nothing
         return 0
-    job = ray.get_runtime_context().get_job_id()
-    actors = list_actors(filters=[("state", "=", "ALIVE"), ("job_id", "=", job)], detail=True, limit=10_000)
+    actors = list_job_actors(("state", "=", "ALIVE"))
     for actor in actors:
         record: dict[str, Any] = {
             "placement": placement,
