@@ -82,7 +82,9 @@ class StallGuard:
         if self.fired is not None:
             return True
         idle = self.clock() - self._last_beat
-        found = self.probe()  # a dead actor the trainer may be blocked on: no need to wait for the limit
+        # A dead actor the trainer is blocked on: no need to wait for the limit. While the trainer is in its
+        # wait (beating every second) its own check raises in its thread, the cleaner stop: not looked here.
+        found = self.probe() if idle > self.interval_s else None
         if found is not None or (not self._paused and idle > self.limit_s):
             self.fired = found if found is not None else self.report(idle)
             logger.error(self.fired)

@@ -61,11 +61,13 @@ def test_stall_guard_does_not_judge_validation():
 def test_stall_guard_stops_at_once_when_its_probe_finds_a_dead_actor():
     from areal_plugins.trainers.watchdog import StallGuard
 
+    now = [0.0]
     stopped: list[str] = []
-    dead: list[str | None] = [None]
-    guard = StallGuard(900.0, str, stop=stopped.append, clock=lambda: 10.0, probe=lambda: dead[0])
-    assert not guard.look()
-    dead[0] = "SimpleStorageUnit (pid 7) died"
+    dead: list[str | None] = ["SimpleStorageUnit (pid 7) died"]
+    guard = StallGuard(900.0, str, stop=stopped.append, clock=lambda: now[0], probe=lambda: dead[0])
+    now[0] = 3.0
+    assert not guard.look()  # the trainer beat 3 s ago: it is in its wait, whose own check raises
+    now[0] = 10.0
     assert guard.look() and stopped == ["SimpleStorageUnit (pid 7) died"]  # long before the 900 s limit
 
 
