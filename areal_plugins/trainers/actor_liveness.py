@@ -22,6 +22,27 @@ CHECK_INTERVAL_S = 5.0
 DELIBERATE_DEATHS = ("OUT_OF_SCOPE", "RAY_KILL")
 
 
+#: What each actor class is to the run, for the error a user reads (the class name alone says little).
+ROLES = (
+    ("RolloutServer", "rollout server"),
+    ("HttpServer", "rollout server"),
+    ("AgentLoopWorker", "agent-loop worker"),
+    ("RewardLoopWorker", "reward-loop worker"),
+    ("RequestLoadBalancer", "request load balancer"),
+    ("TransferQueueController", "TransferQueue controller"),
+    ("StorageUnit", "TransferQueue storage unit"),
+    ("WorkerDict", "trainer worker"),
+    ("TaskRunner", "driver actor"),
+)
+
+
+def describe_actor(class_name: str, pid: Any, node_id: Any) -> str:
+    """``the rollout server CPURolloutServer (pid 7, node 1a2b3c4d)``: role, class and where it ran."""
+    short = class_name.rsplit(".", 1)[-1]  # verl's fused workers: create_colocated_worker_cls.<locals>.WorkerDict
+    role = next((role for marker, role in ROLES if marker in short), "actor")
+    return f"the {role} {short} (pid {pid}, node {str(node_id)[:8]})"
+
+
 class RunActorDiedError(RuntimeError):
     """An actor of the run died; the run cannot continue without it."""
 
@@ -97,9 +118,7 @@ class ActorLiveness:
             # Every actor seen alive is watched from then on: verl creates some (the agent-loop workers)
             # after training began.
             self.watched.update(
-                (a.actor_id, f"{a.class_name} (pid {a.pid}, node {str(a.node_id)[:8]})")
-                for a in actors
-                if a.state == "ALIVE"
+                (a.actor_id, describe_actor(a.class_name, a.pid, a.node_id)) for a in actors if a.state == "ALIVE"
             )
             for actor in actors:
                 if actor.actor_id not in self.watched or actor.state != "DEAD":
@@ -108,8 +127,8 @@ class ActorLiveness:
                 if reason in DELIBERATE_DEATHS:
                     continue
                 return (
-                    f"{self.watched[actor.actor_id]} died ({reason}{': ' + message if message else ''}); the run "
-                    "cannot continue without it and verl does not restart it. Stopping; resume from the last "
+                    f"areal: {self.watched[actor.actor_id]} died ({reason}{': ' + message if message else ''}); "
+                    "the run cannot continue without it and verl does not restart it. Stopping; resume from the last "
                     "checkpoint (trainer.resume_mode=auto) once the cause (memory? a kill? a lost node?) is fixed"
                 )
             return None

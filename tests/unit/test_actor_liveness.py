@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from areal_plugins.trainers.actor_liveness import ActorLiveness, RunActorDiedError
+from areal_plugins.trainers.actor_liveness import ActorLiveness, RunActorDiedError, describe_actor
 
 
 def actor(actor_id, class_name, state="ALIVE", reason=None, message=""):
@@ -37,8 +37,11 @@ def test_an_actor_that_dies_after_the_start_is_named():
     liveness.check()  # within the interval: no look at Ray
     assert cluster.calls == 2
     now[0] = 10.0
-    with pytest.raises(RunActorDiedError, match=r"AgentLoopWorkerTQ \(pid 42, node abababab\) died \(WORKER_DIED: "
-                       r"The actor died unexpectedly\).*resume from the last checkpoint"):  # fmt: skip
+    expected = (
+        r"areal: the agent-loop worker AgentLoopWorkerTQ \(pid 42, node abababab\) died \(WORKER_DIED: "
+        r"The actor died unexpectedly\).*resume from the last checkpoint"
+    )
+    with pytest.raises(RunActorDiedError, match=expected):
         liveness.check()
 
 
@@ -83,7 +86,7 @@ def test_explain_waits_for_ray_to_mark_the_death():
         if now[0] >= dies_at[0]:
             cluster.actors = [actor("w1", "CPURolloutServer", "DEAD", "WORKER_DIED")]
 
-    with pytest.raises(RunActorDiedError, match="CPURolloutServer"):
+    with pytest.raises(RunActorDiedError, match="the rollout server CPURolloutServer"):
         liveness.explain(settle_s=5, sleep=sleep)
     cluster.actors = [actor("w1", "CPURolloutServer")]
     now[0], dies_at[0] = 100.0, float("inf")
@@ -100,3 +103,16 @@ def test_an_actor_created_after_the_first_look_is_watched_too():
     cluster.actors[1] = actor("a1", "AgentLoopWorkerTQ", "DEAD", "WORKER_DIED")
     with pytest.raises(RunActorDiedError, match="AgentLoopWorkerTQ"):
         liveness.check()
+
+
+@pytest.mark.parametrize(
+    ("class_name", "expected"),
+    [
+        ("create_colocated_worker_cls.<locals>.WorkerDict", "the trainer worker WorkerDict (pid 3, node 0123abcd)"),
+        ("vLLMHttpServer", "the rollout server vLLMHttpServer (pid 3, node 0123abcd)"),
+        ("SimpleStorageUnit", "the TransferQueue storage unit SimpleStorageUnit (pid 3, node 0123abcd)"),
+        ("SomethingNew", "the actor SomethingNew (pid 3, node 0123abcd)"),
+    ],
+)
+def test_a_dead_actor_is_named_by_its_role_in_the_run(class_name, expected):
+    assert describe_actor(class_name, 3, "0123abcdef99") == expected
