@@ -54,6 +54,48 @@ PROGRESS_KEYS = (
 RAY_ENV_DEFAULTS = {"RAY_task_events_max_num_task_in_gcs": "10000"}
 
 
+#: What processes of the run read from their environment. They travel in the Ray job's ``runtime_env``, so
+#: workers on every node of an existing cluster see them, not only processes started from this shell.
+JOB_ENV_VARS = ("AREAL_RUN_DIR", "AREAL_TINY_DIR", "VERL_PLATFORM", "VERL_FILE_LOGGER_PATH", "AREAL_VLLM_PYTHON")
+#: ``ray.init`` refuses these when it joins a running cluster: they size a cluster Ray would start.
+LOCAL_CLUSTER_SIZES = ("num_cpus", "num_gpus", "object_store_memory")
+
+
+def job_env_overrides(env: dict[str, str]) -> list[str]:
+    """Hydra overrides that put ``JOB_ENV_VARS`` into the job's runtime environment (verl merges it)."""
+    overrides = []
+    for name in JOB_ENV_VARS:
+        value = env.get(name)
+        if value:
+            if "'" in value:
+                raise SystemExit(f"{name}={value!r}: a quote in this path cannot be passed to the Ray job; rename it")
+            overrides.append(f"++ray_kwargs.ray_init.runtime_env.env_vars.{name}='{value}'")
+    return overrides
+
+
+def cluster_address(env: dict[str, str], overrides: list[str]) -> str | None:
+    """The running Ray cluster this run joins (``ray_kwargs.ray_init.address`` or ``RAY_ADDRESS``), if any."""
+    for override in overrides:
+        key, _, value = override.lstrip("+").partition("=")
+        if key == "ray_kwargs.ray_init.address" and value not in ("", "null", "None", "local"):
+            return value
+    address = env.get("RAY_ADDRESS", "").strip()
+    return address if address and address != "local" else None
+
+
+def join_cluster_overrides(address: str | None) -> list[str]:
+    """Joining ``address``: the recipe's local-cluster sizes are dropped (ray.init would refuse them)."""
+    if address is None:
+        return []
+    logger.info(
+        "joining the Ray cluster at %s: the recipe's ray_kwargs.ray_init.{%s} size a cluster Ray would start "
+        "and are dropped; the cluster's own resources apply",
+        address,
+        ",".join(LOCAL_CLUSTER_SIZES),
+    )
+    return [f"ray_kwargs.ray_init.{key}=null" for key in LOCAL_CLUSTER_SIZES]
+
+
 def with_ray_defaults(env: dict[str, str]) -> dict[str, str]:
     """``env`` plus our Ray defaults where it does not set them (they reach the Ray head verl starts)."""
     return {**RAY_ENV_DEFAULTS, **env}
@@ -179,6 +221,8 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
         f"--config-path={recipe.parent}",
         f"--config-name={recipe.stem}",
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
+        *join_cluster_overrides(cluster_address(env, overrides)),
+        *job_env_overrides(env),
         *overrides,
     ]
     (run_dir / "command.txt").write_text(" ".join(command) + "\n")

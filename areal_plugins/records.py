@@ -1,8 +1,10 @@
 """The run's JSONL records, written by one writer: steps, samples, timeline, weight syncs, micro-batches.
 
-Files go to the run directory ``$AREAL_RUN_DIR`` (``areal-plugins train`` sets it); without it
-nothing is written. Every process of the run (driver, trainer workers, rollout servers) appends
-through :func:`append_record`, one whole line per call, so concurrent writers never interleave lines.
+Files go to the run directory ``$AREAL_RUN_DIR`` (``areal-plugins train`` sets it in the Ray job's
+environment, so every node sees it); without it nothing is written. Every process of the run (driver,
+trainer workers, rollout servers) appends through :func:`append_record`, one whole line per call, so
+concurrent writers never interleave lines; a process on another node than the run directory sends its
+lines to the run's record sink (:mod:`areal_plugins.record_sink`).
 ``timeline.jsonl`` holds spans ``{"who", "what", "start", "end"}`` (trainer waiting / training /
 updating weights) and rollout samples ``{"who": "rollout", "time", "busy_s", "in_flight"}``.
 """
@@ -17,6 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from areal_plugins.record_sink import append_line, remote_sink, this_node
 
 RUN_DIR_ENV = "AREAL_RUN_DIR"
 _lock = threading.Lock()
@@ -34,14 +38,26 @@ def append_record(name: str, record: dict[str, Any], directory: Path | None = No
     if directory is None:
         return False
     line = json.dumps(record, default=float) + "\n"
+    sink = remote_sink()
+    if sink is not None:
+        sink.append.remote(name, line, this_node())
+        return True
     with _lock:
-        # One write() of the whole line with O_APPEND: lines of several processes do not interleave.
-        fd = os.open(directory / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
+        append_line(directory / name, line)
     return True
+
+
+def record_exists(name: str, directory: Path | None = None) -> bool:
+    """Whether the run directory holds ``name`` (asked of the sink from another node)."""
+    directory = directory if directory is not None else run_dir()
+    if directory is None:
+        return False
+    sink = remote_sink()
+    if sink is not None:
+        import ray
+
+        return bool(ray.get(sink.exists.remote(name)))
+    return (directory / name).exists()
 
 
 class RunRecorder:

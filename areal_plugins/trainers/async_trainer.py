@@ -34,7 +34,8 @@ from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.utils.debug import marked_timer
 
 from areal_plugins.manager import call_hook
-from areal_plugins.records import RunRecorder
+from areal_plugins.record_sink import start_record_sink
+from areal_plugins.records import RunRecorder, record_exists
 from areal_plugins.run_control import STOP_REQUEST_FILE
 from areal_plugins.settings import ArealConfig
 from areal_plugins.trainers.actor_liveness import ActorLiveness
@@ -92,9 +93,11 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         # separate: no engines on the trainer's devices (verl builds none when this is False); they get a
         # standalone pool of their own in _setup, fed by a checkpoint engine (docs/design.md, Placements).
         self._enable_hybrid_replicas = self.areal.placement == "colocated"
+        self.recorder = RunRecorder()
+        if self.recorder.run_dir is not None:  # before verl creates the workers that send records to it
+            start_record_sink(self.recorder.run_dir)
         super().__init__(config)
         self.version = 0  # the policy version the engines serve
-        self.recorder = RunRecorder()
         self.manager: Any = None
         self._last_stats: dict[str, Any] | None = None
         self._last_stats_time = time.time()
@@ -346,7 +349,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             while True:
                 if self._stall_guard is not None:
                     self._stall_guard.beat()
-                if self.recorder.run_dir is not None and (self.recorder.run_dir / STOP_REQUEST_FILE).exists():
+                if self.recorder.run_dir is not None and record_exists(STOP_REQUEST_FILE, self.recorder.run_dir):
                     self._stop_on_request()
                 self._check_admission_alive()
                 self._actor_liveness.check()

@@ -30,6 +30,8 @@ from typing import Any
 import aiohttp
 import torch
 
+from areal_plugins.record_sink import remote_sink
+from areal_plugins.records import run_dir
 from areal_plugins.rollout.base import (
     Generated,
     RolloutServer,
@@ -98,7 +100,7 @@ class VLLMRolloutServer(RolloutServer):
         max_batch_size: vLLM's ``max_num_seqs``.
         num_threads: CPU threads of the server process.
         seed: sampling seed.
-        log_dir: where the server log goes (default: ``$AREAL_RUN_DIR`` or a temporary directory).
+        log_dir: where the server log goes (default: the run directory on its machine, else a temporary one).
         free_cache_engine: verl's ``rollout.free_cache_engine`` (true is refused: no sleep mode on CPU).
     """
 
@@ -117,7 +119,9 @@ class VLLMRolloutServer(RolloutServer):
         log_dir: str | None = None,
         free_cache_engine: bool = False,
     ) -> None:
-        log_dir = log_dir or os.environ.get("AREAL_RUN_DIR") or tempfile.mkdtemp(prefix="areal_vllm_")
+        # The run directory is on the driver's machine: a server on another node logs to a local folder.
+        local_run_dir = run_dir() if remote_sink() is None else None
+        log_dir = log_dir or (str(local_run_dir) if local_run_dir else None) or tempfile.mkdtemp(prefix="areal_vllm_")
         self.replica_rank = replica_rank
         self.response_length = response_length
         self.max_model_len = max_model_len
