@@ -25,6 +25,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from filelock import FileLock
+
 from areal_plugins.run_control import new_group_dying_with_parent
 
 logger = logging.getLogger(__name__)
@@ -52,8 +54,12 @@ def ensure_vllm_python(env_dir: Path | None = None) -> Path:
         return Path(configured)
     env_dir = env_dir or REPO_ENV_DIR
     python = env_dir / "bin" / "python"
-    if not python.exists():
-        create_vllm_env(env_dir)
+    if python.exists():
+        return python
+    # Several replicas on one node start together: one builds the environment, the others wait for it.
+    with FileLock(str(env_dir.with_name(env_dir.name + ".lock"))):
+        if not python.exists():
+            create_vllm_env(env_dir)
     return python
 
 
@@ -78,6 +84,10 @@ def create_vllm_env(env_dir: Path) -> None:
     logger.info("vLLM environment ready: %s", env_dir)
 
 
+#: The port is probed free, then released for vLLM to bind: another process may take it in between.
+PORT_ATTEMPTS = 3
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -86,6 +96,10 @@ def free_port() -> int:
 
 class VLLMServer:
     """One ``vllm.entrypoints.openai.api_server`` process serving ``model_path`` on 127.0.0.1.
+
+    Loopback on purpose: only the rollout server actor that owns it, on the same node, talks to it, and
+    its dev-mode endpoints (``/collective_rpc``) must not be reachable from the network. A restart starts
+    the process again inside the same actor, so it stays on the node whose resources Ray gave that actor.
 
     Args:
         model_path: Hugging Face model directory.
@@ -150,7 +164,19 @@ class VLLMServer:
         ]
 
     def start(self, timeout_s: float = 600.0) -> None:
-        """Start the server and wait until ``/health`` answers; raise with the log's tail if it dies."""
+        """Start the server and wait until ``/health`` answers; raise with the log's tail if it dies.
+
+        A port taken between the probe and vLLM's bind costs one more attempt on another port."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                self._start_once(timeout_s)
+                return
+            except VLLMServerError as error:
+                if attempt == PORT_ATTEMPTS or "address already in use" not in str(error).lower():
+                    raise
+                logger.warning("port %d was taken before vLLM bound it; starting again on another", self.port)
+
+    def _start_once(self, timeout_s: float) -> None:
         if self.python is None:
             self.python = ensure_vllm_python()
         self.port = free_port()
