@@ -80,7 +80,17 @@ def cluster_address(env: dict[str, str], overrides: list[str]) -> str | None:
         if key == "ray_kwargs.ray_init.address" and value not in ("", "null", "None", "local"):
             return value
     address = env.get("RAY_ADDRESS", "").strip()
-    return address if address and address != "local" else None
+    if address:
+        return address if address != "local" else None
+    return running_local_cluster()
+
+
+def running_local_cluster() -> str | None:
+    """The cluster ``ray start`` left running on this machine, which ``ray.init()`` joins unasked."""
+    from ray._private import services, utils
+
+    address = utils.read_ray_address()
+    return address if address and services.find_gcs_addresses() else None
 
 
 def join_cluster_overrides(address: str | None) -> list[str]:

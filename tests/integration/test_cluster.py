@@ -1,0 +1,161 @@
+"""A run joins an existing Ray cluster of three nodes on this machine and loses the engines' node mid-run.
+
+Ray's own multi-node mechanism on one host (``ray.cluster_utils.Cluster``): a head with no GPU slot and two
+nodes with one fake GPU slot each, so verl's pools put the trainer on one node and the standalone engines
+(``placement: separate``) on the other. The nodes' processes are started by the cluster, not by the CLI,
+so they see nothing of the CLI's environment: what they know of the run came with the Ray job. The example
+plugin is installed on every node (on their ``PYTHONPATH``) and configured through the job's runtime_env.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.integration.conftest import EXAMPLE_PLUGIN_DIR, REPO, kill_tree, read_jsonl, run_cli, train_args
+
+pytestmark = pytest.mark.integration
+STEPS = 6
+LOST_AFTER_CHECKPOINT = 2
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray._private.utils import reset_ray_address
+    from ray.cluster_utils import Cluster
+
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXAMPLE_PLUGIN_DIR), before) if p)
+    try:
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 0, "include_dashboard": True}
+        )
+        for _ in range(2):
+            cluster.add_node(num_cpus=4, num_gpus=1)
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = before
+    yield cluster
+    cluster.shutdown()
+    reset_ray_address()  # else a later plain ray.init() on this machine would try to join the dead cluster
+
+
+def cluster_args(run_dir, tiny_dir, observer_log) -> list[str]:
+    job_env = "++ray_kwargs.ray_init.runtime_env.env_vars"
+    return train_args(
+        "grpo_cpu_async_separate.yaml",
+        run_dir,
+        tiny_dir,
+        STEPS,
+        "trainer.save_freq=1",
+        f"{job_env}.AREAL_EXAMPLE_OBSERVER_LOG='{observer_log}'",  # a plugin's settings, for every node
+        f"{job_env}.AREAL_EXAMPLE_OBSERVER_REWARD=quarter",
+    )
+
+
+def actors_by_class(run_dir) -> dict[str, dict]:
+    return {a["class_name"].rsplit(".", 1)[-1]: a for a in read_jsonl(run_dir / "ray_actors.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def lost_node_run(cluster, tiny_dir, tmp_path_factory):
+    """Run until step LOST_AFTER_CHECKPOINT is checkpointed, remove the engines' node, resume on a new one."""
+    base = tmp_path_factory.mktemp("cluster")
+    run_dir, observer_log = base / "run", base / "observer.jsonl"
+    env = dict(os.environ, RAY_ADDRESS=cluster.address)
+    args = cluster_args(run_dir, tiny_dir, observer_log)
+    marker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "areal_plugins.cli", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not (marker.exists() and marker.read_text().strip() == str(LOST_AFTER_CHECKPOINT)):
+            assert process.poll() is None, f"the run ended before its step-{LOST_AFTER_CHECKPOINT} checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
+            time.sleep(0.2)
+        engines_node = actors_by_class(run_dir)["CPURolloutServer"]["node_id"]
+        (node,) = [n for n in cluster.worker_nodes if n.node_id == engines_node]
+        cluster.remove_node(node, allow_graceful=False)  # the machine is gone: raylet and workers at once
+        lost = time.monotonic()
+        code = process.wait(timeout=300)
+        stopped_after = time.monotonic() - lost
+    finally:
+        if process.poll() is None:
+            kill_tree(process)
+    before = {name: read_jsonl(run_dir / name) for name in ("areal_submissions.jsonl", "areal_samples.jsonl")}
+    for name in before:
+        (run_dir / name).rename(run_dir / f"lost.{name}")
+    lost_log = (run_dir / "train.log").read_text()
+    (run_dir / "train.log").rename(run_dir / "lost.train.log")
+    cluster.add_node(num_cpus=4, num_gpus=1)  # a replacement machine joins; the same command resumes
+    run_cli(*args, env=env)
+    return {
+        "run_dir": run_dir,
+        "observer": read_jsonl(observer_log),
+        "engines_node": engines_node,
+        "code": code,
+        "stopped_after": stopped_after,
+        "lost_log": lost_log,
+        "before": before,
+    }
+
+
+def test_trainer_and_engines_run_on_two_nodes_the_cli_never_started(lost_node_run, cluster):
+    actors = read_jsonl(lost_node_run["run_dir"] / "ray_actors.jsonl")  # both runs, as Ray placed them
+    trainer = {a["node_id"] for a in actors if a["class_name"].endswith("WorkerDict")}
+    engines = {a["node_id"] for a in actors if a["class_name"] == "CPURolloutServer"}
+    assert trainer and engines and not trainer & engines
+    assert cluster.head_node.node_id not in trainer | engines
+    assert lost_node_run["engines_node"] in engines
+
+
+def test_the_engines_node_sends_its_records_to_the_run_directory(lost_node_run):
+    run_dir = lost_node_run["run_dir"]
+    sources = read_jsonl(run_dir / "record_sources.jsonl")
+    assert {"replica_events.jsonl", "weight_syncs.jsonl"} <= {
+        s["file"] for s in sources if s["node"] == lost_node_run["engines_node"]
+    }
+
+
+def test_every_node_runs_the_plugin_with_the_jobs_settings(lost_node_run):
+    run_dir, observer = lost_node_run["run_dir"], lost_node_run["observer"]
+    actors = [a for a in read_jsonl(run_dir / "ray_actors.jsonl") if a["class_name"].endswith("WorkerDict")]
+    trainer_pids = {a["pid"] for a in actors}
+    # The trainer workers (on a node the CLI never touched) loaded the plugin and read its log setting.
+    assert trainer_pids & {e["pid"] for e in observer if e["event"] == "make_policy_loss"}
+    # Its reward (setting REWARD=quarter) scored every rollout of the run: 0.25 each.
+    scores = [m["data"]["critic/score/mean"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert scores and all(score == pytest.approx(0.25) for score in scores)
+
+
+def test_losing_the_engines_node_stops_the_run_naming_the_node(lost_node_run):
+    assert lost_node_run["code"] != 0
+    assert lost_node_run["stopped_after"] < 120, f"{lost_node_run['stopped_after']:.0f} s to stop"
+    log = lost_node_run["lost_log"]
+    assert f"node {lost_node_run['engines_node'][:8]}) died" in log, log[-3000:]
+
+
+def test_the_resumed_run_on_a_replacement_node_loses_no_prompt(lost_node_run):
+    run_dir, before = lost_node_run["run_dir"], lost_node_run["before"]
+    (restored,) = read_jsonl(run_dir / "areal_restored.jsonl")
+    saved = restored["saved"]
+    assert restored["version"] == LOST_AFTER_CHECKPOINT
+    drawn = [uid for line in before["areal_submissions.jsonl"][: saved["submissions"]] for uid in line["uids"]]
+    consumed = {s["group"] for s in before["areal_samples.jsonl"] if s["step"] <= LOST_AFTER_CHECKPOINT}
+    assert set(restored["uids"]) == set(drawn) - consumed
+    steps = [s["step"] for s in read_jsonl(run_dir / "areal_steps.jsonl")]
+    assert steps[-(STEPS - LOST_AFTER_CHECKPOINT) :] == list(range(LOST_AFTER_CHECKPOINT + 1, STEPS + 1))
+    assert json.loads((run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text()) == STEPS

@@ -1,0 +1,44 @@
+"""What the CLI adds to verl's command line so that a run joins a cluster and its workers see the run."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_plugins import cli
+
+
+def test_the_run_settings_travel_in_the_jobs_runtime_env():
+    env = {"AREAL_RUN_DIR": "/runs/a", "VERL_PLATFORM": "cpu", "HOME": "/root", "AREAL_VLLM_PYTHON": ""}
+    assert cli.job_env_overrides(env) == [
+        "++ray_kwargs.ray_init.runtime_env.env_vars.AREAL_RUN_DIR='/runs/a'",
+        "++ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM='cpu'",
+    ]
+
+
+def test_a_path_that_cannot_be_quoted_is_refused():
+    with pytest.raises(SystemExit, match="rename it"):
+        cli.job_env_overrides({"AREAL_RUN_DIR": "/runs/it's"})
+
+
+@pytest.mark.parametrize(
+    ("env", "overrides", "expected"),
+    [
+        ({"RAY_ADDRESS": "10.0.0.1:6379"}, [], "10.0.0.1:6379"),
+        ({"RAY_ADDRESS": "local"}, [], None),
+        ({}, ["+ray_kwargs.ray_init.address=10.0.0.2:6379"], "10.0.0.2:6379"),
+        ({"RAY_ADDRESS": "10.0.0.1:6379"}, ["ray_kwargs.ray_init.address=null"], "10.0.0.1:6379"),
+        ({}, [], None),
+    ],
+)
+def test_the_cluster_a_run_joins(env, overrides, expected, monkeypatch):
+    monkeypatch.setattr(cli, "running_local_cluster", lambda: None)
+    assert cli.cluster_address(env, overrides) == expected
+
+
+def test_joining_a_cluster_drops_the_sizes_of_a_cluster_ray_would_start():
+    assert cli.join_cluster_overrides(None) == []
+    assert cli.join_cluster_overrides("10.0.0.1:6379") == [
+        "ray_kwargs.ray_init.num_cpus=null",
+        "ray_kwargs.ray_init.num_gpus=null",
+        "ray_kwargs.ray_init.object_store_memory=null",
+    ]
