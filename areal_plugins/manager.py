@@ -6,6 +6,7 @@ Hooks are called through :func:`call_hook`, which names the plugin when one rais
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Iterable
 from importlib.metadata import entry_points
@@ -26,6 +27,12 @@ _manager: pluggy.PluginManager | None = None
 
 class PluginError(RuntimeError):
     """A plugin failed: it raised inside a hook, or it does not match the hook specs."""
+
+
+def selected_plugin_names(include: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> list[str]:
+    """The third-party plugins ``include``/``exclude`` select here (None: every installed one)."""
+    chosen = installed_plugin_names() if include is None else list(include)
+    return sorted(set(chosen) - set(exclude))
 
 
 def installed_plugin_names() -> list[str]:
@@ -50,7 +57,8 @@ def build_plugin_manager(include: Iterable[str] | None = None, exclude: Iterable
     unknown = sorted((include_set | exclude_set) - set(available))
     if unknown:
         raise PluginError(
-            f"areal.plugins names {unknown}, which are not installed; installed plugins: {available or 'none'}"
+            f"areal.plugins names {unknown}, which are not installed on {socket.gethostname()}; installed plugins: "
+            f"{available or 'none'}. On a cluster every node needs the plugins the driver's machine loads"
         )
     manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     manager.add_hookspecs(hookspecs)

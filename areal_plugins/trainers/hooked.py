@@ -8,10 +8,29 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from areal_plugins.manager import call_hook, configure_plugins
+from areal_plugins.manager import call_hook, configure_plugins, selected_plugin_names
 from areal_plugins.trainers.workers import run_in_workers
 
 logger = logging.getLogger(__name__)
+
+
+def pin_plugin_selection(config: Any, names: list[str]) -> list[str]:
+    """Write the plugin set chosen here into the config verl hands to its workers; return it.
+
+    The recipe routes ``areal.plugins`` to the reward workers (``reward_kwargs.areal_plugins``); verl may
+    have resolved that copy already, so both are set. A node missing one of ``names`` then fails with
+    an error naming it instead of running without the plugin.
+    """
+    from omegaconf import open_dict
+
+    nodes = [config.areal.plugins]
+    reward_kwargs: Any = config.get("reward", {}).get("custom_reward_function", {}).get("reward_kwargs") or {}
+    if reward_kwargs.get("areal_plugins") is not None:
+        nodes.append(reward_kwargs.areal_plugins)
+    for node in nodes:
+        with open_dict(node):
+            node.include, node.exclude = list(names), []
+    return list(names)
 
 
 class HookedTrainerMixin:
@@ -27,8 +46,9 @@ class HookedTrainerMixin:
 
     def init(self) -> None:
         plugins = self.config.areal.plugins
-        include = list(plugins.include) if plugins.include is not None else None
-        manager = configure_plugins(include=include, exclude=list(plugins.exclude))
+        # "All installed" means the driver's machine's plugins: every worker, on any node, loads these.
+        include = pin_plugin_selection(self.config, selected_plugin_names(plugins.include, list(plugins.exclude or [])))
+        manager = configure_plugins(include=include, exclude=[])
         logger.info("areal_plugins: plugins %s", [name for name, _ in manager.list_name_plugin()])
         call_hook("areal_validate_config", config=self.config)
         super().init()  # type: ignore[misc]
@@ -36,7 +56,7 @@ class HookedTrainerMixin:
 
         workers = [self.actor_rollout_wg]  # type: ignore[attr-defined]
         # The trainer workers call areal_make_policy_loss: give them the driver's plugin set.
-        run_in_workers(workers, configure_plugins, include, list(plugins.exclude))
+        run_in_workers(workers, configure_plugins, include, [])
         applied = apply_in_workers(self.config, workers)
         if applied:
             logger.info("areal_plugins: applied %s in the trainer's worker processes", applied)

@@ -179,7 +179,9 @@ def test_entry_point_plugin_is_discovered_and_selectable(installed_example_plugi
     assert call_hook("areal_accept_trajectory", manager, trajectory=make_trajectory(0.0)) is False
     excluded = build_plugin_manager(exclude=[installed_example_plugin])
     assert excluded.get_plugin(installed_example_plugin) is None
-    with pytest.raises(PluginError, match=r"not installed; installed plugins: \['example_filter'\]"):
+    with pytest.raises(
+        PluginError, match=r"not installed on \S+; installed plugins: \[.example_filter.\]\. On a cluster every node"
+    ):
         build_plugin_manager(include=["exmaple_filter"])
 
 
@@ -221,3 +223,26 @@ def test_policy_loss_hook_chooses_the_workers_loss():
         assert verl_loss.pure_loss() is decoupled_ppo_loss  # the built-in default
     finally:
         verl_loss._pure_loss = None
+
+
+def test_all_installed_means_the_drivers_plugins_for_every_worker(installed_example_plugin):
+    from omegaconf import OmegaConf
+
+    from areal_plugins.manager import selected_plugin_names
+    from areal_plugins.trainers.hooked import pin_plugin_selection
+
+    assert selected_plugin_names(None, []) == [installed_example_plugin]
+    assert selected_plugin_names(None, [installed_example_plugin]) == []
+    for resolved in (False, True):  # verl may resolve the recipe's interpolation before our trainer runs
+        config = OmegaConf.create(
+            {
+                "areal": {"plugins": {"include": None, "exclude": ["other"]}},
+                "reward": {"custom_reward_function": {"reward_kwargs": {"areal_plugins": "${areal.plugins}"}}},
+            }
+        )
+        if resolved:
+            OmegaConf.resolve(config)
+        OmegaConf.set_struct(config, True)
+        pin_plugin_selection(config, [installed_example_plugin])
+        for node in (config.areal.plugins, config.reward.custom_reward_function.reward_kwargs.areal_plugins):
+            assert OmegaConf.to_container(node) == {"include": [installed_example_plugin], "exclude": []}
