@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
 import transfer_queue as tq
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
@@ -316,6 +317,10 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     def fit(self, agent_loop_manager: Any) -> None:
         try:
             super().fit(agent_loop_manager)
+        except ray.exceptions.RayActorError:
+            # An actor was lost under a call (a weight sync to a lost node's engines): name it and its node.
+            self._actor_liveness.explain()
+            raise
         finally:
             self._monitor_stop.set()
             if self._stall_guard is not None:

@@ -26,6 +26,7 @@ def record_ray_placement(placement: str) -> int:
     for actor in actors:
         record: dict[str, Any] = {
             "placement": placement,
+            "job_id": actor.job_id,
             "class_name": actor.class_name,
             "name": actor.name,
             "node_id": actor.node_id,

@@ -126,12 +126,19 @@ def lost_node_run(cluster, tiny_dir, tmp_path_factory):
 
 
 def test_trainer_and_engines_run_on_two_nodes_the_cli_never_started(lost_node_run, cluster):
-    actors = read_jsonl(lost_node_run["run_dir"] / "ray_actors.jsonl")  # both runs, as Ray placed them
-    trainer = {a["node_id"] for a in actors if a["class_name"].endswith("WorkerDict")}
-    engines = {a["node_id"] for a in actors if a["class_name"] == "CPURolloutServer"}
-    assert trainer and engines and not trainer & engines
-    assert cluster.head_node.node_id not in trainer | engines
-    assert lost_node_run["engines_node"] in engines
+    by_job: dict[str, list[dict]] = {}  # both runs' actors, as Ray placed them
+    for actor in read_jsonl(lost_node_run["run_dir"] / "ray_actors.jsonl"):
+        by_job.setdefault(actor["job_id"], []).append(actor)
+    assert len(by_job) == 2
+    for actors in by_job.values():
+        trainer = {a["node_id"] for a in actors if a["class_name"].endswith("WorkerDict")}
+        engines = {a["node_id"] for a in actors if a["class_name"] == "CPURolloutServer"}
+        assert len(trainer) == len(engines) == 1 and trainer != engines
+        assert cluster.head_node.node_id not in trainer | engines
+    first_job = min(by_job)
+    assert {a["node_id"] for a in by_job[first_job] if a["class_name"] == "CPURolloutServer"} == {
+        lost_node_run["engines_node"]
+    }
 
 
 def test_the_engines_node_sends_its_records_to_the_run_directory(lost_node_run):
