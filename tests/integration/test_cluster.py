@@ -4,7 +4,8 @@ Ray's own multi-node mechanism on one host (``ray.cluster_utils.Cluster``): a he
 nodes with one fake GPU slot each, so verl's pools put the trainer on one node and the standalone engines
 (``placement: separate``) on the other. The nodes' processes are started by the cluster, not by the CLI,
 so they see nothing of the CLI's environment: what they know of the run came with the Ray job. The example
-plugin is installed on every node (on their ``PYTHONPATH``) and configured through the job's runtime_env.
+plugin is installed on every node (on their ``PYTHONPATH``); its setting (where to log) travels in the job's
+runtime_env.
 """
 
 from __future__ import annotations
@@ -64,8 +65,7 @@ def cluster_args(run_dir, tiny_dir, observer_log) -> list[str]:
         tiny_dir,
         STEPS,
         "trainer.save_freq=1",
-        f"{job_env}.AREAL_EXAMPLE_OBSERVER_LOG='{observer_log}'",  # a plugin's settings, for every node
-        f"{job_env}.AREAL_EXAMPLE_OBSERVER_REWARD=quarter",
+        f"{job_env}.AREAL_EXAMPLE_OBSERVER_LOG='{observer_log}'",  # a plugin's setting, for every node
     )
 
 
@@ -155,9 +155,8 @@ def test_every_node_runs_the_plugin_with_the_jobs_settings(lost_node_run):
     trainer_pids = {a["pid"] for a in actors}
     # The trainer workers (on a node the CLI never touched) loaded the plugin and read its log setting.
     assert trainer_pids & {e["pid"] for e in observer if e["event"] == "make_policy_loss"}
-    # Its reward (setting REWARD=quarter) scored every rollout of the run: 0.25 each.
-    scores = [m["data"]["critic/score/mean"] for m in read_jsonl(run_dir / "metrics.jsonl")]
-    assert scores and all(score == pytest.approx(0.25) for score in scores)
+    # Both runs' reward workers loaded it (the second on nodes of which one joined after the loss).
+    assert len({e["pid"] for e in observer if e["event"] == "make_reward_fn"}) == 2
 
 
 def test_losing_the_engines_node_stops_the_run_naming_the_node(lost_node_run):
