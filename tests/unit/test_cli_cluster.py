@@ -42,3 +42,24 @@ def test_joining_a_cluster_drops_the_sizes_of_a_cluster_ray_would_start():
         "ray_kwargs.ray_init.num_gpus=null",
         "ray_kwargs.ray_init.object_store_memory=null",
     ]
+
+
+def test_every_environment_variable_a_worker_reads_travels_with_the_job():
+    """A worker on another node sees the job's runtime_env, never the CLI's shell: the package reads only
+    variables the CLI sends with the job (the CLI itself and the vLLM child's passed-on env excepted)."""
+    import re
+    from pathlib import Path
+
+    import areal_plugins
+
+    package = Path(areal_plugins.__file__).parent
+    constants = {"RUN_DIR_ENV": "AREAL_RUN_DIR", "PYTHON_ENV": "AREAL_VLLM_PYTHON"}
+    read = re.compile(r"os\.environ(?:\.get\(|\[)\s*([A-Z_]+|\"[A-Z_]+\")")
+    names = set()
+    for path in package.rglob("*.py"):
+        if path.name == "cli.py":
+            continue
+        for token in read.findall(path.read_text()):
+            names.add(constants.get(token, token.strip('"')))
+    assert names == {"AREAL_RUN_DIR", "AREAL_VLLM_PYTHON", "VERL_PLATFORM"}  # found by grep, listed by hand
+    assert names <= set(cli.JOB_ENV_VARS)
