@@ -146,6 +146,13 @@ class ArealConfig:
         default=900.0,
         metadata={"help": "stop with a report when the trainer waits this long with no rollout progress"},
     )
+    waive_capabilities: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "rollout-backend capabilities to run without (verl's own vllm/sglang lack some); "
+            "refused at startup unless named here"
+        },
+    )
     loss: LossConfig = field(default_factory=LossConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     micro_batch: MicroBatchConfig = field(default_factory=MicroBatchConfig)
@@ -172,6 +179,11 @@ class ArealConfig:
             raise ArealConfigError(f"areal.watchdog_s must be > 0 seconds, got {self.watchdog_s!r}")
         if not self.poll_interval_s > 0:
             raise ArealConfigError(f"areal.poll_interval_s must be > 0, got {self.poll_interval_s!r}")
+        waived = self.waive_capabilities
+        if not isinstance(waived, list | tuple) or not all(isinstance(name, str) for name in waived):
+            raise ArealConfigError(
+                f"areal.waive_capabilities must be a list of capability names, e.g. [weight_checksum], got {waived!r}"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> ArealConfig:

@@ -41,6 +41,10 @@ def areal_validate_config(config: Any) -> None:
             "actor_rollout_ref.rollout.calculate_log_probs=false"
         )
     rollout = config.actor_rollout_ref.rollout
+    if areal.mode == "async":
+        from areal_plugins.rollout.capabilities import check_backend_capabilities
+
+        check_backend_capabilities(str(rollout.name), list(areal.get("waive_capabilities") or []))
     if areal.mode == "async" and areal.placement == "separate":
         if rollout.checkpoint_engine.backend == "naive":
             raise ArealConfigError(

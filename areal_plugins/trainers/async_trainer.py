@@ -37,6 +37,7 @@ from verl.utils.debug import marked_timer
 from areal_plugins.manager import call_hook
 from areal_plugins.record_sink import start_record_sink
 from areal_plugins.records import RunRecorder, record_exists
+from areal_plugins.rollout.capabilities import check_backend_capabilities
 from areal_plugins.run_control import STOP_REQUEST_FILE
 from areal_plugins.settings import ArealConfig
 from areal_plugins.trainers.actor_liveness import ActorLiveness
@@ -91,6 +92,15 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
 
     def __init__(self, config: Any) -> None:
         self.areal = ArealConfig.from_node(config.areal)
+        backend = str(config.actor_rollout_ref.rollout.name)
+        waived = check_backend_capabilities(backend, self.areal.waive_capabilities)  # refuses what is missing
+        if waived:
+            logger.warning(
+                "areal: running with rollout.name=%s WITHOUT %s (areal.waive_capabilities)%s",
+                backend,
+                ", ".join(waived),
+                "; the watchdog judges progress by finished groups only" if "progress_stats" in waived else "",
+            )
         # separate: no engines on the trainer's devices (verl builds none when this is False); they get a
         # standalone pool of their own in _setup, fed by a checkpoint engine (docs/design.md, Placements).
         self._enable_hybrid_replicas = self.areal.placement == "colocated"
@@ -110,6 +120,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self._step_started = time.time()
         self._actor_liveness = ActorLiveness()
         self._stall_guard: StallGuard | None = None
+        self._stats_errors = 0  # looks at the engines' statistics that failed (areal/rollout_stats_errors)
 
     # ------------------------------------------------------------------ construction
 
@@ -490,6 +501,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             try:
                 stats = self._rollout_stats()
             except Exception as error:  # a dead or hung server: the trainer's own calls report it
+                self._stats_errors += 1
                 if repr(error) != last_error:  # once per distinct error, not twice a second
                     logger.warning("rollout statistics unavailable (%r); the timeline has a gap", error)
                     last_error = repr(error)
@@ -509,6 +521,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         stats = self._rollout_stats()
         wall = now - self._last_stats_time
         metrics.update(rollout_rates(self._last_stats, stats, wall))
+        metrics["areal/rollout_stats_errors"] = float(self._stats_errors)
         self._last_stats, self._last_stats_time = stats, now
         step_s = timing_raw.get("step", 0.0)
         if step_s > 0:

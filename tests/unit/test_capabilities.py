@@ -1,0 +1,61 @@
+"""The rollout-backend contract: what areal_async needs, refused at startup when a backend lacks it."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_plugins.rollout.capabilities import CAPABILITIES, check_backend_capabilities
+from areal_plugins.settings import ArealConfigError
+from tests.unit.test_recipes import compose
+
+
+@pytest.fixture(autouse=True)
+def tiny_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("AREAL_TINY_DIR", str(tmp_path))
+
+
+@pytest.mark.parametrize("backend", ["areal_cpu", "areal_vllm"])
+def test_our_backends_provide_everything(backend):
+    assert check_backend_capabilities(backend) == []
+
+
+def test_verls_vllm_is_refused_naming_what_it_lacks_and_the_way_out():
+    with pytest.raises(ArealConfigError) as refused:
+        check_backend_capabilities("vllm")
+    message = str(refused.value)
+    # Read in verl 0.9.1's vllm_async_server.py: no checksum of loaded weights, no token counts.
+    assert "- weight_checksum:" in message and "- progress_stats:" in message
+    assert "abort_keeps_partial" not in message and "version_stamps" not in message
+    assert "areal_vllm" in message and "areal.enable=false" in message
+    assert message.endswith("areal.waive_capabilities=[weight_checksum,progress_stats]")
+
+
+def test_a_waived_capability_is_returned_for_the_startup_warning():
+    assert check_backend_capabilities("vllm", ["weight_checksum", "progress_stats"]) == [
+        "weight_checksum",
+        "progress_stats",
+    ]
+    with pytest.raises(ArealConfigError, match=r"- progress_stats"):  # waiving one is not waiving both
+        check_backend_capabilities("vllm", ["weight_checksum"])
+
+
+def test_sglang_also_lacks_partial_log_probs_and_an_unknown_backend_everything():
+    with pytest.raises(ArealConfigError, match=r"(?s)- abort_keeps_partial:.*- weight_checksum:"):
+        check_backend_capabilities("sglang")
+    assert check_backend_capabilities("my_engine", list(CAPABILITIES)) == list(CAPABILITIES)
+
+
+def test_a_misspelled_waiver_is_refused():
+    with pytest.raises(ArealConfigError, match=r"\['weight_checksums'\], which are not capabilities"):
+        check_backend_capabilities("vllm", ["weight_checksums"])
+
+
+def test_the_startup_validation_applies_the_contract_to_the_composed_recipe():
+    from areal_plugins.builtin.validation import areal_validate_config
+
+    with pytest.raises(ArealConfigError, match="rollout.name=vllm lacks"):
+        areal_validate_config(compose("grpo_cpu_async", ["actor_rollout_ref.rollout.name=vllm"]))
+    waived = "areal.waive_capabilities=[weight_checksum,progress_stats]"
+    areal_validate_config(compose("grpo_cpu_async", ["actor_rollout_ref.rollout.name=vllm", waived]))
+    # verl's synchronous trainer with our hooks needs none of it.
+    areal_validate_config(compose("grpo_cpu_async", ["areal.mode=sync", "actor_rollout_ref.rollout.name=vllm"]))
