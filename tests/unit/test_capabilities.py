@@ -53,7 +53,7 @@ def test_a_misspelled_waiver_is_refused():
 def test_the_startup_validation_applies_the_contract_to_the_composed_recipe():
     from areal_plugins.builtin.validation import areal_validate_config
 
-    with pytest.raises(ArealConfigError, match="rollout.name=vllm lacks"):
+    with pytest.raises(ArealConfigError, match=r"rollout\.name=vllm lacks"):
         areal_validate_config(compose("grpo_cpu_async", ["actor_rollout_ref.rollout.name=vllm"]))
     waived = "areal.waive_capabilities=[weight_checksum,progress_stats]"
     areal_validate_config(compose("grpo_cpu_async", ["actor_rollout_ref.rollout.name=vllm", waived]))
