@@ -65,9 +65,33 @@ def sync_poll_overrides(poll_s: float) -> list[str]:
     ]
 
 
-def configs(etas: list[int], placements: list[str], prox_logps: list[str], sync_poll_s: float) -> list[Config]:
-    """sync, then async per placement x η x proximal log-prob mode (the first mode's names carry no suffix)."""
+#: verl's own asynchronous trainers on the sync recipe (our features off), stock settings otherwise.
+#: separate_async needs what our separate placement needs: a standalone rollout pool (one fake GPU slot
+#: beside the trainer's) fed by a checkpoint engine that is not "naive" (our areal_gloo on CPU).
+VERL_ASYNC = {
+    "colocate_async": ["trainer.v1.trainer_mode=colocate_async"],
+    "separate_async": [
+        "trainer.v1.trainer_mode=separate_async",
+        "actor_rollout_ref.hybrid_engine=false",
+        "actor_rollout_ref.rollout.nnodes=1",
+        "actor_rollout_ref.rollout.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=areal_gloo",
+        "ray_kwargs.ray_init.num_gpus=2",
+        "++actor_rollout_ref.rollout.engine_kwargs.areal_cpu.num_threads=1",
+        "++ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS='1'",
+    ],
+}
+
+
+def configs(
+    etas: list[int], placements: list[str], prox_logps: list[str], sync_poll_s: float, verl_async: list[str] = ()
+) -> list[Config]:
+    """sync, verl's async modes, then ours per placement x η x proximal log-prob mode (the first mode's names
+    carry no suffix). verl's rows poll their replay buffer as the sync baseline does."""
     out = [Config("sync", "grpo_cpu_sync.yaml", sync_poll_overrides(sync_poll_s))]
+    for mode in verl_async:
+        overrides = [*sync_poll_overrides(sync_poll_s), *VERL_ASYNC[mode]]
+        out.append(Config(f"verl-{mode}", "grpo_cpu_sync.yaml", overrides))
     for placement in placements:
         recipe = "grpo_cpu_async_separate.yaml" if placement == "separate" else "grpo_cpu_async.yaml"
         for eta in etas:
@@ -262,7 +286,8 @@ def plot(bench: dict, out: Path) -> None:
         [m - c["min"] for m, c in zip(medians, cost, strict=True)],
         [c["max"] - m for m, c in zip(medians, cost, strict=True)],
     ]
-    left.bar(names, medians, yerr=errors, capsize=4, color=["#8c8c8c"] + ["#4c72b0"] * (len(rows) - 1))
+    colors = ["#8c8c8c" if n == "sync" else "#dd8452" if n.startswith("verl-") else "#4c72b0" for n in names]
+    left.bar(names, medians, yerr=errors, capsize=4, color=colors)  # grey: sync, orange: verl's async, blue: ours
     left.set_ylabel("seconds per 1k trained tokens (lower is better)")
     left.set_title(f"{bench.get('workload', 'addition')} workload: training cost, median and min-max")
     left.tick_params(axis="x", rotation=30)
@@ -273,7 +298,7 @@ def plot(bench: dict, out: Path) -> None:
         [x["median"] for x in speed],
         yerr=[[x["median"] - x["min"] for x in speed], [x["max"] - x["median"] for x in speed]],
         capsize=4,
-        color="#55a868",
+        color=["#dd8452" if row["config"].startswith("verl-") else "#55a868" for row in async_rows],
     )
     right.axhline(
         bench["sync_overlap_bound"]["median"], color="#c44e52", ls="--", label="ideal overlap bound (sync phases)"
@@ -329,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         default=0.05,
         help="the sync baseline's replay-buffer poll (our async trainer's is 0.05 s); 2 = verl's default",
     )
+    parser.add_argument(
+        "--verl-async",
+        default="",
+        help="comma list of verl's own async modes to run beside ours: colocate_async, separate_async",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
     parser.add_argument(
         "--workload", choices=sorted(WORKLOADS), help="longtail (default; long-tailed lengths); --quick: addition"
@@ -354,7 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     prox_logps = [p for p in args.prox_logp.split(",") if p]
     if not prox_logps or set(prox_logps) - {"recompute", "loglinear"}:
         parser.error(f"--prox-logp takes recompute and/or loglinear, got {args.prox_logp!r}")
-    plan = configs(etas, placements, prox_logps, args.sync_poll_s)
+    verl_async = [m for m in args.verl_async.split(",") if m]
+    if set(verl_async) - set(VERL_ASYNC):
+        parser.error(f"--verl-async takes {', '.join(VERL_ASYNC)}, got {args.verl_async!r}")
+    plan = configs(etas, placements, prox_logps, args.sync_poll_s, verl_async)
     results: dict[str, list[dict]] = {c.name: [] for c in plan}
     total = len(plan) * args.repeats
     done = 0

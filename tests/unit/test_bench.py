@@ -61,3 +61,15 @@ def test_a_sweep_names_the_second_loss_mode():
     plan = bench.configs([4], ["separate"], ["loglinear", "recompute"], sync_poll_s=0.05)
     assert [c.name for c in plan] == ["sync", "async-separate-eta4", "async-separate-eta4-recompute"]
     assert "areal.loss.prox_logp=recompute" in plan[2].overrides
+
+
+def test_verls_async_modes_run_on_the_sync_recipe_with_the_same_polling():
+    plan = bench.configs([4], ["colocated"], ["recompute"], 0.05, ["colocate_async", "separate_async"])
+    assert [c.name for c in plan] == ["sync", "verl-colocate_async", "verl-separate_async", "async-colocated-eta4"]
+    polling = "+trainer.v1.sampler.sampler_kwargs.poll_interval_s=0.05"
+    for config in plan[:3]:
+        assert config.recipe == "grpo_cpu_sync.yaml" and polling in config.overrides
+    assert "trainer.v1.trainer_mode=colocate_async" in plan[1].overrides
+    separate = plan[2].overrides
+    assert "actor_rollout_ref.hybrid_engine=false" in separate
+    assert "actor_rollout_ref.rollout.checkpoint_engine.backend=areal_gloo" in separate
