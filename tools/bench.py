@@ -66,13 +66,16 @@ def sync_poll_overrides(poll_s: float) -> list[str]:
 
 
 #: verl's own asynchronous trainers on the sync recipe (our features off), stock settings otherwise.
-#: separate_async needs what our separate placement needs: a standalone rollout pool (one fake GPU slot
-#: beside the trainer's) fed by a checkpoint engine that is not "naive" (our areal_gloo on CPU).
+#: separate_async needs a standalone rollout pool (one fake GPU slot beside the trainer's) fed by a
+#: checkpoint engine that is not "naive" (our areal_gloo on CPU); parameter_sync_step=1 keeps one optimizer
+#: step per batch of 16 groups, the work of every other row (verl requires train_batch_size =
+#: parameter_sync_step x ppo_mini_batch_size). Its hybrid replicas stay on (verl's default): verl 0.9.1's
+#: hybrid_engine=false path fails at startup (trainer_separate_async.py passes flush=True to logger.info).
 VERL_ASYNC = {
     "colocate_async": ["trainer.v1.trainer_mode=colocate_async"],
     "separate_async": [
         "trainer.v1.trainer_mode=separate_async",
-        "actor_rollout_ref.hybrid_engine=false",
+        "trainer.v1.separate_async.parameter_sync_step=1",
         "actor_rollout_ref.rollout.nnodes=1",
         "actor_rollout_ref.rollout.n_gpus_per_node=1",
         "actor_rollout_ref.rollout.checkpoint_engine.backend=areal_gloo",
@@ -137,6 +140,19 @@ def measure(run_dir: Path) -> dict:
             s["perf/total_num_tokens"] / (s["prompt_length/mean"] + s["response_length/mean"]) for s in counted
         ),
     }
+    # verl's async trainers count staleness per trajectory from the version that submitted it.
+    verl_staleness = [
+        s["training/off_policy/trajectory_staleness/mean"]
+        for s in counted
+        if "training/off_policy/trajectory_staleness/mean" in s
+    ]
+    if verl_staleness:
+        result["verl_trajectory_staleness"] = statistics.mean(verl_staleness)
+        result["verl_trajectory_staleness_max"] = max(
+            s["training/off_policy/trajectory_staleness/max"]
+            for s in counted
+            if "training/off_policy/trajectory_staleness/max" in s
+        )
     ours = read_jsonl(run_dir / "areal_steps.jsonl")[1:]
     for key in (
         "areal/trainer_idle_ratio",

@@ -71,5 +71,5 @@ def test_verls_async_modes_run_on_the_sync_recipe_with_the_same_polling():
         assert config.recipe == "grpo_cpu_sync.yaml" and polling in config.overrides
     assert "trainer.v1.trainer_mode=colocate_async" in plan[1].overrides
     separate = plan[2].overrides
-    assert "actor_rollout_ref.hybrid_engine=false" in separate
+    assert "trainer.v1.separate_async.parameter_sync_step=1" in separate  # one optimizer step per batch
     assert "actor_rollout_ref.rollout.checkpoint_engine.backend=areal_gloo" in separate
