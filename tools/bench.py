@@ -87,7 +87,12 @@ VERL_ASYNC = {
 
 
 def configs(
-    etas: list[int], placements: list[str], prox_logps: list[str], sync_poll_s: float, verl_async: list[str] = ()
+    etas: list[int],
+    placements: list[str],
+    prox_logps: list[str],
+    sync_poll_s: float,
+    verl_async: list[str] = (),
+    max_concurrent: list[int | None] = (None,),
 ) -> list[Config]:
     """sync, verl's async modes, then ours per placement x η x proximal log-prob mode (the first mode's names
     carry no suffix). verl's rows poll their replay buffer as the sync baseline does."""
@@ -99,9 +104,13 @@ def configs(
         recipe = "grpo_cpu_async_separate.yaml" if placement == "separate" else "grpo_cpu_async.yaml"
         for eta in etas:
             for prox in prox_logps:
-                overrides = [f"areal.max_staleness={eta}", f"areal.loss.prox_logp={prox}"]
-                suffix = "" if prox == prox_logps[0] else f"-{prox}"
-                out.append(Config(f"async-{placement}-eta{eta}{suffix}", recipe, overrides, eta, placement))
+                for limit in max_concurrent:
+                    overrides = [f"areal.max_staleness={eta}", f"areal.loss.prox_logp={prox}"]
+                    suffix = "" if prox == prox_logps[0] else f"-{prox}"
+                    if limit is not None:  # areal.max_concurrent_rollouts; None: the default
+                        overrides.append(f"areal.max_concurrent_rollouts={limit}")
+                        suffix += f"-mcr{limit}"
+                    out.append(Config(f"async-{placement}-eta{eta}{suffix}", recipe, overrides, eta, placement))
     return out
 
 
@@ -375,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="comma list of verl's own async modes to run beside ours: colocate_async, separate_async",
     )
+    parser.add_argument(
+        "--max-concurrent",
+        default="default",
+        help="comma list of areal.max_concurrent_rollouts for our rows; 'default' = (η+1) x train batch",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
     parser.add_argument(
         "--workload", choices=sorted(WORKLOADS), help="longtail (default; long-tailed lengths); --quick: addition"
@@ -403,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     verl_async = [m for m in args.verl_async.split(",") if m]
     if set(verl_async) - set(VERL_ASYNC):
         parser.error(f"--verl-async takes {', '.join(VERL_ASYNC)}, got {args.verl_async!r}")
-    plan = configs(etas, placements, prox_logps, args.sync_poll_s, verl_async)
+    limits = [None if x == "default" else int(x) for x in args.max_concurrent.split(",") if x]
+    plan = configs(etas, placements, prox_logps, args.sync_poll_s, verl_async, limits)
     results: dict[str, list[dict]] = {c.name: [] for c in plan}
     total = len(plan) * args.repeats
     done = 0

@@ -73,3 +73,10 @@ def test_verls_async_modes_run_on_the_sync_recipe_with_the_same_polling():
     separate = plan[2].overrides
     assert "trainer.v1.separate_async.parameter_sync_step=1" in separate  # one optimizer step per batch
     assert "actor_rollout_ref.rollout.checkpoint_engine.backend=areal_gloo" in separate
+
+
+def test_a_concurrency_sweep_names_its_limit():
+    plan = bench.configs([4], ["colocated"], ["recompute"], 0.05, [], [None, 16])
+    assert [c.name for c in plan] == ["sync", "async-colocated-eta4", "async-colocated-eta4-mcr16"]
+    assert "areal.max_concurrent_rollouts=16" in plan[2].overrides
+    assert not [o for o in plan[1].overrides if "max_concurrent" in o]
