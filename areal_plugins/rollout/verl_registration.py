@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from typing import Any
 
 import ray
@@ -77,11 +76,12 @@ def _node_id(_actor: Any) -> str:
 
 
 def _cuda_devices(_actor: Any) -> list[str]:
-    """The CUDA devices Ray gave this worker (none on a machine without a GPU, fake slots included)."""
+    """The GPUs Ray assigned this worker, as physical ids (none without a GPU, fake slots included).
+
+    Ray's assignment, not the worker's CUDA_VISIBLE_DEVICES, which verl may leave unset (all devices)."""
     if not torch.cuda.is_available():
         return []
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    return [d for d in visible.split(",") if d] or [str(i) for i in ray.get_gpu_ids()]
+    return [str(i) for i in ray.get_gpu_ids()]
 
 
 def gpu_settings(rollout_config: Any, devices: list[str], hybrid: bool) -> dict[str, Any] | None:
