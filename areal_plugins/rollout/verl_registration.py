@@ -122,13 +122,14 @@ def _replica_class() -> type:
             options = engine_options(self.config)
             model_path = getattr(self.model_config, "local_path", None) or self.model_config.path
             name = server_actor_name(backend, self.replica_rank, self.name_suffix)
-            server_cls: Any = ray.remote(server_class(backend))
+            cls = server_class(backend)
+            server_cls: Any = ray.remote(cls)
             placement: dict[str, Any] = {}
             extra: dict[str, Any] = {}
             if self.workers:  # on the node of this replica's workers (its devices), as verl's vLLM replica does
                 node = str(ray.get(self.workers[0].__ray_call__.remote(_node_id)))
                 placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-                if server_class(backend).uses_reserved_gpus:
+                if cls.uses_reserved_gpus:
                     devices = ray.get([w.__ray_call__.remote(_cuda_devices) for w in self.workers])
                     hybrid = self.rollout_mode == RolloutMode.HYBRID
                     gpu = gpu_settings(self.config, [d for ds in devices for d in ds], hybrid)

@@ -35,12 +35,13 @@ def run_cli(*args: str, timeout: int = 900, env: dict[str, str] | None = None, c
     return result
 
 
-def start_cli(*args: str):
+def start_cli(*args: str, env: dict[str, str] | None = None):
     """Start ``areal-plugins`` in the background, in a process group of its own (the driver, verl and the
     Ray processes it starts), for tests that signal or kill it mid-run."""
     return subprocess.Popen(
         [sys.executable, "-m", "areal_plugins.cli", *args],
         cwd=REPO,
+        env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

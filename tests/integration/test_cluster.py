@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import EXAMPLE_PLUGIN_DIR, REPO, kill_tree, read_jsonl, run_cli, train_args
+from tests.integration.conftest import EXAMPLE_PLUGIN_DIR, kill_tree, read_jsonl, run_cli, start_cli, train_args
 
 pytestmark = pytest.mark.integration
 STEPS = 6
@@ -81,14 +79,7 @@ def lost_node_run(cluster, tiny_dir, tmp_path_factory):
     env = dict(os.environ, RAY_ADDRESS=cluster.address)
     args = cluster_args(run_dir, tiny_dir, observer_log)
     marker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "areal_plugins.cli", *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    process = start_cli(*args, env=env)
     try:
         deadline = time.monotonic() + 600
         while not (marker.exists() and marker.read_text().strip() == str(LOST_AFTER_CHECKPOINT)):
