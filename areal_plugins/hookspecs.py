@@ -57,7 +57,11 @@ def areal_make_sample_buffer(config: Any) -> Any:
 
 @hookspec(firstresult=True)
 def areal_make_rollout_manager(
-    config: Any, buffer: Any, submit_prompts: Callable[[int], int], accept_trajectory: Callable[[Any], bool]
+    config: Any,
+    buffer: Any,
+    submit_prompts: Callable[[int], int],
+    accept_trajectory: Callable[[Any], bool],
+    reissue_prompts: Callable[[list[str]], None],
 ) -> Any:
     """Create the manager that admits rollouts within the staleness bound and fills ``buffer``.
 
@@ -70,6 +74,9 @@ def areal_make_rollout_manager(
     :param submit_prompts: submits ``n`` new prompt groups for generation; returns how many it sent.
     :param accept_trajectory: asks every ``areal_accept_trajectory`` implementation about one finished
         :class:`~areal_plugins.core.trajectory.Trajectory`; False means drop it (its slot is freed).
+    :param reissue_prompts: sends prompt groups that failed (by uid) for generation again; their prompt
+        stays registered in TransferQueue meanwhile, so a checkpoint keeps it. A manager that drops
+        failed groups instead loses their prompts.
 
     Called from: verl's TaskRunner (the driver), when the async trainer starts training.
     Default: ``areal_plugins.builtin.async_rollout``: :class:`AdmissionLoop` with

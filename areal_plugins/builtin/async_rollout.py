@@ -24,7 +24,11 @@ def areal_make_sample_buffer(config: Any) -> Any:
 
 @hookimpl(trylast=True)
 def areal_make_rollout_manager(
-    config: Any, buffer: Any, submit_prompts: Callable[[int], int], accept_trajectory: Callable[[Any], bool]
+    config: Any,
+    buffer: Any,
+    submit_prompts: Callable[[int], int],
+    accept_trajectory: Callable[[Any], bool],
+    reissue_prompts: Callable[[list[str]], None],
 ) -> Any:
     import transfer_queue
 
@@ -46,4 +50,5 @@ def areal_make_rollout_manager(
         settings.poll_interval_s,
         store=transfer_queue,
         failure_limit=2 * batch,  # two batches' worth of failures in a row, none finished: not a fluke
+        reissue=reissue_prompts,
     )

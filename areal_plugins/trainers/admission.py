@@ -3,7 +3,8 @@
 A thread in verl's driver process. Every ``poll_interval`` seconds it reads the rollout state in
 verl's TransferQueue, turns every newly finished group into :class:`Trajectory` objects, asks the
 ``areal_accept_trajectory`` hook about each, moves kept groups into the :class:`SampleBuffer`,
-frees the slots of rejected and failed ones, and submits as many new prompts as
+frees the slots of rejected ones, re-issues failed ones (their prompt is work still owed, not a
+rejection: a checkpoint taken meanwhile keeps it), and submits as many new prompts as
 ``StalenessController.capacity(version)`` allows. It never blocks the trainer: the trainer only
 waits on the buffer.
 """
@@ -48,6 +49,10 @@ class AdmissionLoop:
         store: TransferQueue's module (``kv_list``, ``kv_batch_get``, ``kv_clear``).
         failure_limit: this many failed groups in a row, none finished since, stop the loop with
             :class:`RolloutsFailingError` (resubmitting into a dead engine would spin forever).
+        reissue: sends failed prompt groups (by uid) for generation again; None settles a failed group
+            as rejected at once (its prompt is then lost to the run).
+        attempts_per_group: a group that failed this many times is rejected for good (a prompt that
+            always breaks the agent loop must not hold its slot forever).
     """
 
     def __init__(
@@ -59,6 +64,8 @@ class AdmissionLoop:
         poll_interval: float,
         store: Any,
         failure_limit: int = 32,
+        reissue: Callable[[list[str]], None] | None = None,
+        attempts_per_group: int = 3,
     ) -> None:
         self.controller = controller
         self.buffer = buffer
@@ -69,7 +76,11 @@ class AdmissionLoop:
         self.version = 0
         self.rejected_trajectories = 0
         self.failed_groups = 0
+        self.reissued_groups = 0
         self.failure_limit = failure_limit
+        self.reissue = reissue
+        self.attempts_per_group = attempts_per_group
+        self._failed_attempts: dict[str, int] = {}
         self._failures_in_a_row = 0
         self._handled: set[str] = set()
         self._admitting = threading.Event()
@@ -135,14 +146,23 @@ class AdmissionLoop:
         for key in listing:
             if not listing[key].get("is_prompt", False):
                 trajectory_keys.setdefault(key.split("_")[0], []).append(key)
+        to_reissue: list[str] = []
         for uid, tag in listing.items():
             if not tag.get("is_prompt", False) or uid in self._handled:
                 continue
             if tag.get("status") in ("finished", "failure"):
                 self._handled.add(uid)
                 keys = sorted(trajectory_keys.get(uid, []))
-                if self._settle(uid, tag["status"], keys, [listing[k] for k in keys]):
+                settled = self._settle(uid, tag["status"], keys, [listing[k] for k in keys])
+                if settled == "progress":
                     self.last_progress = time.monotonic()  # a failed group is not progress
+                elif settled == "reissue":
+                    to_reissue.append(uid)
+        if to_reissue:
+            assert self.reissue is not None
+            self.reissue(to_reissue)
+            self.reissued_groups += len(to_reissue)
+            self._handled.difference_update(to_reissue)  # settled again when the new attempt ends
         if self._admitting.is_set():
             room = self.controller.capacity(self.version)
             if room > 0:
@@ -153,14 +173,12 @@ class AdmissionLoop:
                     self.controller.on_reject(room)
                     raise
 
-    def _settle(self, uid: str, status: str, keys: list[str], tags: list[dict[str, Any]]) -> bool:
-        """Account for one finished group; False when it failed (no trajectory came back)."""
+    def _settle(self, uid: str, status: str, keys: list[str], tags: list[dict[str, Any]]) -> str:
+        """Account for one finished group: "progress", or for a failed one "reissue" or "rejected"."""
         if status == "failure" or not keys:
             self.failed_groups += 1
             self._failures_in_a_row += 1
-            logger.warning("rollout group %s failed (%d trajectories); its slot is freed", uid, len(keys))
-            self.store.kv_clear(keys=[uid, *keys], partition_id=PARTITION)
-            self.controller.on_reject()
+            attempts = self._failed_attempts[uid] = self._failed_attempts.get(uid, 0) + 1
             if self._failures_in_a_row >= self.failure_limit:
                 raise RolloutsFailingError(
                     f"{self._failures_in_a_row} rollout groups in a row failed and none finished since: the rollout "
@@ -168,8 +186,20 @@ class AdmissionLoop:
                     "that died is the usual cause). Stopping instead of resubmitting; fix the cause and resume from "
                     "the last checkpoint (trainer.resume_mode=auto)"
                 )
-            return False
+            if self.reissue is not None and attempts < self.attempts_per_group:
+                # The prompt stays registered (a checkpoint keeps it); its partial members go, as verl's
+                # own re-issue on resume does.
+                logger.warning("rollout group %s failed (attempt %d); re-issuing its prompt", uid, attempts)
+                if keys:
+                    self.store.kv_clear(keys=keys, partition_id=PARTITION)
+                return "reissue"
+            logger.warning("rollout group %s failed %d time(s); its prompt is dropped, its slot freed", uid, attempts)
+            self.store.kv_clear(keys=[uid, *keys], partition_id=PARTITION)
+            self._failed_attempts.pop(uid, None)
+            self.controller.on_reject()
+            return "rejected"
         self._failures_in_a_row = 0
+        self._failed_attempts.pop(uid, None)
         data = self.store.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=TRAJECTORY_FIELDS)
         kept_keys, kept_tags, dropped = [], [], []
         info: list[dict[str, Any]] = []
@@ -196,11 +226,11 @@ class AdmissionLoop:
         if not kept_keys:
             self.store.kv_clear(keys=[uid], partition_id=PARTITION)
             self.controller.on_reject()
-            return True
+            return "progress"
         self.controller.on_accept()
         heads = [item["head_version"] for item in info]
         self.buffer.put(BufferedGroup(group_id=uid, head_versions=heads, keys=kept_keys, tags=kept_tags, info=info))
-        return True
+        return "progress"
 
 
 def reward_report(extra: dict[str, Any]) -> dict[str, float]:

@@ -32,6 +32,7 @@ import transfer_queue as tq
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+from verl.utils import tensordict_utils as tu
 from verl.utils.debug import marked_timer
 
 from areal_plugins.manager import call_hook
@@ -196,6 +197,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             buffer=self.sample_buffer,
             submit_prompts=self._add_prompts_to_generate,
             accept_trajectory=accept_trajectory,
+            reissue_prompts=self._reissue_failed_prompts,
         )
         if self.version > 0:
             self._resume_async_state()
@@ -232,6 +234,19 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         sent = self._submit_batch_to_rollout(batch)
         self._submitted_groups += len(batch["uid"])
         return sent
+
+    def _reissue_failed_prompts(self, uids: list[str]) -> None:
+        """Send failed prompt groups for generation again, from the prompt data verl keeps in TransferQueue.
+
+        The way verl re-issues in-flight prompts on resume (``_reissue_inflight_prompts``): the prompt
+        stays registered throughout, so a checkpoint taken meanwhile keeps it and a resume redraws it.
+        """
+        batch = tq.kv_batch_get(keys=uids, partition_id="train")
+        tu.assign_non_tensor_data(batch, "global_steps", self.global_steps)
+        tags = [{"is_prompt": True, "status": "pending", "global_steps": self.global_steps} for _ in uids]
+        tq.kv_batch_put(keys=uids, partition_id="train", tags=tags)
+        self.recorder.write("areal_reissued.jsonl", {"time": time.time(), "version": self.version, "uids": uids})
+        self.agent_loop_manager.generate_sequences(batch)
 
     def _save_checkpoint(self) -> None:
         """verl's checkpoint (weights, dataloader, TransferQueue) plus ours, taken at one quiet moment.
@@ -349,6 +364,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             "consumed": self._consumed_groups,
             "buffered": len(self.sample_buffer),
             "failed_groups": getattr(self.manager, "failed_groups", 0),
+            "reissued_groups": getattr(self.manager, "reissued_groups", 0),
             "rejected_trajectories": getattr(self.manager, "rejected_trajectories", 0),
             "version": self.version,
         }
@@ -391,6 +407,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 "areal/rejected": float(controller.rejected),
                 "areal/dropped_stale": float(len(stale)),
                 "areal/rejected_trajectories": float(getattr(self.manager, "rejected_trajectories", 0)),
+                "areal/failed_groups": float(getattr(self.manager, "failed_groups", 0)),
+                "areal/reissued_groups": float(getattr(self.manager, "reissued_groups", 0)),
             }
         )
         for group in groups:
@@ -518,16 +536,27 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> Any:
         now = time.time()
-        stats = self._rollout_stats()
+        try:
+            stats = self._rollout_stats()
+        except Exception:
+            # A dead server: this step is trained (and may be checkpointed), so its line is written
+            # before the error stops the run; otherwise a resume would show a gap.
+            self._stats_errors += 1
+            self._write_step_line(metrics, timing_raw, global_steps, now)
+            raise
         wall = now - self._last_stats_time
         metrics.update(rollout_rates(self._last_stats, stats, wall))
-        metrics["areal/rollout_stats_errors"] = float(self._stats_errors)
         self._last_stats, self._last_stats_time = stats, now
+        self._write_step_line(metrics, timing_raw, global_steps, now)
+        return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+
+    def _write_step_line(self, metrics: dict, timing_raw: dict, global_steps: int, now: float) -> None:
+        """Our per-step record (``areal_steps.jsonl``) and the trainer's span on the timeline."""
+        metrics["areal/rollout_stats_errors"] = float(self._stats_errors)
         step_s = timing_raw.get("step", 0.0)
         if step_s > 0:
             metrics["areal/trainer_idle_ratio"] = min(1.0, self._wait_s / step_s)
             metrics["areal/train_tokens_per_s"] = metrics.get("areal/consumed_response_tokens", 0.0) / step_s
-        result = super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
         self.recorder.write(
             "timeline.jsonl",
             {"who": "trainer", "what": "step", "start": self._step_started, "end": now, "step": global_steps},
@@ -536,4 +565,3 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             "areal_steps.jsonl",
             {"step": global_steps, "time": now} | {k: v for k, v in metrics.items() if k.startswith("areal/")},
         )
-        return result

@@ -193,3 +193,64 @@ def test_failed_groups_in_a_row_stop_the_loop_instead_of_resubmitting_forever():
     store.finish(failing, [], [], status="failure")
     with pytest.raises(RolloutsFailingError, match="3 rollout groups in a row failed"):
         loop.poll_once()
+
+
+def make_reissuing_loop(store: MemoryStore, eta: int = 0, batch: int = 2):
+    loop, submitted = make_loop(store, eta=eta, batch=batch)
+    reissued: list[list[str]] = []
+
+    def reissue(uids: list[str]) -> None:  # what verl's agent loop does with a re-sent prompt
+        reissued.append(list(uids))
+        for uid in uids:
+            store.add_prompt(uid)
+
+    loop.reissue = reissue
+    return loop, submitted, reissued
+
+
+def test_a_failed_group_is_reissued_with_its_prompt_kept_not_rejected():
+    store = MemoryStore()
+    loop, submitted, reissued = make_reissuing_loop(store, eta=0, batch=2)
+    loop.poll_once()
+    store.finish("p0", [1.0], [[0]])
+    store.finish("p1", [1.0], [[0]], status="failure")  # one member came back, the group failed
+    loop.poll_once()
+    assert reissued == [["p1"]]
+    assert "p1" in store.tags and "p1_0_0" not in store.tags  # prompt kept for a checkpoint; partial member gone
+    c = loop.controller
+    assert (c.accepted, c.rejected, c.running) == (1, 0, 1)  # its slot stays taken: still owed work
+    assert submitted == ["p0", "p1"]  # no fresh prompt drawn in its place
+    store.finish("p1", [0.0, 1.0], [[0], [0]])
+    loop.poll_once()
+    assert (c.accepted, c.rejected, c.running) == (2, 0, 0)
+    assert loop.failed_groups == 1 and loop.reissued_groups == 1
+    check_accounting(loop, submitted)
+
+
+def test_a_group_that_keeps_failing_is_rejected_after_its_attempts():
+    store = MemoryStore()
+    loop, submitted, reissued = make_reissuing_loop(store, eta=0, batch=1)
+    loop.attempts_per_group = 2
+    loop.poll_once()
+    store.finish("p0", [], [], status="failure")
+    loop.poll_once()
+    assert reissued == [["p0"]] and loop.controller.rejected == 0
+    store.finish("p0", [], [], status="failure")  # second attempt fails too: given up
+    loop.poll_once()
+    assert reissued == [["p0"]]
+    assert loop.controller.rejected == 1 and "p0" not in store.tags
+    assert submitted == ["p0", "p1"]  # the slot went to a new prompt
+    check_accounting(loop, submitted)
+
+
+def test_reissuing_into_a_dead_engine_still_stops_the_loop():
+    store = MemoryStore()
+    loop, submitted, reissued = make_reissuing_loop(store, eta=0, batch=2)
+    loop.failure_limit = 4
+    loop.poll_once()
+    with pytest.raises(RolloutsFailingError, match="4 rollout groups in a row failed"):
+        for _ in range(10):
+            for uid in submitted:
+                store.finish(uid, [], [], status="failure")
+            loop.poll_once()
+    assert len(reissued) == 1 and submitted == ["p0", "p1"]  # one round of re-issues, then the stop
