@@ -37,6 +37,42 @@ def test_a_trainer_worker_error_stops_the_run_and_the_last_checkpoint_resumes(ti
     assert [s["areal/trainer_version"] for s in steps] == [float(latest)]
 
 
+def test_a_failed_rollout_group_is_reissued_and_trained_not_lost(tiny_dir, tmp_path):
+    """A group whose agent loop raises is sent again from the prompt verl keeps, not dropped as rejected."""
+    import os
+
+    from tests.integration.conftest import read_jsonl
+
+    run_dir, markers = tmp_path / "run", tmp_path / "failed_prompts"
+    loops = tmp_path / "agent_loops.yaml"
+    loops.write_text(
+        "- name: fail_first_attempt\n"
+        "  _target_: flaky_agent_loop.FailFirstAttemptAgentLoop\n"
+        f"  marker_dir: {markers}\n"
+        "  failures: 3\n"
+    )
+    train_tiny(
+        "grpo_cpu_async.yaml",
+        run_dir,
+        tiny_dir,
+        3,
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=fail_first_attempt",
+        env=with_example_plugin(),
+    )
+    failed = sorted(os.listdir(markers))  # the agent loop's own record of the prompts it failed once
+    assert len(failed) == 3
+    assert "deliberate failure of the first attempt" in (run_dir / "train.log").read_text()
+    reissued = sorted(uid for line in read_jsonl(run_dir / "areal_reissued.jsonl") for uid in line["uids"])
+    assert reissued == failed
+    drawn = [uid for line in read_jsonl(run_dir / "areal_submissions.jsonl") for uid in line["uids"]]
+    assert all(drawn.count(uid) == 1 for uid in failed)  # sent again, not drawn again from the dataloader
+    trained = {sample["group"] for sample in read_jsonl(run_dir / "areal_samples.jsonl")}
+    assert set(failed) <= trained, "a re-issued prompt was never trained"
+    (accounting,) = read_jsonl(run_dir / "areal_accounting.jsonl")
+    assert (accounting["rejected"], accounting["failed_groups"], accounting["reissued_groups"]) == (0, 3, 3)
+
+
 def test_a_killed_cpu_rollout_server_stops_the_run_naming_it_instead_of_spinning(tiny_dir, tmp_path):
     """The areal_cpu server is not restarted: its death must end the run with a reason, within the watchdog."""
     import signal
