@@ -29,9 +29,14 @@ class PluginError(RuntimeError):
     """A plugin failed: it raised inside a hook, or it does not match the hook specs."""
 
 
+#: A plugin module that sets this attribute true is loaded only when ``areal.plugins.include`` names it
+#: (an objective that replaces the default loss must be asked for, not switched on by installing it).
+OPT_IN_ATTRIBUTE = "AREAL_PLUGIN_OPT_IN"
+
+
 def selected_plugin_names(include: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> list[str]:
-    """The third-party plugins ``include``/``exclude`` select here (None: every installed one)."""
-    chosen = installed_plugin_names() if include is None else list(include)
+    """The third-party plugins ``include``/``exclude`` select here (None: every installed one not opt-in)."""
+    chosen = default_plugin_names() if include is None else list(include)
     return sorted(set(chosen) - set(exclude))
 
 
@@ -40,11 +45,24 @@ def installed_plugin_names() -> list[str]:
     return sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
 
 
+def default_plugin_names() -> list[str]:
+    """The installed plugins loaded when ``areal.plugins.include`` is null: all but the opt-in ones."""
+    names = []
+    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            opt_in = bool(getattr(entry_point.load(), OPT_IN_ATTRIBUTE, False))
+        except Exception as error:
+            raise PluginError(f"plugin {entry_point.name!r} failed to load: {error!r}") from error
+        if not opt_in:
+            names.append(entry_point.name)
+    return sorted(names)
+
+
 def build_plugin_manager(include: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> pluggy.PluginManager:
     """Return a new manager with the built-ins and the selected third-party plugins, validated.
 
     Args:
-        include: entry-point names to load (None: all installed).
+        include: entry-point names to load (None: all installed but the opt-in ones).
         exclude: entry-point names to skip.
 
     Raises:
@@ -52,7 +70,7 @@ def build_plugin_manager(include: Iterable[str] | None = None, exclude: Iterable
             that is misspelled or takes arguments the spec does not offer.
     """
     available = installed_plugin_names()
-    include_set = set(available if include is None else include)
+    include_set = set(default_plugin_names() if include is None else include)
     exclude_set = set(exclude)
     unknown = sorted((include_set | exclude_set) - set(available))
     if unknown:

@@ -105,7 +105,8 @@ class PluginsConfig:
     """``areal.plugins``: which installed third-party plugins to load."""
 
     include: list[str] | None = field(
-        default=None, metadata={"help": "installed plugin (entry-point) names to load; null: all"}
+        default=None,
+        metadata={"help": "installed plugin (entry-point) names to load; null: all but opt-in ones (m2po)"},
     )
     exclude: list[str] = field(default_factory=list, metadata={"help": "installed plugin names to skip"})
 

@@ -180,9 +180,25 @@ def test_entry_point_plugin_is_discovered_and_selectable(installed_example_plugi
     excluded = build_plugin_manager(exclude=[installed_example_plugin])
     assert excluded.get_plugin(installed_example_plugin) is None
     with pytest.raises(
-        PluginError, match=r"not installed on \S+; installed plugins: \[.example_filter.\]\. On a cluster every node"
+        PluginError, match=r"not installed on \S+; installed plugins: \[.*'example_filter'.*\]\. On a cluster"
     ):
         build_plugin_manager(include=["exmaple_filter"])
+
+
+def test_an_opt_in_plugin_loads_only_when_named(installed_example_plugin, tmp_path):
+    module = tmp_path / "areal_example_filter.py"
+    module.write_text("AREAL_PLUGIN_OPT_IN = True\n" + module.read_text())
+    assert build_plugin_manager().get_plugin(installed_example_plugin) is None  # installed, not asked for
+    assert build_plugin_manager(include=[installed_example_plugin]).get_plugin(installed_example_plugin) is not None
+
+
+def test_m2po_is_shipped_opt_in_and_replaces_the_loss_when_included():
+    from areal_plugins.manager import installed_plugin_names
+    from areal_plugins.objectives.m2po import m2po_loss
+
+    assert "m2po" in installed_plugin_names()  # our own entry point (pyproject.toml)
+    assert call_hook("areal_make_policy_loss", build_plugin_manager(), config=None) is not m2po_loss
+    assert call_hook("areal_make_policy_loss", build_plugin_manager(include=["m2po"]), config=None) is m2po_loss
 
 
 def test_trajectory_versions_and_staleness():

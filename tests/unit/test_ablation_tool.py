@@ -1,0 +1,72 @@
+"""tools/ablation.py's reading of runs: drift per setting, the regime rule, the per-objective summary."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.tool_scripts import load_tool
+
+ablation = load_tool("ablation")
+
+
+def row(step: int, **data: float) -> dict:
+    return {"step": step, "data": data}
+
+
+KL, WMAX, REWARD = "areal/approx_kl_prox_behav", "areal/behav_imp_weight_max", "critic/score/mean"
+
+
+def test_drift_averages_each_metric_but_takes_the_largest_weight_and_staleness():
+    rows = [
+        row(1, **{KL: 0.0, WMAX: 1.0, "areal/staleness_max": 0.0}),
+        row(2, **{KL: 0.3, WMAX: 7.0, "areal/staleness_max": 4.0}),
+        row(3, **{KL: 0.6, WMAX: 2.0, "areal/staleness_max": 3.0}),
+    ]
+    measured = ablation.drift(rows)
+    assert measured["kl_prox_behav"] == pytest.approx(0.3)  # (0 + 0.3 + 0.6) / 3
+    assert measured["w_max"] == 7.0 and measured["staleness_max"] == 4.0
+    assert "capped_frac" not in measured  # absent from every row: not invented
+
+
+def test_the_regime_is_the_largest_drift_that_still_learns():
+    settings = [
+        {"lr": 1e-3, "mini_batch": 4, "drift": {"kl_prox_behav": 0.9}, "learns": False},  # collapsed
+        {"lr": 5e-4, "mini_batch": 4, "drift": {"kl_prox_behav": 0.4}, "learns": True},
+        {"lr": 2e-4, "mini_batch": 16, "drift": {"kl_prox_behav": 0.1}, "learns": True},
+    ]
+    assert ablation.choose_regime(settings)["lr"] == 5e-4
+    assert ablation.choose_regime([settings[0]]) is None
+
+
+def test_learning_compares_the_last_three_steps_with_the_first_three():
+    assert ablation.learns([0.1, 0.2, 0.3, 0.2, 0.2, 0.2])  # 0.2 vs 0.2
+    assert not ablation.learns([0.3, 0.3, 0.3, 0.1, 0.2, 0.2])
+    assert not ablation.learns([0.1, 0.5])  # too short to judge
+
+
+def test_validation_accuracy_is_read_from_verls_val_core_metric_by_step():
+    rows = [
+        row(0, **{"val-core/addition/acc/mean@1": 0.5}),
+        row(1, **{REWARD: 0.2}),
+        row(10, **{"val-core/addition/acc/mean@1": 0.6}),
+    ]
+    assert ablation.validation_accuracy(rows) == [(0, 0.5), (10, 0.6)]
+
+
+def test_summary_gives_each_objective_its_seed_mean_and_range():
+    runs = {
+        f"eta8-standard-seed{seed}": {
+            "eta": 8,
+            "objective": "standard",
+            "seed": seed,
+            "validation": [(0, 0.5), (20, final)],
+            "reward": [(step, 0.1 * seed) for step in range(1, 6)],
+            "drift": {},
+        }
+        for seed, final in enumerate([0.4, 0.7, 0.55])
+    }
+    summary = ablation.summarize(runs, window=2)["eta8-standard"]
+    assert summary["seeds"] == 3
+    assert summary["final_validation"] == pytest.approx({"mean": 0.55, "min": 0.4, "max": 0.7})
+    assert summary["final_reward"] == pytest.approx({"mean": 0.1, "min": 0.0, "max": 0.2})
+    assert summary["kl_prox_behav"] is None
