@@ -19,7 +19,7 @@ PLACEMENTS = ("colocated", "separate")
 PROX_LOGP = ("recompute", "loglinear")
 #: The same choices as :data:`areal_plugins.core.buffer.ON_STALE` and
 #: :data:`areal_plugins.core.losses.WEIGHT_MODES` (a test ties them; this module stays a leaf).
-ON_STALE = ("wait", "drop")
+ON_STALE = ("wait", "drop", "reissue")
 WEIGHT_MODES = ("mask", "clamp")
 
 
@@ -135,7 +135,11 @@ class ArealConfig:
         metadata={"help": "colocated: engines pause while the trainer trains; separate: both run all the time"},
     )
     on_stale: str = field(
-        default="wait", metadata={"help": "a buffered group beyond η at consumption: wait = train on it, drop = reject"}
+        default="wait",
+        metadata={
+            "help": "a buffered group beyond η at consumption: wait = train on it, drop = reject, "
+            "reissue = generate it again under the current weights (strict per-sample bound)"
+        },
     )
     max_concurrent_rollouts: int | None = field(
         default=None, metadata={"help": "most prompt groups in flight; null: (max_staleness + 1) x train_batch_size"}

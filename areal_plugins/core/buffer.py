@@ -1,9 +1,10 @@
 """The sample buffer: finished, accepted rollout groups waiting for the trainer (docs/design.md, Admission).
 
 Groups leave oldest head version first (ties: the one that finished first), so staleness stays as
-low as admission allows. A group whose staleness exceeds η when the trainer asks for it can only
-appear if the configuration changed (e.g. η lowered on resume); ``on_stale`` decides: ``wait`` keeps
-it and trains on it (counted), ``drop`` hands it back to the caller to be rejected. Pure Python,
+low as admission allows. Admission bounds staleness by count, not per sample: a group that takes
+long (interrupted several times) keeps its oldest token's version, and may be past η when the trainer
+asks for it. ``on_stale`` decides: ``wait`` keeps it and trains on it (counted), ``drop`` and
+``reissue`` hand it back to the caller (to be rejected, or generated again). Pure Python,
 thread-safe, no Ray or verl.
 """
 
@@ -13,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-ON_STALE = ("wait", "drop")
+ON_STALE = ("wait", "drop", "reissue")
 
 
 @dataclass
@@ -47,7 +48,8 @@ class SampleBuffer:
 
     Args:
         max_staleness: η; a group consumed at trainer version ``v`` should satisfy ``v - head <= η``.
-        on_stale: ``wait`` or ``drop``: what to do with a group beyond η at consumption time.
+        on_stale: ``wait``, ``drop`` or ``reissue``: what to do with a group beyond η at consumption time
+            (``drop`` and ``reissue`` both hand it back; the caller acts).
     """
 
     def __init__(self, max_staleness: int, on_stale: str = "wait") -> None:
@@ -86,7 +88,7 @@ class SampleBuffer:
         dropped: list[BufferedGroup] = []
         with self._ready:
             while True:
-                if self.on_stale == "drop":
+                if self.on_stale != "wait":
                     keep = [e for e in self._groups if e[2].staleness(trainer_version) <= self.max_staleness]
                     dropped += [e[2] for e in self._groups if e[2].staleness(trainer_version) > self.max_staleness]
                     self._groups = keep

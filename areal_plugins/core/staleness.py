@@ -85,6 +85,14 @@ class StalenessController:
             self._accepted -= count
             self._rejected += count
 
+    def on_requeue_accepted(self, count: int = 1) -> None:
+        """Accepted rollouts go back to generation (``on_stale: reissue``): in flight again, same slots."""
+        with self._lock:
+            if count > self._accepted:
+                raise RuntimeError(f"cannot requeue {count} accepted rollout(s): only {self._accepted} accepted")
+            self._accepted -= count
+            self._running += count
+
     def recover(self, version: int) -> None:
         """Restore the counters after resuming from a checkpoint taken at ``version``.
 

@@ -77,6 +77,7 @@ class AdmissionLoop:
         self.rejected_trajectories = 0
         self.failed_groups = 0
         self.reissued_groups = 0
+        self.reissued_stale_groups = 0
         self.failure_limit = failure_limit
         self.reissue = reissue
         self.attempts_per_group = attempts_per_group
@@ -119,6 +120,24 @@ class AdmissionLoop:
         """
         with self._poll_lock:
             yield
+
+    def reissue_stale(self, groups: list[BufferedGroup]) -> None:
+        """Generate accepted groups again that are past η at consumption (``areal.on_stale: reissue``).
+
+        Their trajectories go; their prompts stay registered and are sent again, so they come back
+        generated under the current weights and are settled like any group.
+        """
+        if self.reissue is None:
+            raise RuntimeError("areal.on_stale=reissue needs a rollout manager given reissue_prompts")
+        with self._poll_lock:
+            keys = [key for group in groups for key in group.keys]
+            if keys:
+                self.store.kv_clear(keys=keys, partition_id=PARTITION)
+            uids = [group.group_id for group in groups]
+            self.controller.on_requeue_accepted(len(uids))
+            self.reissue(uids)
+            self._handled.difference_update(uids)
+            self.reissued_stale_groups += len(uids)
 
     def check_alive(self) -> None:
         """Raise the admission thread's error in the trainer thread, where verl reports it."""

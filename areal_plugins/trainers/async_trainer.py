@@ -199,6 +199,11 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             accept_trajectory=accept_trajectory,
             reissue_prompts=self._reissue_failed_prompts,
         )
+        if self.areal.on_stale == "reissue" and not hasattr(self.manager, "reissue_stale"):
+            raise RuntimeError(
+                f"areal.on_stale=reissue needs a rollout manager with reissue_stale(groups); the plugin's "
+                f"{type(self.manager).__name__} has none: use areal.on_stale=wait or drop"
+            )
         if self.version > 0:
             self._resume_async_state()
         self.manager.resume(self.version)
@@ -365,6 +370,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             "buffered": len(self.sample_buffer),
             "failed_groups": getattr(self.manager, "failed_groups", 0),
             "reissued_groups": getattr(self.manager, "reissued_groups", 0),
+            "reissued_stale_groups": getattr(self.manager, "reissued_stale_groups", 0),
             "rejected_trajectories": getattr(self.manager, "rejected_trajectories", 0),
             "version": self.version,
         }
@@ -387,7 +393,9 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 self._actor_liveness.check()
                 watchdog.check(self._progress_marker, self._stuck_report)
                 groups, stale = self.sample_buffer.take(batch_size, trainer_version, timeout=WAIT_CHECK_S)
-                if stale:
+                if stale and self.areal.on_stale == "reissue":
+                    self.manager.reissue_stale(stale)
+                elif stale:
                     self.manager.controller.on_drop_accepted(len(stale))
                     tq.kv_clear(keys=[k for g in stale for k in (g.group_id, *g.keys)], partition_id="train")
                 if groups:
@@ -409,6 +417,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 "areal/rejected_trajectories": float(getattr(self.manager, "rejected_trajectories", 0)),
                 "areal/failed_groups": float(getattr(self.manager, "failed_groups", 0)),
                 "areal/reissued_groups": float(getattr(self.manager, "reissued_groups", 0)),
+                "areal/reissued_stale_groups": float(getattr(self.manager, "reissued_stale_groups", 0)),
+                "areal/over_stale_trained": float(getattr(self.sample_buffer, "over_stale_kept", 0)),
             }
         )
         for group in groups:

@@ -254,3 +254,24 @@ def test_reissuing_into_a_dead_engine_still_stops_the_loop():
                 store.finish(uid, [], [], status="failure")
             loop.poll_once()
     assert len(reissued) == 1 and submitted == ["p0", "p1"]  # one round of re-issues, then the stop
+
+
+def test_a_group_past_eta_at_consumption_is_generated_again_not_trained_or_dropped():
+    store = MemoryStore()
+    loop, submitted, reissued = make_reissuing_loop(store, eta=1, batch=1)
+    loop.buffer = SampleBuffer(max_staleness=1, on_stale="reissue")
+    loop.poll_once()  # (η + 0 + 1) * 1 = 2 groups: p0, p1
+    store.finish("p0", [1.0, 0.0], [[0, 0], [0, 1, 2]])  # head version 0
+    loop.poll_once()
+    taken, stale = loop.buffer.take(1, trainer_version=2, timeout=0.1)  # 2 - 0 > η = 1
+    assert taken == [] and [g.group_id for g in stale] == ["p0"]
+    loop.reissue_stale(stale)
+    c = loop.controller
+    assert (c.accepted, c.rejected, c.running) == (0, 0, 2)  # back in flight, same slot, nothing rejected
+    assert reissued == [["p0"]] and "p0" in store.tags and "p0_0_0" not in store.tags
+    store.finish("p0", [1.0], [[2, 2]])  # generated again under version 2
+    loop.poll_once()  # settled again (not skipped as already handled)
+    taken, stale = loop.buffer.take(1, trainer_version=2, timeout=0.1)
+    assert [g.group_id for g in taken] == ["p0"] and taken[0].head_versions == [2] and stale == []
+    assert loop.reissued_stale_groups == 1
+    check_accounting(loop, submitted)

@@ -41,8 +41,9 @@ def test_take_wakes_up_when_enough_groups_arrive():
     assert time.monotonic() - started < 2
 
 
-def test_drop_returns_groups_beyond_eta_and_keeps_the_rest():
-    buffer = SampleBuffer(max_staleness=1, on_stale="drop")
+@pytest.mark.parametrize("mode", ["drop", "reissue"])
+def test_drop_and_reissue_return_groups_beyond_eta_and_keep_the_rest(mode):
+    buffer = SampleBuffer(max_staleness=1, on_stale=mode)
     for g in (group("old", 0), group("ok", 2), group("ok2", 3)):
         buffer.put(g)
     # trainer at version 3: staleness old = 3 > 1, ok = 1, ok2 = 0
