@@ -17,6 +17,13 @@ generation runs ahead of the trainer and consumed samples reach η versions of s
     ``--seeds``, the same steps; greedy validation accuracy every ``--test-freq`` steps and the train
     reward. Writes ``docs/results/ablation.json`` and ``ablation.png`` (a panel per η: each objective's
     seed mean with its min-max band).
+
+``python tools/ablation.py guarantee``
+    what η guarantees per sample: placement x η x ``areal.on_stale`` (wait: admission's count bound
+    only; reissue: a group past η at consumption is generated again) on the long-tail workload, where
+    interrupted trajectories mix versions; per run the share of trained trajectories whose staleness
+    (trainer version - oldest token's version) exceeds η, the largest excess, the groups generated
+    again. Writes ``docs/results/staleness_guarantee.json``.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results"
 RECIPE = REPO / "recipes" / "grpo_cpu_async_separate.yaml"
+PLACEMENT_RECIPES = {"colocated": REPO / "recipes" / "grpo_cpu_async.yaml", "separate": RECIPE}
+LONGTAIL = (REPO / ".areal" / "tiny_longtail", ["data.max_response_length=224"])  # as tools/bench.py
 REWARD_KEY = "critic/score/mean"
 VALIDATION_PREFIX = "val-core/"
 #: Objective -> the recipe overrides that select it.
@@ -52,9 +61,9 @@ DRIFT_KEYS = {
 }
 
 
-def train(run_dir: Path, overrides: list[str], tiny_dir: Path) -> list[dict[str, Any]]:
+def train(run_dir: Path, overrides: list[str], tiny_dir: Path, recipe: Path = RECIPE) -> list[dict[str, Any]]:
     """One run; its metrics lines (``{"step", "data"}``)."""
-    command = [sys.executable, "-m", "areal_plugins.cli", "train", str(RECIPE), *overrides]
+    command = [sys.executable, "-m", "areal_plugins.cli", "train", str(recipe), *overrides]
     command += ["--run-dir", str(run_dir), "--tiny-dir", str(tiny_dir)]
     started = time.monotonic()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
@@ -174,6 +183,54 @@ def run_ablation(args: argparse.Namespace) -> int:
     return 0
 
 
+def staleness_excess(samples: list[dict[str, Any]], eta: int) -> dict[str, float]:
+    """From ``areal_samples.jsonl``: how many trained trajectories were older than η, and by how much."""
+    excess = [s["trainer_version"] - s["head_version"] - eta for s in samples]
+    over = [e for e in excess if e > 0]
+    return {
+        "trajectories": len(samples),
+        "over_eta_fraction": len(over) / len(samples) if samples else 0.0,
+        "max_excess": float(max(over, default=0)),
+        "interrupted_fraction": sum(s["num_interrupts"] > 0 for s in samples) / len(samples) if samples else 0.0,
+    }
+
+
+def run_guarantee(args: argparse.Namespace) -> int:
+    tiny_dir, workload = LONGTAIL
+    build = ["build-tiny", "--out", str(tiny_dir), "--workload", "longtail"]  # a no-op once built (~3 min before)
+    subprocess.run([sys.executable, "-m", "areal_plugins.cli", *build], cwd=REPO, check=True)
+    results = []
+    for placement in args.placements:
+        for eta in args.etas:
+            for mode in args.modes:
+                name = f"guarantee-{placement}-eta{eta}-{mode}"
+                overrides = [
+                    f"trainer.total_training_steps={args.steps}",
+                    f"areal.max_staleness={eta}",
+                    f"areal.on_stale={mode}",
+                    "trainer.val_before_train=false",
+                    "trainer.test_freq=-1",
+                    *workload,
+                ]
+                rows = train(args.work / name, overrides, tiny_dir, PLACEMENT_RECIPES[placement])
+                samples = read_metrics(args.work / name / "areal_samples.jsonl")
+                last = rows[-1]["data"]
+                results.append(
+                    {"placement": placement, "eta": eta, "on_stale": mode}
+                    | staleness_excess(samples, eta)
+                    | {
+                        "reissued_stale_groups": last.get("areal/reissued_stale_groups", 0.0),
+                        "final_reward": statistics.mean(v for _, v in series(rows, REWARD_KEY)[-3:]),
+                        "seconds_per_step": statistics.mean(v for _, v in series(rows, "timing_s/step")),
+                    }
+                )
+                print(f"  {results[-1]}", flush=True)
+                (args.out / "staleness_guarantee.json").write_text(
+                    json.dumps({"steps": args.steps, "workload": "longtail", "runs": results}, indent=2) + "\n"
+                )
+    return 0
+
+
 def summarize(runs: dict[str, Any], window: int) -> dict[str, Any]:
     """Per (η, objective): final validation accuracy and last-``window`` train reward, over seeds."""
     groups: dict[str, list[dict[str, Any]]] = {}
@@ -247,9 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--test-freq", type=int, default=10)
     run_parser.add_argument("--window", type=int, default=5, help="final steps of train reward averaged")
     run_parser.add_argument("--resume", action="store_true", help="keep the runs already in ablation.json")
+    guarantee_parser = sub.add_parser("guarantee", help="staleness past η per placement, η and on_stale")
+    guarantee_parser.add_argument("--placements", type=lambda s: s.split(","), default=["colocated", "separate"])
+    guarantee_parser.add_argument("--etas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    guarantee_parser.add_argument("--modes", type=lambda s: s.split(","), default=["wait", "reissue"])
+    guarantee_parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    return run_drift(args) if args.command == "drift" else run_ablation(args)
+    commands = {"drift": run_drift, "run": run_ablation, "guarantee": run_guarantee}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

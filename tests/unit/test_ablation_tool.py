@@ -70,3 +70,19 @@ def test_summary_gives_each_objective_its_seed_mean_and_range():
     assert summary["final_validation"] == pytest.approx({"mean": 0.55, "min": 0.4, "max": 0.7})
     assert summary["final_reward"] == pytest.approx({"mean": 0.1, "min": 0.0, "max": 0.2})
     assert summary["kl_prox_behav"] is None
+
+
+def test_staleness_excess_counts_trajectories_older_than_eta_by_their_oldest_token():
+    samples = [
+        {"trainer_version": 5, "head_version": 1, "num_interrupts": 2},  # staleness 4 = η: within
+        {"trainer_version": 5, "head_version": 0, "num_interrupts": 3},  # 5: one past
+        {"trainer_version": 6, "head_version": 0, "num_interrupts": 0},  # 6: two past
+        {"trainer_version": 6, "head_version": 6, "num_interrupts": 0},
+    ]
+    measured = ablation.staleness_excess(samples, eta=4)
+    assert measured == {
+        "trajectories": 4,
+        "over_eta_fraction": 0.5,
+        "max_excess": 2.0,
+        "interrupted_fraction": 0.5,
+    }
