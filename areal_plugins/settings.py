@@ -128,7 +128,10 @@ class ArealConfig:
     enable: bool = field(default=False, metadata={"help": "true turns our features on; false leaves verl as is"})
     mode: str = field(default="async", metadata={"help": "async or sync training"})
     max_staleness: int = field(
-        default=4, metadata={"help": "η: most policy versions a consumed sample may lag; 0 = synchronous; paper: 4-8"}
+        default=4,
+        metadata={
+            "help": "η: staleness bound, by count at admission (per sample with on_stale: reissue or drop); 0 = synchronous; paper: 4-8"
+        },
     )
     placement: str = field(
         default="colocated",
