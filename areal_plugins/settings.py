@@ -130,7 +130,8 @@ class ArealConfig:
     max_staleness: int = field(
         default=4,
         metadata={
-            "help": "η: staleness bound, by count at admission (per sample with on_stale: reissue or drop); 0 = synchronous; paper: 4-8"
+            "help": "η: staleness bound, by count at admission (per sample with on_stale: reissue or drop); "
+            "0 = synchronous; paper: 4-8"
         },
     )
     placement: str = field(

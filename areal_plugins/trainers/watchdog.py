@@ -103,8 +103,10 @@ class StallGuard:
                 return
 
 
-#: Seconds the guard may need after its limit: one look interval and the grace before the process ends.
-STOP_MARGIN_S = 15.0
+#: Seconds a stop may take after the guard's limit: one look interval, the grace before the process
+#: ends and the CLI's teardown (with 15 s here a hung trainer was stopped 118 s after its last
+#: progress and the CLI returned at 124 s of a 120 s watchdog).
+STOP_MARGIN_S = 30.0
 
 
 def stall_limit(watchdog_s: float) -> float:
