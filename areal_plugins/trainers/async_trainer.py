@@ -122,6 +122,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self._actor_liveness = ActorLiveness()
         self._stall_guard: StallGuard | None = None
         self._stats_errors = 0  # looks at the engines' statistics that failed (areal/rollout_stats_errors)
+        self._step_metrics: dict = {}  # this step's metrics dict, filled by verl's step()
 
     # ------------------------------------------------------------------ construction
 
@@ -325,6 +326,10 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 self.checkpoint_manager.abort_replicas()
                 self.checkpoint_manager.sleep_replicas()
 
+    def step(self, metrics: dict, timing_raw: dict) -> KVBatchMeta:
+        self._step_metrics = metrics  # kept for the step line when the weight sync after it fails
+        return super().step(metrics, timing_raw)
+
     def on_step_end(self) -> None:
         new_version = self.global_steps
         with marked_timer("update_weights", self.timing_raw, color="red"), self.recorder.span("trainer", "update"):
@@ -332,7 +337,13 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             call_hook("areal_before_weight_update", version=new_version)
             # Interruption: colocated engines were aborted and put to sleep at on_sample_end; verl's
             # checkpoint manager aborts standalone ones itself before a non-naive sync.
-            self.weight_sync.update_weights(new_version)
+            try:
+                self.weight_sync.update_weights(new_version)
+            except Exception:
+                # The step is trained (and may be checkpointed): its line is written before the error stops
+                # the run, so a resume shows no gap.
+                self._write_step_line(self._step_metrics, self.timing_raw, new_version, time.time())
+                raise
             self.version = new_version
             if self.weight_sync.backend == "naive":  # verl's other checkpoint engines resume the replicas themselves
                 self.weight_sync.resume_generation_replicas()
