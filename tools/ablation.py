@@ -51,18 +51,28 @@ OBJECTIVES = {
     # M2PO masks by the second moment instead of capping w: verl's cap is turned off for it.
     "m2po": ["areal.loss.decoupled=true", "areal.loss.behav_imp_weight_cap=null", "areal.plugins.include=[m2po]"],
 }
+#: Our loss's statistics reach verl's metrics under the actor's prefix.
 DRIFT_KEYS = {
-    "kl_prox_behav": "areal/approx_kl_prox_behav",
-    "w_max": "areal/behav_imp_weight_max",
-    "capped_frac": "areal/behav_imp_weight_capped_frac",
+    "kl_prox_behav": "actor/areal/approx_kl_prox_behav",
+    "w_max": "actor/areal/behav_imp_weight_max",
+    "capped_frac": "actor/areal/behav_imp_weight_capped_frac",
     "staleness_mean": "areal/staleness_mean",
     "staleness_max": "areal/staleness_max",
     "clip_frac": "actor/pg_clipfrac",
 }
 
 
+#: ``--reuse``: a run directory whose metrics reached the last step is read, not trained again.
+REUSE = False
+
+
 def train(run_dir: Path, overrides: list[str], tiny_dir: Path, recipe: Path = RECIPE) -> list[dict[str, Any]]:
     """One run; its metrics lines (``{"step", "data"}``)."""
+    steps = next(int(o.split("=")[1]) for o in overrides if o.startswith("trainer.total_training_steps="))
+    metrics = run_dir / "metrics.jsonl"
+    if REUSE and metrics.exists() and max((row["step"] for row in read_metrics(metrics)), default=0) >= steps:
+        print(f"  {run_dir.name}: reused", flush=True)
+        return read_metrics(metrics)
     command = [sys.executable, "-m", "areal_plugins.cli", "train", str(recipe), *overrides]
     command += ["--run-dir", str(run_dir), "--tiny-dir", str(tiny_dir)]
     started = time.monotonic()
@@ -287,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "ablation")
     parser.add_argument("--tiny-dir", type=Path, default=REPO / ".areal" / "tiny")
+    parser.add_argument("--reuse", action="store_true", help="read finished runs in --work instead of training")
     sub = parser.add_subparsers(dest="command", required=True)
     drift_parser = sub.add_parser("drift", help="measure the drift of each setting at a high η")
     drift_parser.add_argument("--eta", type=int, default=8)
@@ -311,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     guarantee_parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    global REUSE
+    REUSE = args.reuse
     commands = {"drift": run_drift, "run": run_ablation, "guarantee": run_guarantee}
     return commands[args.command](args)
 

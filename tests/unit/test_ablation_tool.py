@@ -13,7 +13,7 @@ def row(step: int, **data: float) -> dict:
     return {"step": step, "data": data}
 
 
-KL, WMAX, REWARD = "areal/approx_kl_prox_behav", "areal/behav_imp_weight_max", "critic/score/mean"
+KL, WMAX, REWARD = "actor/areal/approx_kl_prox_behav", "actor/areal/behav_imp_weight_max", "critic/score/mean"
 
 
 def test_drift_averages_each_metric_but_takes_the_largest_weight_and_staleness():
