@@ -143,6 +143,8 @@ def run_drift(args: argparse.Namespace) -> int:
             overrides = common_overrides(args, args.eta, lr, mini_batch, seed=0)
             overrides += ["trainer.val_before_train=false", "trainer.test_freq=-1", *OBJECTIVES["decoupled"]]
             rows = train(args.work / name, overrides, args.tiny_dir)
+            if not series(rows, DRIFT_KEYS["kl_prox_behav"]):
+                raise RuntimeError(f"{name} logged no {DRIFT_KEYS['kl_prox_behav']}: the drift cannot be judged")
             rewards = [value for _, value in series(rows, REWARD_KEY)]
             settings.append(
                 {
