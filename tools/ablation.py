@@ -124,12 +124,18 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.mean(values), "min": min(values), "max": max(values)}
 
 
+#: GRPO group size of the CPU recipes (recipes/_cpu_grpo_tiny.yaml, rollout.n): a mini-batch of ``m``
+#: prompts holds ``m x ROLLOUT_N`` samples, and verl's micro-batch must divide it.
+ROLLOUT_N = 8
+
+
 def common_overrides(args: argparse.Namespace, eta: int, lr: float, mini_batch: int, seed: int) -> list[str]:
     return [
         f"trainer.total_training_steps={args.steps}",
         f"areal.max_staleness={eta}",
         f"actor_rollout_ref.actor.optim.lr={lr}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={min(64, mini_batch * ROLLOUT_N)}",
         f"data.seed={seed}",
         f"actor_rollout_ref.rollout.seed={seed}",
     ]
