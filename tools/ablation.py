@@ -300,6 +300,65 @@ def plot(report: dict[str, Any], out: Path) -> None:
     figure.savefig(out, dpi=110)
 
 
+def markdown_tables(results: Path) -> str:
+    """The README's tables, from the committed JSON files (every number comes from them)."""
+    lines = []
+    drift_path = results / "ablation_drift.json"
+    if drift_path.exists():
+        report = json.loads(drift_path.read_text())
+        lines += [
+            f"Drift at η = {report['eta']} ({report['steps']} steps, decoupled objective):",
+            "",
+            "| lr | prompts per optimizer step | KL(π_prox‖π_behav) per token | max w | tokens capped | learns |",
+            "|---|---|---|---|---|---|",
+        ]
+        for setting in report["settings"]:
+            d = setting["drift"]
+            lines.append(
+                f"| {setting['lr']:g} | {setting['mini_batch']} | {d.get('kl_prox_behav', 0):.3f} | "
+                f"{d.get('w_max', 0):.2f} | {100 * d.get('capped_frac', 0):.2f}% | "
+                f"{'yes' if setting['learns'] else 'no'} |"
+            )
+        lines.append("")
+    ablation_path = results / "ablation.json"
+    if ablation_path.exists():
+        report = json.loads(ablation_path.read_text())
+        lines += [
+            "| η | objective | seeds | final greedy validation accuracy, mean (min-max) | "
+            "train reward, last steps | KL(π_prox‖π_behav) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for key, row in sorted(report["summary"].items(), key=lambda kv: (int(kv[0].split("-")[0][3:]), kv[0])):
+            eta, objective = key.split("-", 1)
+
+            def cell(value: dict[str, float] | None, digits: int = 3) -> str:
+                if value is None:
+                    return "-"
+                return f"{value['mean']:.{digits}f} ({value['min']:.{digits}f}-{value['max']:.{digits}f})"
+
+            lines.append(
+                f"| {eta[3:]} | {objective} | {row['seeds']} | {cell(row['final_validation'])} | "
+                f"{cell(row['final_reward'])} | {cell(row['kl_prox_behav'])} |"
+            )
+        lines.append("")
+    guarantee_path = results / "staleness_guarantee.json"
+    if guarantee_path.exists():
+        report = json.loads(guarantee_path.read_text())
+        lines += [
+            "| placement | η | on_stale | trajectories past η | largest excess | groups generated again | "
+            "interrupted | s per step | final reward |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for run in report["runs"]:
+            lines.append(
+                f"| {run['placement']} | {run['eta']} | {run['on_stale']} | {100 * run['over_eta_fraction']:.1f}% | "
+                f"{run['max_excess']:.0f} | {run['reissued_stale_groups']:.0f} | "
+                f"{100 * run['interrupted_fraction']:.0f}% | {run['seconds_per_step']:.1f} | "
+                f"{run['final_reward']:.3f} |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -328,7 +387,11 @@ def main(argv: list[str] | None = None) -> int:
     guarantee_parser.add_argument("--etas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     guarantee_parser.add_argument("--modes", type=lambda s: s.split(","), default=["wait", "reissue"])
     guarantee_parser.add_argument("--steps", type=int, default=8)
+    sub.add_parser("table", help="print the README's tables from the JSON in --out")
     args = parser.parse_args(argv)
+    if args.command == "table":
+        print(markdown_tables(args.out))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     global REUSE
     REUSE = args.reuse
