@@ -86,3 +86,29 @@ def test_staleness_excess_counts_trajectories_older_than_eta_by_their_oldest_tok
         "max_excess": 2.0,
         "interrupted_fraction": 0.5,
     }
+
+
+def test_the_readme_tables_print_the_committed_numbers(tmp_path):
+    import json
+
+    (tmp_path / "staleness_guarantee.json").write_text(
+        json.dumps(
+            {
+                "runs": [
+                    {
+                        "placement": "colocated",
+                        "eta": 4,
+                        "on_stale": "reissue",
+                        "over_eta_fraction": 0.0,
+                        "max_excess": 0.0,
+                        "reissued_stale_groups": 7.0,
+                        "interrupted_fraction": 0.5,
+                        "seconds_per_step": 9.04,
+                        "final_reward": 0.0444,
+                    }
+                ]
+            }
+        )
+    )
+    table = ablation.markdown_tables(tmp_path)
+    assert "| colocated | 4 | reissue | 0.0% | 0 | 7 | 50% | 9.0 | 0.044 |" in table
