@@ -67,7 +67,8 @@ def areal_make_rollout_manager(
 
     Return the manager (an object with ``start()``, ``stop()``, ``pause()``, ``resume(version)``,
     ``check_alive()`` and a ``controller`` holding ``running``/``accepted``/``rejected``, like
-    :class:`areal_plugins.trainers.admission.AdmissionLoop`), or None to defer.
+    :class:`areal_plugins.trainers.admission.AdmissionLoop`; ``areal.on_stale: reissue`` also needs
+    ``reissue_stale(groups)``), or None to defer.
 
     :param config: the composed recipe.
     :param buffer: what ``areal_make_sample_buffer`` returned.
