@@ -112,3 +112,12 @@ def test_the_readme_tables_print_the_committed_numbers(tmp_path):
     )
     table = ablation.markdown_tables(tmp_path)
     assert "| colocated | 4 | reissue | 0.0% | 0 | 7 | 50% | 9.0 | 0.044 |" in table
+
+
+def test_a_regime_that_loses_accuracy_at_eta_0_is_refused():
+    import argparse
+
+    args = argparse.Namespace(lr=5e-4, mini_batch=4)
+    with pytest.raises(SystemExit, match=r"does not learn even at η = 0 \(validation accuracy 0.512 -> 0.215\)"):
+        ablation.check_learns_synchronously([(0, 0.512), (8, 0.32), (16, 0.215)], args)
+    ablation.check_learns_synchronously([(0, 0.512), (16, 0.47)], args)  # within 0.05: kept
