@@ -196,6 +196,7 @@ def run_ablation(args: argparse.Namespace) -> int:
                     "validation": validation_accuracy(rows),
                     "reward": series(rows, REWARD_KEY),
                     "drift": drift(rows),
+                    "staleness": staleness_excess(read_metrics(args.work / name / "areal_samples.jsonl"), eta),
                 }
                 report["summary"] = summarize(runs, args.window)
                 path.write_text(json.dumps(report, indent=2) + "\n")
@@ -277,11 +278,13 @@ def summarize(runs: dict[str, Any], window: int) -> dict[str, Any]:
         finals = [run["validation"][-1][1] for run in members if run["validation"]]
         rewards = [statistics.mean(v for _, v in run["reward"][-window:]) for run in members if run["reward"]]
         kls = [run["drift"]["kl_prox_behav"] for run in members if "kl_prox_behav" in run["drift"]]
+        past_eta = [run["staleness"]["over_eta_fraction"] for run in members if "staleness" in run]
         summary[key] = {
             "seeds": len(members),
             "final_validation": spread(finals) if finals else None,
             "final_reward": spread(rewards) if rewards else None,
             "kl_prox_behav": spread(kls) if kls else None,
+            "trajectories_past_eta": spread(past_eta) if past_eta else None,
         }
     return summary
 
@@ -343,8 +346,8 @@ def markdown_tables(results: Path) -> str:
         report = json.loads(ablation_path.read_text())
         lines += [
             "| η | objective | seeds | final greedy validation accuracy, mean (min-max) | "
-            "train reward, last steps | KL(π_prox‖π_behav) |",
-            "|---|---|---|---|---|---|",
+            "train reward, last steps | KL(π_prox‖π_behav) | trajectories past η |",
+            "|---|---|---|---|---|---|---|",
         ]
         for key, row in sorted(report["summary"].items(), key=lambda kv: (int(kv[0].split("-")[0][3:]), kv[0])):
             eta, objective = key.split("-", 1)
@@ -356,7 +359,8 @@ def markdown_tables(results: Path) -> str:
 
             lines.append(
                 f"| {eta[3:]} | {objective} | {row['seeds']} | {cell(row['final_validation'])} | "
-                f"{cell(row['final_reward'])} | {cell(row['kl_prox_behav'])} |"
+                f"{cell(row['final_reward'])} | {cell(row['kl_prox_behav'])} | "
+                f"{cell(row.get('trajectories_past_eta'), 2)} |"
             )
         lines.append("")
     guarantee_path = results / "staleness_guarantee.json"
