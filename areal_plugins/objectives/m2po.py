@@ -77,7 +77,7 @@ def m2po_loss(
         weight = torch.exp(prox - behav)
         stats = {
             "m2po_m2": float(m2[valid].mean()) if bool(valid.any()) else 0.0,
-            "m2po_m2_kept": float(m2[kept].mean()) if bool(kept.any()) else 0.0,
+            "m2po_m2_kept": float(m2[kept].mean()) if bool(kept.any()) else 0.0,  # all kept, not only T
             "m2po_masked_frac": float(dropped.sum()) / count,
             "clip_frac": float(dropped.sum()) / count,  # what M2PO does instead of clipping
             "dual_clip_frac": 0.0,
