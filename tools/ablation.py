@@ -321,6 +321,13 @@ def plot(report: dict[str, Any], out: Path) -> None:
     figure.savefig(out, dpi=110)
 
 
+def spread_cell(value: dict[str, float] | None, digits: int = 3) -> str:
+    """``mean (min-max)`` of a :func:`spread`, or ``-`` when there is none."""
+    if value is None:
+        return "-"
+    return f"{value['mean']:.{digits}f} ({value['min']:.{digits}f}-{value['max']:.{digits}f})"
+
+
 def markdown_tables(results: Path) -> str:
     """The README's tables, from the committed JSON files (every number comes from them)."""
     lines = []
@@ -352,15 +359,10 @@ def markdown_tables(results: Path) -> str:
         for key, row in sorted(report["summary"].items(), key=lambda kv: (int(kv[0].split("-")[0][3:]), kv[0])):
             eta, objective = key.split("-", 1)
 
-            def cell(value: dict[str, float] | None, digits: int = 3) -> str:
-                if value is None:
-                    return "-"
-                return f"{value['mean']:.{digits}f} ({value['min']:.{digits}f}-{value['max']:.{digits}f})"
-
             lines.append(
-                f"| {eta[3:]} | {objective} | {row['seeds']} | {cell(row['final_validation'])} | "
-                f"{cell(row['final_reward'])} | {cell(row['kl_prox_behav'])} | "
-                f"{cell(row.get('trajectories_past_eta'), 2)} |"
+                f"| {eta[3:]} | {objective} | {row['seeds']} | {spread_cell(row['final_validation'])} | "
+                f"{spread_cell(row['final_reward'])} | {spread_cell(row['kl_prox_behav'])} | "
+                f"{spread_cell(row.get('trajectories_past_eta'), 2)} |"
             )
         lines.append("")
     guarantee_path = results / "staleness_guarantee.json"

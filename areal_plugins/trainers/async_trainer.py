@@ -198,7 +198,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             buffer=self.sample_buffer,
             submit_prompts=self._add_prompts_to_generate,
             accept_trajectory=accept_trajectory,
-            reissue_prompts=self._reissue_failed_prompts,
+            reissue_prompts=self._reissue_prompts,
         )
         if self.areal.on_stale == "reissue" and not hasattr(self.manager, "reissue_stale"):
             raise RuntimeError(
@@ -241,8 +241,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self._submitted_groups += len(batch["uid"])
         return sent
 
-    def _reissue_failed_prompts(self, uids: list[str]) -> None:
-        """Send failed prompt groups for generation again, from the prompt data verl keeps in TransferQueue.
+    def _reissue_prompts(self, uids: list[str]) -> None:
+        """Send prompt groups (failed, or past η under on_stale: reissue) for generation again, from TransferQueue.
 
         The way verl re-issues in-flight prompts on resume (``_reissue_inflight_prompts``): the prompt
         stays registered throughout, so a checkpoint taken meanwhile keeps it and a resume redraws it.
