@@ -14,6 +14,8 @@ from areal_plugins.settings import ArealConfig, ArealConfigError, LossConfig
 
 RECOMPUTE_LOSS_NAME = "areal_decoupled"
 LOGLINEAR_LOSS_NAME = "areal_decoupled_loglinear"
+#: verl's agent-loop manager under the async trainer (areal_plugins/trainers/episode_workers.py).
+EPISODE_MANAGER_CLASS = "areal_plugins.trainers.episode_workers.ArealAgentLoopManager"
 #: ``cap_threshold`` without a cap: a bound that never binds.
 NO_CAP = 1e9
 
@@ -25,6 +27,7 @@ ROUTED_VERL_KEYS: dict[str, str] = {
     "actor_rollout_ref.actor.policy_loss.loss_mode": "loss_mode",
     "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is_threshold": "actor_rollout_is_threshold",
     "actor_rollout_ref.rollout.calculate_log_probs": "calculate_log_probs",
+    "actor_rollout_ref.rollout.agent.agent_loop_manager_class": "agent_loop_manager_class",
     "algorithm.rollout_correction.rollout_is": "rollout_is",
     "algorithm.rollout_correction.rollout_is_threshold": "rollout_is_threshold",
     "algorithm.rollout_correction.bypass_mode": "bypass_mode",
@@ -43,6 +46,8 @@ def routed_settings(config: ArealConfig) -> dict[str, tuple[bool, Any, Any]]:
         "trainer_mode": (on, "areal_async" if config.mode == "async" else "areal_sync", "sync"),
         "loss_mode": (decoupled, LOGLINEAR_LOSS_NAME if loglinear else RECOMPUTE_LOSS_NAME, "vanilla"),
         "calculate_log_probs": (on, True, False),  # the engine's per-token behaviour log-probs
+        # verl's TransferQueue agent-loop workers, recording each episode's versions across turns.
+        "agent_loop_manager_class": (on and config.mode == "async", EPISODE_MANAGER_CLASS, None),
         "rollout_is": (recompute, "token", None),
         # verl truncates the behaviour weight before the loss sees it: that is our cap (docs/design.md).
         "rollout_is_threshold": (recompute, cap_threshold(config.loss), 2.0),

@@ -101,6 +101,25 @@ class MicroBatchConfig:
 
 
 @dataclass(frozen=True)
+class EpisodesConfig:
+    """``areal.episodes``: agent-loop episodes of several turns (docs/multi_turn.md)."""
+
+    environment_timeout_s: float = field(
+        default=120.0,
+        metadata={
+            "help": "most seconds an episode may spend outside the engine at a time (tool calls, environment "
+            "steps); past it the episode fails, is counted and its group re-issued"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not self.environment_timeout_s > 0:
+            raise ArealConfigError(
+                f"areal.episodes.environment_timeout_s must be > 0 seconds, got {self.environment_timeout_s!r}"
+            )
+
+
+@dataclass(frozen=True)
 class PluginsConfig:
     """``areal.plugins``: which installed third-party plugins to load."""
 
@@ -165,6 +184,7 @@ class ArealConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     micro_batch: MicroBatchConfig = field(default_factory=MicroBatchConfig)
+    episodes: EpisodesConfig = field(default_factory=EpisodesConfig)
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
 
     def __post_init__(self) -> None:

@@ -71,3 +71,31 @@ def areal_validate_config(config: Any) -> None:
             f"areal.micro_batch.max_tokens={budget} cannot hold one sequence of up to {longest} tokens "
             f"(data.max_prompt_length + data.max_response_length): raise it to at least {longest}"
         )
+    if areal.mode == "async":
+        _check_agent_loop_manager(rollout.get("agent", {}).get("agent_loop_manager_class"))
+
+
+def _check_agent_loop_manager(class_path: str | None) -> None:
+    """The async trainer needs its episode-recording workers; a recipe's own manager must extend ours."""
+    from areal_plugins.routing import EPISODE_MANAGER_CLASS
+
+    if class_path == EPISODE_MANAGER_CLASS:
+        return
+    hint = (
+        f"areal.mode=async needs actor_rollout_ref.rollout.agent.agent_loop_manager_class={EPISODE_MANAGER_CLASS} "
+        "(areal.enable routes it) or a subclass of it: it records the version of every generated token across "
+        "an episode's turns"
+    )
+    if not class_path:
+        raise ArealConfigError(f"{hint}; the recipe sets it to null")
+    import importlib
+
+    from areal_plugins.trainers.episode_workers import ArealAgentLoopManager
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        manager = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ArealConfigError(f"{hint}; {class_path!r} cannot be imported: {error}") from error
+    if not (isinstance(manager, type) and issubclass(manager, ArealAgentLoopManager)):
+        raise ArealConfigError(f"{hint}; the recipe sets {class_path!r}, which does not extend it")

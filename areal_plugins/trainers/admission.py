@@ -237,6 +237,7 @@ class AdmissionLoop:
                     "response_tokens": len(trajectory.response_ids),
                     "reward": trajectory.reward,
                     "reward_report": reward_report(trajectory.extra),
+                    **episode_report(trajectory.extra),
                 }
             )
         self.rejected_trajectories += len(dropped)
@@ -256,6 +257,22 @@ def reward_report(extra: dict[str, Any]) -> dict[str, float]:
     """The reward service's report on one trajectory (``areal_reward_*`` of verl's reward_extra_info)."""
     info = extra.get("reward_extra_info") or {}
     return {key: float(value) for key, value in dict(info).items() if key.startswith("areal_reward_")}
+
+
+#: An episode's counts (trainers/episodes.py) as our trajectory records name them.
+EPISODE_FIELDS = {
+    "areal_turns": "turns",
+    "areal_turn_tokens": "turn_tokens",
+    "areal_updates_between_turns": "updates_between_turns",
+    "areal_tool_calls": "tool_calls",
+    "areal_tool_failures": "tool_failures",
+    "areal_tool_seconds": "tool_seconds",
+}
+
+
+def episode_report(extra: dict[str, Any]) -> dict[str, Any]:
+    """The turn, tool and interrupt counts of the trajectory's episode (empty from a non-areal worker)."""
+    return {name: extra[key] for key, name in EPISODE_FIELDS.items() if key in extra}
 
 
 def _trajectory(data: Any, row: int, uid: str) -> Trajectory:

@@ -14,6 +14,8 @@ from typing import Any
 
 from verl.workers.rollout.llm_server import LLMServerClient
 
+from areal_plugins.trainers.episodes import CURRENT_EPISODE
+
 ABORTED = ("aborted", "abort")
 
 
@@ -22,7 +24,8 @@ class InterruptibleLLMClient(LLMServerClient):
 
     The merged output's ``extra_fields`` hold ``token_versions`` (one per response token),
     ``min_global_steps``/``max_global_steps`` (head and tail version, which verl copies into the
-    trajectory's TransferQueue tags) and ``num_interrupts``.
+    trajectory's TransferQueue tags) and ``num_interrupts``. Inside an agent-loop episode the turn
+    is also added to the episode's record, whose fields cover every turn (trainers/episodes.py).
     """
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any):
@@ -35,6 +38,9 @@ class InterruptibleLLMClient(LLMServerClient):
         log_probs: list[float] = []
         versions: list[int] = []
         interrupts = 0
+        episode = CURRENT_EPISODE.get()
+        if episode is not None:
+            episode.enter_engine()
         while True:
             params[limit_key] = budget - len(token_ids)
             output = await super().generate(
@@ -52,6 +58,8 @@ class InterruptibleLLMClient(LLMServerClient):
             interrupts += 1
             if not output.token_ids:  # a server rejecting requests while paused: do not spin
                 await asyncio.sleep(0.01)
+        if episode is not None:
+            episode.add_turn(versions, interrupts)
         extra = dict(output.extra_fields)
         extra.update(token_versions=versions, num_interrupts=interrupts)
         if versions:

@@ -32,7 +32,27 @@ def consumed_metrics(groups: list[BufferedGroup], trainer_version: int) -> dict[
     for value, count in sorted(Counter(staleness).items()):
         metrics[f"areal/staleness_count/{value}"] = float(count)
     metrics.update(reward_service_metrics([info.get("reward_report") or {} for info in infos]))
+    metrics.update(episode_metrics(infos))
     return metrics
+
+
+def episode_metrics(infos: list[dict[str, Any]]) -> dict[str, float]:
+    """Turns, tool calls and where weight updates met the step's episodes (docs/multi_turn.md)."""
+    infos = [info for info in infos if "turns" in info]
+    if not infos:
+        return {}
+    calls = sum(info["tool_calls"] for info in infos)
+    return {
+        "areal/turns_mean": sum(info["turns"] for info in infos) / len(infos),
+        "areal/turns_max": float(max(info["turns"] for info in infos)),
+        "areal/tool_calls": float(calls),
+        "areal/tool_failures": float(sum(info["tool_failures"] for info in infos)),
+        "areal/tool_latency_s_mean": sum(info["tool_seconds"] for info in infos) / calls if calls else 0.0,
+        # A weight update met the episode inside a turn (the request was interrupted and resumed) ...
+        "areal/episodes_interrupted_within_turn": float(sum(info["num_interrupts"] > 0 for info in infos)),
+        # ... or between two turns (during a tool call, or while the next turn waited for the engine).
+        "areal/episodes_updated_between_turns": float(sum(info["updates_between_turns"] > 0 for info in infos)),
+    }
 
 
 def reward_service_metrics(reports: list[dict[str, float]]) -> dict[str, float]:

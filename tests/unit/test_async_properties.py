@@ -36,8 +36,10 @@ def test_every_group_is_accounted_for_and_none_trains_beyond_eta(eta, batch, con
     checkpoint = None
 
     for op, pick in ops:
+        submitted = False
         if op == "submit" and not paused and controller.capacity(version) > 0:
             controller.on_submit()
+            submitted = True
             running[f"g{next_id}"] = version
             next_id += 1
         elif op in ("finish_ok", "finish_reject") and running:
@@ -93,4 +95,6 @@ def test_every_group_is_accounted_for_and_none_trains_beyond_eta(eta, batch, con
         assert sum(map(len, places)) == len(set().union(*places)), "a group is in two places"
         assert set().union(*places) == {f"g{i}" for i in range(next_id)}, "a group was lost"
         assert controller.running == len(running)
-        assert controller.running <= concurrent or op == "crash"
+        # A resume re-issues everything alive at the checkpoint, which may exceed the limit for a while;
+        # admission itself never takes the in-flight count above it.
+        assert controller.running <= concurrent or not submitted

@@ -81,6 +81,7 @@ def test_disabled_is_byte_for_byte_verl(tmp_path):
     from omegaconf import OmegaConf
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.trainer.ppo.v1 import PPOTrainerSync, get_trainer_cls
+    from verl.workers.config.rollout import AgentLoopConfig
 
     (tmp_path / "plain.yaml").write_text(
         "hydra:\n  searchpath:\n    - pkg://verl.trainer.config\n"
@@ -98,6 +99,8 @@ def test_disabled_is_byte_for_byte_verl(tmp_path):
     # One key verl's YAML leaves to its dataclass default; we route it, disabled = that very default.
     routed = ours["actor_rollout_ref"]["actor"]["policy_loss"].pop("rollout_correction")
     assert routed == {"rollout_is_threshold": RolloutCorrectionConfig().rollout_is_threshold}
+    manager = ours["actor_rollout_ref"]["rollout"]["agent"].pop("agent_loop_manager_class")
+    assert manager is None is AgentLoopConfig().agent_loop_manager_class  # likewise: verl's own manager
     plain_dict = OmegaConf.to_container(plain)
     plain_dict.pop("areal")
     ours["reward"]["custom_reward_function"]["reward_kwargs"].pop("areal_reward")
