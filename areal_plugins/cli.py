@@ -29,6 +29,12 @@ from areal_plugins.run_control import (
 logger = logging.getLogger("areal_plugins.cli")
 
 DEFAULT_TINY_DIR = Path(".areal/tiny")
+#: Environment variable a recipe reads its tiny assets from -> (workload built there, default directory).
+#: None: whatever workload is built there (addition if none).
+TINY_ASSET_VARIABLES: dict[str, tuple[str | None, Path]] = {
+    "AREAL_TINY_DIR": (None, DEFAULT_TINY_DIR),
+    "AREAL_TINY_CALCULATOR_DIR": ("calculator", Path(".areal/tiny_calculator")),
+}
 STEP_LINE = re.compile(r"step:(\d+) - (.*)")
 ERROR_LINE = re.compile(r"Traceback|\b\w+Error: ")
 #: verl's own milestones worth a progress line while the (slow, ~1.5 min) startup runs.
@@ -136,7 +142,12 @@ def ensure_tiny_assets(tiny_dir: Path, force: bool = False, workload: str | None
     spec = WORKLOADS[workload]
     logger.info("building the tiny model and data (%s) in %s (1-3 min on 2 cores)", workload, tiny_dir)
     metrics = build_tiny_model(tiny_dir / "model", spec)
-    write_dataset(tiny_dir / "data", train_size=4096, test_size=256, seed=spec.seed)
+    if spec.task == "calculator":
+        from areal_plugins.tiny.calculator import write_dataset as write_calculator_dataset
+
+        write_calculator_dataset(tiny_dir / "data", train_size=4096, test_size=256, seed=spec.seed)
+    else:
+        write_dataset(tiny_dir / "data", train_size=4096, test_size=256, seed=spec.seed)
     record = {"workload": workload, "spec": spec.__dict__, **metrics, "seconds": time.monotonic() - start}
     stamp.write_text(json.dumps(record, indent=2))
     return tiny_dir
@@ -201,7 +212,7 @@ def _total_steps(recipe: Path, overrides: list[str]) -> str:
     return _recipe_value(recipe, overrides, "trainer", "total_training_steps") or "?"
 
 
-def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Path) -> int:
+def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Path | None) -> int:
     """Run verl's ``main_ppo`` on ``recipe``; return its exit code."""
     from areal_plugins._compat import check_verl_version
 
@@ -212,8 +223,11 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
     run_dir = (run_dir or Path("runs") / f"{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     env = with_ray_defaults(dict(os.environ))
-    if any("AREAL_TINY_DIR" in path.read_text() for path in _recipe_files(recipe)):
-        env["AREAL_TINY_DIR"] = str(ensure_tiny_assets(tiny_dir).resolve())
+    recipe_text = "".join(path.read_text() for path in _recipe_files(recipe))
+    for variable, (workload, default_dir) in TINY_ASSET_VARIABLES.items():
+        if f"oc.env:{variable}" in recipe_text:
+            chosen = default_dir if tiny_dir is None else tiny_dir
+            env[variable] = str(ensure_tiny_assets(chosen, workload=workload).resolve())
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():  # verl's file logger truncates: keep the earlier run's metrics beside it
         kept = run_dir / f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
@@ -346,15 +360,22 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument(
         "--workload",
         default="addition",
-        choices=("addition", "longtail"),
-        help="longtail: answers after a long-tailed"
-        " run of thinking tokens (the benchmark's workload; use another --out, e.g. .areal/tiny_longtail)",
+        choices=("addition", "longtail", "calculator"),
+        help="longtail: answers after a long-tailed run of thinking tokens (the benchmark's workload; use another "
+        "--out, e.g. .areal/tiny_longtail); calculator: two-digit sums through a calculator tool, multi-turn "
+        "(e.g. .areal/tiny_calculator)",
     )
     run = commands.add_parser("train", help="train with a recipe through verl's main_ppo")
     run.add_argument("recipe", type=Path)
     run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.total_training_steps=10")
     run.add_argument("--run-dir", type=Path, default=None)
-    run.add_argument("--tiny-dir", type=Path, default=DEFAULT_TINY_DIR)
+    run.add_argument(
+        "--tiny-dir",
+        type=Path,
+        default=None,
+        help="where the recipe's tiny model and data are (built there if missing); default .areal/tiny, "
+        ".areal/tiny_calculator for the calculator recipe",
+    )
     plot = commands.add_parser("plot", help="draw reward, staleness and timeline pictures of a run directory")
     plot.add_argument("run_dir", type=Path)
     commands.add_parser("bench", help="async vs sync benchmark (tools/bench.py; --help there)", add_help=False)

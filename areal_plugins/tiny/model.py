@@ -18,6 +18,9 @@ from areal_plugins.tiny.tokenizer import write_tokenizer
 
 logger = logging.getLogger(__name__)
 
+#: Warm-start steps of the calculator task (measured in tiny/calculator.py's docstring).
+CALCULATOR_WARMSTART_STEPS = 105
+
 
 @dataclass(frozen=True)
 class TinyModelSpec:
@@ -38,10 +41,17 @@ class TinyModelSpec:
     think_median: int = 0
     think_sigma: float = 1.0
     think_cap: int = 200
+    #: addition: one-turn answers; calculator: two-digit sums through a calculator tool (tiny/calculator.py).
+    task: str = "addition"
 
 
-#: The tiny workloads: short answers (recipes, tests), and the benchmark's long-tailed responses.
-WORKLOADS = {"addition": TinyModelSpec(), "longtail": TinyModelSpec(think_median=8)}
+#: The tiny workloads: short answers (recipes, tests), the benchmark's long-tailed responses, and
+#: multi-turn episodes with a tool.
+WORKLOADS = {
+    "addition": TinyModelSpec(),
+    "longtail": TinyModelSpec(think_median=8),
+    "calculator": TinyModelSpec(task="calculator", warmstart_steps=CALCULATOR_WARMSTART_STEPS),
+}
 
 
 def random_qwen2(spec: TinyModelSpec, vocab_size: int, **config_overrides: Any) -> Any:
@@ -78,7 +88,16 @@ def build_tiny_model(out_dir: Path, spec: TinyModelSpec) -> dict[str, float]:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    metrics = _warm_start(model, tokenizer, spec) if spec.warmstart_steps > 0 else {}
+    if spec.warmstart_steps <= 0:
+        metrics: dict[str, float] = {}
+    elif spec.task == "calculator":
+        from areal_plugins.tiny import calculator
+
+        metrics = calculator.warm_start(
+            model, tokenizer, spec.warmstart_steps, spec.warmstart_batch, spec.warmstart_lr, spec.seed
+        )
+    else:
+        metrics = _warm_start(model, tokenizer, spec)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -117,7 +136,7 @@ def _warm_start(model, tokenizer, spec: TinyModelSpec) -> dict[str, float]:
         ids_t = torch.tensor([ids + [pad] * (width - len(ids)) for ids in input_ids])
         labels_t = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
         mask_t = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in input_ids])
-        loss = _answer_loss(model, ids_t, mask_t, labels_t)
+        loss = answer_loss(model, ids_t, mask_t, labels_t)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -128,7 +147,7 @@ def _warm_start(model, tokenizer, spec: TinyModelSpec) -> dict[str, float]:
     return {"warmstart_final_loss": loss_value}
 
 
-def _answer_loss(model, input_ids, attention_mask, labels):
+def answer_loss(model, input_ids, attention_mask, labels):
     """Next-token cross-entropy on the labelled positions only (what ``labels=`` computes in HF).
 
     The vocabulary projection runs on the answer positions alone: with long, padded answers
