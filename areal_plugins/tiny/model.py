@@ -19,7 +19,7 @@ from areal_plugins.tiny.tokenizer import write_tokenizer
 logger = logging.getLogger(__name__)
 
 #: Warm-start steps of the calculator task (measured in tiny/calculator.py's docstring).
-CALCULATOR_WARMSTART_STEPS = 105
+CALCULATOR_WARMSTART_STEPS = 130
 
 
 @dataclass(frozen=True)
