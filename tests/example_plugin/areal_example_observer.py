@@ -6,7 +6,9 @@ scoring below it; with ``AREAL_EXAMPLE_OBSERVER_RAISE`` set it fails inside a ho
 broken plugin stops a run; with ``AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER=N`` its policy loss (in the
 trainer workers) raises from its N+1-th call on, to show a trainer worker's error stopping a run (with
 ``AREAL_EXAMPLE_OBSERVER_LOSS_HANGS_AFTER=N`` it never returns instead: a hung worker); with
-``AREAL_EXAMPLE_OBSERVER_REWARD=quarter`` its reward function scores everything 0.25.
+``AREAL_EXAMPLE_OBSERVER_REWARD=quarter`` its reward function scores everything 0.25; with
+``AREAL_EXAMPLE_OBSERVER_EPISODES=path`` it writes every finished trajectory as the accept hook sees
+it (trained tokens, their versions, the episode's turns) to that file.
 The integration tests put this folder on ``PYTHONPATH``.
 """
 
@@ -23,6 +25,7 @@ MIN_REWARD_ENV = "AREAL_EXAMPLE_OBSERVER_MIN_REWARD"
 LOSS_FAILS_AFTER_ENV = "AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER"
 LOSS_HANGS_AFTER_ENV = "AREAL_EXAMPLE_OBSERVER_LOSS_HANGS_AFTER"
 REWARD_ENV = "AREAL_EXAMPLE_OBSERVER_REWARD"
+EPISODES_ENV = "AREAL_EXAMPLE_OBSERVER_EPISODES"
 
 
 def _record(event: str, **fields: object) -> None:
@@ -34,6 +37,19 @@ def _record(event: str, **fields: object) -> None:
 
 @hookimpl
 def areal_accept_trajectory(trajectory):
+    episodes = os.environ.get(EPISODES_ENV)
+    if episodes:
+        extra = trajectory.extra
+        fields = ("areal_turn_tokens", "num_interrupts", "areal_updates_between_turns", "areal_tool_calls")
+        with open(episodes, "a") as handle:
+            record = {
+                "group": trajectory.group_id,
+                "response_ids": trajectory.response_ids,
+                "versions": trajectory.versions,
+                "episode": extra.get("test_episode_id"),
+                **{key: extra.get(key) for key in fields},
+            }
+            handle.write(json.dumps(record) + "\n")
     threshold = os.environ.get(MIN_REWARD_ENV)
     if threshold is None:
         return None

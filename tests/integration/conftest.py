@@ -3,12 +3,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_DIR = REPO / ".areal" / "tiny"  # shared with the demo: built once per machine
+CALCULATOR_DIR = REPO / ".areal" / "tiny_calculator"  # likewise, for the multi-turn recipe
 #: A folder holding an example plugin and its .dist-info: on PYTHONPATH, it is an installed plugin.
 EXAMPLE_PLUGIN_DIR = REPO / "tests" / "example_plugin"
 
@@ -71,6 +73,12 @@ def tiny_dir() -> Path:
     return TINY_DIR
 
 
+@pytest.fixture(scope="session")
+def calculator_dir() -> Path:
+    run_cli("build-tiny", "--workload", "calculator", "--out", str(CALCULATOR_DIR))
+    return CALCULATOR_DIR
+
+
 def train_args(recipe: str, run_dir: Path, tiny_dir: Path, steps: int, *overrides: str) -> list[str]:
     """``areal-plugins train`` arguments for ``steps`` steps of ``recipe`` without validation."""
     return [
@@ -96,6 +104,15 @@ def train_tiny(
     run_cli(*train_args(recipe, run_dir, tiny_dir, steps, *overrides), env=env)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["data"] for line in lines if line.strip()]
+
+
+def consumed_by_step(run_dir: Path) -> dict[int, Counter]:
+    """What each step trained, from verl's dump of every trained sample: (input, output) text -> count."""
+    by_step: dict[int, Counter] = {}
+    for path in (run_dir / "rollouts").glob("*.jsonl"):
+        for record in read_jsonl(path):
+            by_step.setdefault(record["step"], Counter())[(record["input"], record["output"])] += 1
+    return by_step
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -142,6 +159,17 @@ def run_with_dump(recipe: str, tiny_dir: Path, tmp_path_factory, data: Path, *ov
         env=env,
     )
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def long_response_model(tiny_dir, tmp_path_factory) -> Path:
+    """The tiny tokenizer with random weights: it rarely says EOS, so responses run to the limit and
+    weight updates find requests mid-generation."""
+    from areal_plugins.tiny.model import TinyModelSpec, build_tiny_model
+
+    out = tmp_path_factory.mktemp("random_model")
+    build_tiny_model(out, TinyModelSpec(warmstart_steps=0))
+    return out
 
 
 @pytest.fixture(scope="session")

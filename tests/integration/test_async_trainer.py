@@ -5,29 +5,24 @@ Real verl trainer and workers, Ray, TransferQueue, the areal_cpu engine and math
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import SYNC_STEPS, read_jsonl, run_with_dump, train_tiny, with_example_plugin
+from tests.integration.conftest import (
+    SYNC_STEPS,
+    consumed_by_step,
+    read_jsonl,
+    run_with_dump,
+    train_tiny,
+    with_example_plugin,
+)
 
 pytestmark = pytest.mark.integration
 
 ETA = 1
 STEPS = 4
 BATCH = 16  # prompt groups per step (the recipes' data.train_batch_size)
-
-
-@pytest.fixture(scope="module")
-def long_response_model(tiny_dir, tmp_path_factory) -> Path:
-    """The tiny tokenizer with random weights: it rarely says EOS, so responses run to the limit and
-    weight updates find requests mid-generation."""
-    from areal_plugins.tiny.model import TinyModelSpec, build_tiny_model
-
-    out = tmp_path_factory.mktemp("random_model")
-    build_tiny_model(out, TinyModelSpec(warmstart_steps=0))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +81,6 @@ def test_engines_serve_the_trainers_version_after_each_update(async_run):
 
 
 # ---------------------------------------------------------------- η = 0 reproduces synchronous verl
-
-
-def consumed_by_step(run_dir: Path) -> dict[int, Counter]:
-    by_step: dict[int, Counter] = {}
-    for path in (run_dir / "rollouts").glob("*.jsonl"):
-        for record in read_jsonl(path):
-            by_step.setdefault(record["step"], Counter())[(record["input"], record["output"])] += 1
-    return by_step
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,7 @@ def test_the_compact_call_is_found_and_handed_to_verl_as_a_function_call(tokeniz
     register_tool_parser()
     register_tool_parser()  # idempotent
     parser = ToolParser.get_tool_parser(PARSER_NAME, tokenizer)
-    ids = tokenizer.encode("calc 3+4", add_special_tokens=False) + [tokenizer.eos_token_id]
+    ids = [*tokenizer.encode("calc 3+4", add_special_tokens=False), tokenizer.eos_token_id]
     content, calls = asyncio.run(parser.extract_tool_calls(ids))
     assert content == ""
     assert [(call.name, call.arguments) for call in calls] == [("calculator", '{"expression": "3+4"}')]

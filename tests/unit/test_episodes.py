@@ -116,7 +116,7 @@ def test_an_episode_stuck_in_a_tool_fails_and_is_cancelled(monkeypatch):
 
     monkeypatch.setattr(AgentLoopWorker, "_run_agent_loop", stuck_in_a_tool)
     start = time.monotonic()
-    with pytest.raises(EpisodeStalledError, match="outside the engine .* after 1 turn"):
+    with pytest.raises(EpisodeStalledError, match=r"outside the engine .* after 1 turn"):
         asyncio.run(watched_worker(0.4)._run_agent_loop({}, {}))
     assert time.monotonic() - start < 3
     assert cancelled == [True]
