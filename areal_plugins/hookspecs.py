@@ -127,7 +127,16 @@ def areal_accept_trajectory(trajectory: Trajectory) -> bool | None:
     Return False to reject it (its staleness slot is freed and it is counted as rejected), True to
     keep it and stop asking further plugins, None to defer (kept if nobody rejects).
 
-    :param trajectory: the finished trajectory, reward set.
+    :param trajectory: the finished trajectory, reward set. For an episode of several turns (verl's
+        ``tool_agent`` loop or your own agent loop) it is the whole episode: ``prompt_ids`` the first
+        prompt; ``response_ids``, ``behav_logprobs`` and ``versions`` the tokens the model generated in
+        every turn, in order (tool and environment tokens, masked out of the loss, are left out, so
+        ``versions[i]`` is the version that generated ``response_ids[i]``); ``head_version`` the oldest
+        generated token's version, which staleness is judged by; ``reward`` the episode's. ``extra``
+        holds verl's extra fields of the episode plus ours: ``areal_turns``, ``areal_turn_tokens``
+        (generated tokens per turn, so ``versions`` splits into turns), ``num_interrupts`` (weight
+        updates that interrupted a turn), ``areal_updates_between_turns``, ``areal_tool_calls``,
+        ``areal_tool_failures``, ``areal_tool_seconds`` (docs/multi_turn.md).
 
     Called from: the rollout manager on the driver, once per finished trajectory of the async
     trainer (``areal.mode: async``). A GRPO group is kept with its remaining members and rejected
