@@ -123,7 +123,7 @@ def warm_start(model: Any, tokenizer: Any, steps: int, batch: int, lr: float, se
     """Supervised steps on correct episodes, the loss on the assistant's tokens only."""
     import torch
 
-    from areal_plugins.tiny.model import answer_loss
+    from areal_plugins.tiny.supervised import answer_loss
 
     problems = make_problems(steps * batch, seed=seed + 10_000, max_operand=MAX_OPERAND)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)

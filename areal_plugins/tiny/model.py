@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from areal_plugins.tiny.supervised import answer_loss
 from areal_plugins.tiny.task import THINK_TOKEN, make_problems, thinking_lengths
 from areal_plugins.tiny.tokenizer import write_tokenizer
 
@@ -145,18 +146,3 @@ def _warm_start(model, tokenizer, spec: TinyModelSpec) -> dict[str, float]:
             logger.info("warm start step %d/%d loss %.3f", step + 1, spec.warmstart_steps, loss_value)
     model.eval()
     return {"warmstart_final_loss": loss_value}
-
-
-def answer_loss(model, input_ids, attention_mask, labels):
-    """Next-token cross-entropy on the labelled positions only (what ``labels=`` computes in HF).
-
-    The vocabulary projection runs on the answer positions alone: with long, padded answers
-    (the long-tail workload) projecting every position made the warm start several times slower.
-    """
-    import torch
-
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    targets = labels[:, 1:]
-    keep = targets != -100
-    logits = model.lm_head(hidden[:, :-1][keep])
-    return torch.nn.functional.cross_entropy(logits.float(), targets[keep])

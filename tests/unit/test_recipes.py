@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from areal_plugins.routing import EPISODE_MANAGER_CLASS
+
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "recipes"
 RECIPES = sorted(p for p in RECIPE_DIR.glob("*.yaml") if not p.name.startswith("_"))
 
@@ -26,6 +28,7 @@ def compose(name: str, overrides: list[str] | None = None):
 @pytest.fixture(autouse=True)
 def tiny_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("AREAL_TINY_DIR", str(tmp_path))
+    monkeypatch.setenv("AREAL_TINY_CALCULATOR_DIR", str(tmp_path))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
@@ -65,6 +68,26 @@ def test_ablation_uses_the_behaviour_policy_as_old_policy():
     config = compose("grpo_cpu_async", ["areal.loss.decoupled=false"])
     assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
     assert config.algorithm.rollout_correction.bypass_mode is True
+
+
+def test_the_multi_turn_recipe_runs_verls_tool_loop_through_our_episode_workers():
+    config = compose("grpo_cpu_async_calculator")
+    assert config.actor_rollout_ref.rollout.agent.agent_loop_manager_class == EPISODE_MANAGER_CLASS
+    assert config.actor_rollout_ref.rollout.agent.default_agent_loop == "tool_agent"
+    assert Path(config.actor_rollout_ref.rollout.multi_turn.function_tool_path).exists()
+    assert config.actor_rollout_ref.rollout.multi_turn.format == "areal_calc"
+
+
+def test_a_recipe_replacing_the_episode_workers_is_refused_at_startup():
+    from areal_plugins.builtin.validation import areal_validate_config
+    from areal_plugins.settings import ArealConfigError
+
+    areal_validate_config(config=compose("grpo_cpu_async"))  # as shipped: accepted
+    verls_own = "actor_rollout_ref.rollout.agent.agent_loop_manager_class=verl.trainer.ppo.v1.AgentLoopManagerTQ"
+    with pytest.raises(ArealConfigError, match="does not extend it"):
+        areal_validate_config(config=compose("grpo_cpu_async", [verls_own]))
+    with pytest.raises(ArealConfigError, match="cannot be imported"):
+        areal_validate_config(config=compose("grpo_cpu_async", [verls_own.replace("AgentLoopManagerTQ", "Nope")]))
 
 
 def test_bad_setting_names_the_yaml_path():
