@@ -80,7 +80,8 @@ def test_thinking_lengths_are_lognormal_capped_and_off_at_median_zero():
 def test_warm_start_loss_equals_hugging_faces_labelled_loss():
     import torch
 
-    from areal_plugins.tiny.model import TinyModelSpec, _answer_loss, random_qwen2
+    from areal_plugins.tiny.model import TinyModelSpec, random_qwen2
+    from areal_plugins.tiny.supervised import answer_loss
 
     model = random_qwen2(TinyModelSpec(hidden_size=32, intermediate_size=64), vocab_size=97)
     ids = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(0))
@@ -90,4 +91,4 @@ def test_warm_start_loss_equals_hugging_faces_labelled_loss():
     labels[:, :5] = -100
     labels[0, 8:] = -100
     expected = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-    assert torch.allclose(_answer_loss(model, ids, mask, labels), expected, atol=1e-6)
+    assert torch.allclose(answer_loss(model, ids, mask, labels), expected, atol=1e-6)
