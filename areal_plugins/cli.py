@@ -143,7 +143,7 @@ def ensure_tiny_assets(tiny_dir: Path, force: bool = False, workload: str | None
     logger.info("building the tiny model and data (%s) in %s (1-3 min on 2 cores)", workload, tiny_dir)
     metrics = build_tiny_model(tiny_dir / "model", spec)
     if spec.task == "calculator":
-        from areal_plugins.tiny.calculator import write_dataset as write_calculator_dataset
+        from areal_plugins.tiny.calculator import write_calculator_dataset
 
         write_calculator_dataset(tiny_dir / "data", train_size=4096, test_size=256, seed=spec.seed)
     else:

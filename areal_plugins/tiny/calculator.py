@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from areal_plugins.tiny.task import AdditionProblem, make_problems
+from areal_plugins.tiny.task import AdditionProblem, make_problems, to_verl_row, write_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,15 @@ TOOL_NAME = "calculator"
 PARSER_NAME = "areal_calc"
 CALL_PATTERN = re.compile(r"calc\s*(\d+)\s*\+\s*(\d+)")
 MAX_OPERAND = 99
+
+
+def calculator_row(problem: AdditionProblem, split: str, index: int) -> dict:
+    return to_verl_row(problem, split, index, DATA_SOURCE)
+
+
+def write_calculator_dataset(out_dir: Path, train_size: int, test_size: int, seed: int) -> dict[str, Path]:
+    """``train.parquet`` and ``test.parquet`` of two-digit sums, scored by the final-turn rule."""
+    return write_dataset(out_dir, train_size, test_size, seed, max_operand=MAX_OPERAND, data_source=DATA_SOURCE)
 
 
 def call_text(problem: AdditionProblem) -> str:
@@ -69,30 +78,6 @@ def register_tool_parser() -> None:
             if expression is None:
                 return content, []
             return content, [FunctionCall(name=TOOL_NAME, arguments=json.dumps({"expression": expression}))]
-
-
-def to_verl_row(problem: AdditionProblem, split: str, index: int) -> dict:
-    return {
-        "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": problem.question}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": problem.answer},
-        "extra_info": {"split": split, "index": index},
-    }
-
-
-def write_dataset(out_dir: Path, train_size: int, test_size: int, seed: int) -> dict[str, Path]:
-    """Write ``train.parquet`` and ``test.parquet`` of two-digit additions; return their paths."""
-    import pandas as pd
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split, size, split_seed in (("train", train_size, seed), ("test", test_size, seed + 1)):
-        problems = make_problems(size, split_seed, max_operand=MAX_OPERAND)
-        path = out_dir / f"{split}.parquet"
-        pd.DataFrame([to_verl_row(p, split, i) for i, p in enumerate(problems)]).to_parquet(path)
-        paths[split] = path
-    return paths
 
 
 def episode_tokens(tokenizer: Any, problem: AdditionProblem) -> tuple[list[int], list[int]]:

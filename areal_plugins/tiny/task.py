@@ -46,10 +46,10 @@ def thinking_lengths(count: int, median: int, sigma: float, cap: int, seed: int)
     return [min(cap, round(median * math.exp(sigma * rng.gauss(0.0, 1.0)))) for _ in range(count)]
 
 
-def to_verl_row(problem: AdditionProblem, split: str, index: int) -> dict:
-    """Return one row in the layout verl's ``RLHFDataset`` reads."""
+def to_verl_row(problem: AdditionProblem, split: str, index: int, data_source: str = DATA_SOURCE) -> dict:
+    """Return one row in the layout verl's ``RLHFDataset`` reads (``data_source`` picks the reward rule)."""
     return {
-        "data_source": DATA_SOURCE,
+        "data_source": data_source,
         "prompt": [{"role": "user", "content": problem.question}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": problem.answer},
@@ -57,14 +57,17 @@ def to_verl_row(problem: AdditionProblem, split: str, index: int) -> dict:
     }
 
 
-def write_dataset(out_dir: Path, train_size: int, test_size: int, seed: int) -> dict[str, Path]:
-    """Write ``train.parquet`` and ``test.parquet``; return their paths."""
+def write_dataset(
+    out_dir: Path, train_size: int, test_size: int, seed: int, max_operand: int = 9, data_source: str = DATA_SOURCE
+) -> dict[str, Path]:
+    """Write ``train.parquet`` and ``test.parquet`` of sums of operands up to ``max_operand``; return their paths."""
     import pandas as pd
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for split, size, split_seed in (("train", train_size, seed), ("test", test_size, seed + 1)):
-        rows = [to_verl_row(p, split, i) for i, p in enumerate(make_problems(size, split_seed))]
+        problems = make_problems(size, split_seed, max_operand=max_operand)
+        rows = [to_verl_row(p, split, i, data_source) for i, p in enumerate(problems)]
         path = out_dir / f"{split}.parquet"
         pd.DataFrame(rows).to_parquet(path)
         paths[split] = path

@@ -33,12 +33,12 @@ def distinct_sums(tmp_path_factory) -> Path:
     """Calculator problems without repeats, so GRPO groups are identified by their prompt."""
     import pandas as pd
 
-    from areal_plugins.tiny.calculator import to_verl_row
+    from areal_plugins.tiny.calculator import calculator_row
     from areal_plugins.tiny.task import AdditionProblem
 
     problems = [AdditionProblem(a, b) for a in range(10, 90, 11) for b in range(12, 99, 7)]
     path = tmp_path_factory.mktemp("sums") / "train.parquet"
-    pd.DataFrame([to_verl_row(p, "train", i) for i, p in enumerate(problems)]).to_parquet(path)
+    pd.DataFrame([calculator_row(p, "train", i) for i, p in enumerate(problems)]).to_parquet(path)
     return path
 
 

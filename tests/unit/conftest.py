@@ -10,3 +10,15 @@ def random_qwen2():
 
     spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, seed=0)
     return random_qwen2(spec, vocab_size=256).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory):
+    """The tiny tokenizer truncated to 4,096 ranks (plus its special tokens)."""
+    from transformers import AutoTokenizer
+
+    from areal_plugins.tiny.tokenizer import write_tokenizer
+
+    out = tmp_path_factory.mktemp("tok")
+    write_tokenizer(out, 4096)
+    return AutoTokenizer.from_pretrained(out)

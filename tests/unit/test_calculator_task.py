@@ -16,16 +16,6 @@ from areal_plugins.tiny.calculator import (
     register_tool_parser,
 )
 from areal_plugins.tiny.task import AdditionProblem
-from areal_plugins.tiny.tokenizer import write_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("tok")
-    write_tokenizer(out, 4096)
-    return AutoTokenizer.from_pretrained(out)
 
 
 def test_a_warm_start_episode_is_laid_out_as_the_tool_agent_loop_lays_it_out(tokenizer):

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 from areal_plugins.tiny.task import make_problems, to_verl_row
-from areal_plugins.tiny.tokenizer import QWEN2_SPLIT_PATTERN, load_qwen_ranks, write_tokenizer
+from areal_plugins.tiny.tokenizer import QWEN2_SPLIT_PATTERN, load_qwen_ranks
 
 TEXTS = [
     "What is 3 + 5?",
@@ -13,15 +11,6 @@ TEXTS = [
     "def foo(x):\n    return x**2  # comment\t\ttabs",
     "The answer is \\boxed{17}. Isn't it?",
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("tok")
-    write_tokenizer(out, 4096)
-    return AutoTokenizer.from_pretrained(out)
 
 
 def test_matches_tiktoken_on_the_same_ranks(tokenizer):
