@@ -86,6 +86,8 @@ class AdmissionLoop:
         self._handled: set[str] = set()
         self._admitting = threading.Event()
         self._admitting.set()
+        self._polling = threading.Event()  # cleared while the engines sleep: nothing can finish then
+        self._polling.set()
         self._stop = threading.Event()
         self._poll_lock = threading.Lock()  # held for one poll: quiesce() waits for it
         self._thread: threading.Thread | None = None
@@ -110,6 +112,16 @@ class AdmissionLoop:
     def resume(self, version: int) -> None:
         self.version = version
         self._admitting.set()
+        self._polling.set()
+
+    def suspend_polling(self) -> None:
+        """Stop looking at TransferQueue until :meth:`resume` (colocated engines asleep while the trainer trains).
+
+        Each look lists the whole partition; on shared devices that work would be taken from training.
+        Groups that finish meanwhile are collected by the first poll after the resume.
+        """
+        self._admitting.clear()
+        self._polling.clear()
 
     @contextmanager
     def quiesce(self) -> Iterator[None]:
@@ -149,6 +161,9 @@ class AdmissionLoop:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                if not self._polling.is_set():
+                    self._polling.wait(self.poll_interval)
+                    continue
                 self.poll_once()
                 self._stop.wait(self.poll_interval)
         except BaseException as error:  # surfaced to the trainer by check_alive()

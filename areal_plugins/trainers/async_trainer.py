@@ -325,6 +325,10 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             with self.recorder.span("rollout", "paused_for_training"):
                 self.checkpoint_manager.abort_replicas()
                 self.checkpoint_manager.sleep_replicas()
+            # Nothing finishes while the engines sleep; a rollout manager without this keeps polling.
+            suspend_polling = getattr(self.manager, "suspend_polling", None)
+            if suspend_polling is not None:
+                suspend_polling()
 
     def step(self, metrics: dict, timing_raw: dict) -> KVBatchMeta:
         self._step_metrics = metrics  # kept for the step line when the weight sync after it fails

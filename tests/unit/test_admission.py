@@ -149,6 +149,32 @@ def test_paused_loop_collects_but_does_not_submit():
     assert submitted == ["p0", "p1"]
 
 
+def test_a_suspended_loop_does_not_look_at_the_store_until_resumed():
+    import time
+
+    store = MemoryStore()
+    looks = []
+    listing = store.kv_list
+    store.kv_list = lambda partition_id: looks.append(1) or listing(partition_id)  # type: ignore[method-assign]
+    loop, submitted = make_loop(store, eta=0, batch=1)
+    loop.start()
+    try:
+        time.sleep(0.1)
+        assert looks and submitted == ["p0"]
+        loop.suspend_polling()  # colocated engines asleep: nothing can finish
+        time.sleep(0.05)  # a poll already under way ends
+        before = len(looks)
+        store.finish("p0", [1.0], [[0]])
+        time.sleep(0.2)
+        assert len(looks) == before and len(loop.buffer) == 0
+        loop.resume(version=1)
+        time.sleep(0.1)
+        assert len(looks) > before
+        assert len(loop.buffer) == 1 and submitted == ["p0", "p1"]  # collected and admitting again
+    finally:
+        loop.stop()
+
+
 def test_a_trajectory_without_behaviour_logprobs_stops_the_loop_instead_of_inventing_them():
     store = MemoryStore()
     loop, _ = make_loop(store, eta=0, batch=1)
