@@ -18,14 +18,11 @@ tiny tokenizer ~25 tokens per call, so the task registers a compact one with ver
 from __future__ import annotations
 
 import json
-import logging
 import re
 from pathlib import Path
 from typing import Any
 
 from areal_plugins.tiny.task import AdditionProblem, make_problems, to_verl_row, write_dataset
-
-logger = logging.getLogger(__name__)
 
 DATA_SOURCE = "areal/calculator"
 TOOL_NAME = "calculator"
@@ -106,27 +103,10 @@ def episode_tokens(tokenizer: Any, problem: AdditionProblem) -> tuple[list[int],
 
 def warm_start(model: Any, tokenizer: Any, steps: int, batch: int, lr: float, seed: int) -> dict[str, float]:
     """Supervised steps on correct episodes, the loss on the assistant's tokens only."""
-    import torch
-
-    from areal_plugins.tiny.supervised import answer_loss
+    from areal_plugins.tiny import supervised
 
     problems = make_problems(steps * batch, seed=seed + 10_000, max_operand=MAX_OPERAND)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    loss_value = float("nan")
-    pad = tokenizer.pad_token_id
-    for step in range(steps):
-        episodes = [episode_tokens(tokenizer, p) for p in problems[step * batch : (step + 1) * batch]]
-        width = max(len(ids) for ids, _ in episodes)
-        ids_t = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in episodes])
-        labels_t = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in episodes])
-        mask_t = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in episodes])
-        loss = answer_loss(model, ids_t, mask_t, labels_t)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        loss_value = float(loss.detach())
-        if step % 20 == 0 or step == steps - 1:
-            logger.info("calculator warm start step %d/%d loss %.3f", step + 1, steps, loss_value)
-    model.eval()
-    return {"warmstart_final_loss": loss_value}
+    batches = (
+        [episode_tokens(tokenizer, p) for p in problems[step * batch : (step + 1) * batch]] for step in range(steps)
+    )
+    return supervised.warm_start(model, batches, steps, lr, tokenizer.pad_token_id, "calculator")

@@ -8,18 +8,16 @@ the same wall time). Warm start measured here (greedy accuracy on 200 held-out p
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from areal_plugins.tiny.supervised import answer_loss
+from areal_plugins.tiny.supervised import warm_start
 from areal_plugins.tiny.task import THINK_TOKEN, make_problems, thinking_lengths
 from areal_plugins.tiny.tokenizer import write_tokenizer
 
-logger = logging.getLogger(__name__)
-
-#: Warm-start steps of the calculator task (measured in tiny/calculator.py's docstring).
+#: Warm-start steps of the calculator task. Measured here (accuracy on 100 held-out sums, greedy / sampled):
+#: 100 steps 0.09 greedy, 105 0.75, 130 0.87 / 0.32, 150 0.98 / 0.61; 130 leaves GRPO signal and room.
 CALCULATOR_WARMSTART_STEPS = 130
 
 
@@ -107,42 +105,27 @@ def build_tiny_model(out_dir: Path, spec: TinyModelSpec) -> dict[str, float]:
 
 def _warm_start(model, tokenizer, spec: TinyModelSpec) -> dict[str, float]:
     """Supervised steps on ``prompt -> answer<|im_end|>`` with the loss on the answer only."""
-    import torch
-
     # Seed offset keeps warm-start problems apart from the RL data's default seeds.
     problems = make_problems(spec.warmstart_steps * spec.warmstart_batch, seed=spec.seed + 10_000)
     think = thinking_lengths(len(problems), spec.think_median, spec.think_sigma, spec.think_cap, spec.seed + 20_000)
     filler = tokenizer.encode(THINK_TOKEN, add_special_tokens=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warmstart_lr)
-    model.train()
-    loss_value = float("nan")
-    for step in range(spec.warmstart_steps):
-        batch = problems[step * spec.warmstart_batch : (step + 1) * spec.warmstart_batch]
-        input_ids, labels = [], []
-        for problem, think_tokens in zip(batch, think[step * spec.warmstart_batch :], strict=False):
-            prompt = tokenizer.apply_chat_template(
-                [{"role": "user", "content": problem.question}], add_generation_prompt=True, tokenize=False
-            )
-            prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-            answer_text = (" " if think_tokens else "") + problem.answer
-            answer_ids = [
-                *filler * think_tokens,
-                *tokenizer.encode(answer_text, add_special_tokens=False),
-                tokenizer.eos_token_id,
-            ]
-            input_ids.append(prompt_ids + answer_ids)
-            labels.append([-100] * len(prompt_ids) + answer_ids)
-        width = max(len(ids) for ids in input_ids)
-        pad = tokenizer.pad_token_id
-        ids_t = torch.tensor([ids + [pad] * (width - len(ids)) for ids in input_ids])
-        labels_t = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
-        mask_t = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in input_ids])
-        loss = answer_loss(model, ids_t, mask_t, labels_t)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        loss_value = float(loss.detach())
-        if step % 10 == 0 or step == spec.warmstart_steps - 1:
-            logger.info("warm start step %d/%d loss %.3f", step + 1, spec.warmstart_steps, loss_value)
-    model.eval()
-    return {"warmstart_final_loss": loss_value}
+
+    def example(problem, think_tokens: int) -> tuple[list[int], list[int]]:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": problem.question}], add_generation_prompt=True, tokenize=False
+        )
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        answer_text = (" " if think_tokens else "") + problem.answer
+        answer_ids = [
+            *filler * think_tokens,
+            *tokenizer.encode(answer_text, add_special_tokens=False),
+            tokenizer.eos_token_id,
+        ]
+        return prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids
+
+    size = spec.warmstart_batch
+    batches = (
+        [example(p, t) for p, t in zip(problems[k * size : (k + 1) * size], think[k * size :], strict=False)]
+        for k in range(spec.warmstart_steps)
+    )
+    return warm_start(model, batches, spec.warmstart_steps, spec.warmstart_lr, tokenizer.pad_token_id, spec.task)
