@@ -120,7 +120,7 @@ class AdmissionLoop:
         Each look lists the whole partition; on shared devices that work would be taken from training.
         Groups that finish meanwhile are collected by the first poll after the resume.
         """
-        self._admitting.clear()
+        self.pause()
         self._polling.clear()
 
     @contextmanager

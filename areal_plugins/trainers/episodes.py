@@ -93,9 +93,8 @@ class EpisodeRecord:
                 "token builder edits generated tokens (verl's continuous-token builders may trim them): use one that "
                 "keeps the engine's tokens as they came"
             )
-        versions = self.versions[:trained_tokens]
-        fields: dict[str, Any] = {
-            "token_versions": versions,
+        return {
+            **version_fields(self.versions[:trained_tokens]),
             "num_interrupts": self.interrupts_within_turns,
             "areal_turns": self.turns,
             "areal_turn_tokens": list(self.turn_tokens),
@@ -104,6 +103,12 @@ class EpisodeRecord:
             "areal_tool_failures": self.tool_failures,
             "areal_tool_seconds": self.tool_seconds,
         }
-        if versions:
-            fields.update(min_global_steps=min(versions), max_global_steps=max(versions))
-        return fields
+
+
+def version_fields(versions: list[int]) -> dict[str, Any]:
+    """``token_versions`` and, when any token was generated, the head and tail version under the names verl
+    copies into the trajectory's TransferQueue tags (``min_global_steps`` / ``max_global_steps``)."""
+    fields: dict[str, Any] = {"token_versions": versions}
+    if versions:
+        fields.update(min_global_steps=min(versions), max_global_steps=max(versions))
+    return fields

@@ -14,7 +14,7 @@ from typing import Any
 
 from verl.workers.rollout.llm_server import LLMServerClient
 
-from areal_plugins.trainers.episodes import CURRENT_EPISODE
+from areal_plugins.trainers.episodes import CURRENT_EPISODE, version_fields
 
 ABORTED = ("aborted", "abort")
 
@@ -60,10 +60,7 @@ class InterruptibleLLMClient(LLMServerClient):
                 await asyncio.sleep(0.01)
         if episode is not None:
             episode.add_turn(versions, interrupts)
-        extra = dict(output.extra_fields)
-        extra.update(token_versions=versions, num_interrupts=interrupts)
-        if versions:
-            extra.update(min_global_steps=min(versions), max_global_steps=max(versions))
+        extra = {**output.extra_fields, **version_fields(versions), "num_interrupts": interrupts}
         stop_reason = "length" if output.stop_reason in ABORTED else output.stop_reason
         return TokenOutput(
             token_ids=token_ids,
