@@ -193,6 +193,7 @@ def areal_on_shutdown(reason: str) -> None:
 
     :param reason: ``"completed"``, ``"error"`` or ``"interrupted"``.
 
-    Called from: verl's TaskRunner, once, as the trainer's ``fit`` returns or raises.
+    Called from: verl's TaskRunner, once, as the trainer's ``fit`` returns or raises, after the async trainer
+    stopped admitting trajectories: no other hook of the run follows it.
     Default: none.
     """

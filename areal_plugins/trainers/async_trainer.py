@@ -367,13 +367,15 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             # An actor was lost under a call (a weight sync to a lost node's engines): name it and its node.
             self._actor_liveness.explain()
             raise
-        finally:
-            self._monitor_stop.set()
-            if self._stall_guard is not None:
-                self._stall_guard.close()
-            if self.manager is not None:
-                self.manager.stop()
-                self._write_accounting()
+
+    def stop_rollout(self) -> None:
+        # Called by HookedTrainerMixin.fit before areal_on_shutdown: no trajectory is admitted after it.
+        self._monitor_stop.set()
+        if self._stall_guard is not None:
+            self._stall_guard.close()
+        if self.manager is not None:
+            self.manager.stop()
+            self._write_accounting()
 
     def _write_accounting(self) -> None:
         """Where every submitted rollout group ended up (``areal_accounting.json`` lines)."""

@@ -83,4 +83,10 @@ class HookedTrainerMixin:
             reason = "interrupted"
             raise
         finally:
-            call_hook("areal_on_shutdown", reason=reason)
+            try:
+                self.stop_rollout()
+            finally:
+                call_hook("areal_on_shutdown", reason=reason)
+
+    def stop_rollout(self) -> None:
+        """End whatever still generates or admits beside the trainer: the shutdown hook is the last call."""

@@ -262,3 +262,40 @@ def test_all_installed_means_the_drivers_plugins_for_every_worker(installed_exam
         pin_plugin_selection(config, [installed_example_plugin])
         for node in (config.areal.plugins, config.reward.custom_reward_function.reward_kwargs.areal_plugins):
             assert OmegaConf.to_container(node) == {"include": [installed_example_plugin], "exclude": []}
+
+
+class _VerlFit:
+    """Stands in for verl's ``fit``: returns, or raises like a failed step."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+    def fit(self, agent_loop_manager):
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.mark.parametrize("error, reason", [(None, "completed"), (RuntimeError("step failed"), "error")])
+def test_shutdown_is_the_last_hook_after_the_rollout_stopped(error, reason):
+    # The async trainer admits trajectories from a thread: areal_on_shutdown must come after it stopped,
+    # or a plugin sees areal_accept_trajectory after being told the run ended.
+    from areal_plugins.trainers.hooked import HookedTrainerMixin
+
+    calls: list[str] = []
+
+    class Trainer(HookedTrainerMixin, _VerlFit):
+        def stop_rollout(self) -> None:
+            calls.append("stop_rollout")
+
+    class Observer:
+        @hookimpl
+        def areal_on_shutdown(self, reason):
+            calls.append(f"shutdown:{reason}")
+
+    with plugin_registered(Observer()):
+        if error is None:
+            Trainer().fit(None)
+        else:
+            with pytest.raises(RuntimeError, match="step failed"):
+                Trainer(error).fit(None)
+    assert calls == ["stop_rollout", f"shutdown:{reason}"]
