@@ -177,11 +177,14 @@ def measure(run_dir: Path) -> dict:
 
 class CpuSampler:
     """Samples the machine's busy CPU seconds and the run's finished-step count (lines of verl's unbuffered
-    ``metrics.jsonl``) every ``every_s``, so the busy cores over steps 2..N can be read afterwards."""
+    ``metrics.jsonl``) every ``every_s``, so the busy cores over steps 2..N can be read afterwards; with
+    ``root_pid`` set, also the CPU seconds of each process under it, by role (:func:`process_role`)."""
 
     def __init__(self, metrics: Path, every_s: float = 0.5) -> None:
         self.metrics, self.every_s = metrics, every_s
         self.samples: list[tuple[float, float, int]] = []  # (monotonic s, busy CPU s, steps finished)
+        self.process_samples: list[tuple[int, dict[int, tuple[str, float]]]] = []  # (steps, pid -> (role, CPU s))
+        self.root_pid: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -201,6 +204,58 @@ class CpuSampler:
             busy = sum(times) - times.idle - getattr(times, "iowait", 0.0)
             steps = len(self.metrics.read_bytes().splitlines()) if self.metrics.exists() else 0
             self.samples.append((time.monotonic(), busy, steps))
+            if self.root_pid is not None:
+                self.process_samples.append((steps, process_cpu(self.root_pid)))
+
+
+def process_role(cmdline: list[str]) -> str:
+    """What a process of a run is, from its command line: Ray titles its workers ``ray::Class.method``."""
+    if not cmdline:
+        return "other"
+    title = cmdline[0]
+    if title.startswith("ray::"):
+        return title[len("ray::") :].split(".", 1)[0].split(" ", 1)[0]
+    if any("areal_plugins.cli" in part for part in cmdline):
+        return "driver"
+    return Path(title).name
+
+
+def process_cpu(root_pid: int) -> dict[int, tuple[str, float]]:
+    """pid -> (role, user + system CPU seconds) of ``root_pid`` and its descendants, now."""
+    import psutil
+
+    out: dict[int, tuple[str, float]] = {}
+    try:
+        root = psutil.Process(root_pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for process in processes:
+        try:
+            times = process.cpu_times()
+            out[process.pid] = (process_role(process.cmdline()), times.user + times.system)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+def cpu_by_role(
+    process_samples: list[tuple[int, dict[int, tuple[str, float]]]], first_step: int, last_step: int
+) -> dict[str, float] | None:
+    """CPU seconds per role between the first samples showing ``first_step`` and ``last_step`` finished steps.
+
+    A process that appeared in between counts from zero; one that ended in between is missed (its last
+    seconds are lost, so a role can read low, never high)."""
+    start = next((p for steps, p in process_samples if steps >= first_step), None)
+    end = next((p for steps, p in process_samples if steps >= last_step), None)
+    if start is None or end is None:
+        return None
+    roles: dict[str, float] = {}
+    for pid, (role, cpu) in end.items():
+        before = start.get(pid)
+        used = cpu - before[1] if before is not None and before[0] == role else cpu
+        roles[role] = roles.get(role, 0.0) + max(used, 0.0)
+    return roles
 
 
 def busy_cores(samples: list[tuple[float, float, int]], first_step: int, last_step: int) -> float | None:
@@ -262,10 +317,12 @@ def run_one(
     if metrics.exists():  # a rerun into the same directory must not count the old steps
         metrics.rename(run_dir / "metrics.previous.jsonl")
     with CpuSampler(metrics) as cpu:
-        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if result.returncode != 0:
+        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cpu.root_pid = process.pid
+        process.communicate()
+    if process.returncode != 0:
         raise RuntimeError(
-            f"{config.name} repeat {repeat} failed (exit {result.returncode}); see {run_dir / 'train.log'}"
+            f"{config.name} repeat {repeat} failed (exit {process.returncode}); see {run_dir / 'train.log'}"
         )
     figures = measure(run_dir)
     figures["process_s"] = time.monotonic() - started
@@ -273,6 +330,10 @@ def run_one(
     if cores is not None:
         figures["busy_cores"] = cores
         figures["cpu_s_per_1k_tokens"] = figures["s_per_1k_tokens"] * cores  # the work, whoever did it
+    roles = cpu_by_role(cpu.process_samples, 1, steps)
+    if roles is not None:  # who did the work: the trainer's workers, the engines, the agent loops, the driver...
+        for role, seconds in roles.items():
+            figures[f"cpu_s_per_1k_tokens/{role}"] = 1000 * seconds / figures["trained_tokens"]
     return figures
 
 
