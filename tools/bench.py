@@ -244,14 +244,18 @@ def cpu_by_role(
 ) -> dict[str, float] | None:
     """CPU seconds per role between the first samples showing ``first_step`` and ``last_step`` finished steps.
 
-    A process that appeared in between counts from zero; one that ended in between is missed (its last
-    seconds are lost, so a role can read low, never high)."""
-    start = next((p for steps, p in process_samples if steps >= first_step), None)
-    end = next((p for steps, p in process_samples if steps >= last_step), None)
-    if start is None or end is None:
+    A process that appeared in between counts from zero; one that ended in between counts up to its last
+    sample (the run's actors exit within a sample of the last step's line)."""
+    start_index = next((i for i, (steps, _) in enumerate(process_samples) if steps >= first_step), None)
+    end_index = next((i for i, (steps, _) in enumerate(process_samples) if steps >= last_step), None)
+    if start_index is None or end_index is None:
         return None
+    start = process_samples[start_index][1]
+    latest: dict[int, tuple[str, float]] = {}
+    for _, processes in process_samples[start_index : end_index + 1]:
+        latest.update(processes)
     roles: dict[str, float] = {}
-    for pid, (role, cpu) in end.items():
+    for pid, (role, cpu) in latest.items():
         before = start.get(pid)
         used = cpu - before[1] if before is not None and before[0] == role else cpu
         roles[role] = roles.get(role, 0.0) + max(used, 0.0)

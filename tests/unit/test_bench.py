@@ -23,15 +23,16 @@ def test_busy_cores_over_the_counted_steps():
 def test_cpu_by_role_counts_each_process_from_the_first_counted_step():
     # (steps finished, pid -> (role, CPU s)). Between step 1 and step 3: the engine 7 - 2 s, the trainer worker
     # 4 - 1 s; an agent-loop worker started meanwhile counts all its 1.5 s; a pid reused by another role
-    # counts from zero (0.5 s).
+    # counts from zero (0.5 s); the reward worker gone by the last sample counts to its last one (2.5 - 2 s).
     samples = [
         (0, {10: ("CPURolloutServer", 1.0)}),
-        (1, {10: ("CPURolloutServer", 2.0), 11: ("WorkerDict", 1.0), 12: ("raylet", 3.0)}),
-        (2, {10: ("CPURolloutServer", 5.0), 11: ("WorkerDict", 3.0)}),
+        (1, {10: ("CPURolloutServer", 2.0), 11: ("WorkerDict", 1.0), 12: ("raylet", 3.0), 14: ("Reward", 2.0)}),
+        (2, {10: ("CPURolloutServer", 5.0), 11: ("WorkerDict", 3.0), 14: ("Reward", 2.5)}),
         (3, {10: ("CPURolloutServer", 7.0), 11: ("WorkerDict", 4.0), 12: ("IDLE", 0.5), 13: ("WorkerDict", 1.5)}),
+        (3, {10: ("CPURolloutServer", 9.0)}),  # after the counted steps: not counted
     ]
     roles = bench.cpu_by_role(samples, first_step=1, last_step=3)
-    assert roles == {"CPURolloutServer": 5.0, "WorkerDict": 4.5, "IDLE": 0.5}
+    assert roles == {"CPURolloutServer": 5.0, "WorkerDict": 4.5, "IDLE": 0.5, "Reward": 0.5}
     assert bench.cpu_by_role(samples, first_step=1, last_step=4) is None
 
 

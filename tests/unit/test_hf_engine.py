@@ -8,7 +8,13 @@ import math
 import pytest
 import torch
 
-from areal_plugins.rollout.cpu.engine import STOP_ABORTED, STOP_COMPLETED, ContinuousBatchingEngine, sample_token
+from areal_plugins.rollout.cpu.engine import (
+    STOP_ABORTED,
+    STOP_COMPLETED,
+    ContinuousBatchingEngine,
+    sample_token,
+    sample_tokens,
+)
 
 NO_EOS: list[int] = []  # random weights: never stop early, so lengths are exact
 
@@ -138,6 +144,41 @@ def test_sample_token_logprob_is_hand_derived():
     # T = 0.5 squares the odds: p ∝ [1, 4, 9]; top_k=1 leaves only index 2, log-prob untruncated.
     token, logprob = sample_token(logits, 0.5, 1.0, 1, torch.Generator().manual_seed(0))
     assert token == 2 and logprob == pytest.approx(math.log(9 / 14), abs=1e-6)
+
+
+def test_sampled_frequencies_follow_the_distribution_and_zero_mass_is_never_drawn():
+    # p = [0.1, 0, 0.3, 0.6] at T = 1: 4000 rows of 5 draws each (one generator per row, as per request).
+    n_rows, per_row = 4000, 5
+    logits = torch.log(torch.tensor([0.1, 0.0, 0.3, 0.6])).expand(n_rows, 4)
+    generators = [torch.Generator().manual_seed(seed) for seed in range(n_rows)]
+    counts = [0, 0, 0, 0]
+    for _ in range(per_row):
+        for token, _ in sample_tokens(logits, [1.0] * n_rows, [1.0] * n_rows, [-1] * n_rows, generators):
+            counts[token] += 1
+    n = n_rows * per_row
+    assert counts[1] == 0
+    for token, p in ((0, 0.1), (2, 0.3), (3, 0.6)):
+        sigma = math.sqrt(p * (1 - p) / n)  # binomial standard error: 0.002-0.0035 here
+        assert abs(counts[token] / n - p) < 4 * sigma, (token, counts)
+
+
+def test_a_rows_draw_does_not_depend_on_the_rows_beside_it():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    alone = [sample_token(logits[row], 0.7, 1.0, -1, torch.Generator().manual_seed(row))[0] for row in range(6)]
+    together = sample_tokens(
+        logits, [0.7] * 6, [1.0] * 6, [-1] * 6, [torch.Generator().manual_seed(r) for r in range(6)]
+    )
+    assert [token for token, _ in together] == alone
+    # A greedy row in the batch takes its argmax and leaves the others' draws alone.
+    mixed = sample_tokens(
+        logits,
+        [0.7, 0.0, 0.7, 0.7, 0.7, 0.7],
+        [1.0] * 6,
+        [-1] * 6,
+        [torch.Generator().manual_seed(r) for r in range(6)],
+    )
+    assert mixed[1][0] == int(torch.argmax(logits[1]))
+    assert [t for i, (t, _) in enumerate(mixed) if i != 1] == [t for i, t in enumerate(alone) if i != 1]
 
 
 def test_top_p_never_samples_outside_nucleus():

@@ -264,17 +264,29 @@ class ContinuousBatchingEngine:
         finished: dict[_Request, str] = {}
         with self._model_lock:
             version = self.version
+            sampling: list[_Request] = []
+            rows: list[torch.Tensor] = []
             for request in admitted:
                 if request.aborted:
                     finished[request] = STOP_ABORTED
-                elif self._append_token(request, self._prefill(request), version):
-                    finished[request] = STOP_COMPLETED
+                else:
+                    sampling.append(request)
+                    rows.append(self._prefill(request)[None])
             fresh = set(admitted)
             decoding = [r for r in self._running if r not in fresh and not r.aborted]
             if decoding:
-                logits = self._decode(decoding)
-                for row, request in enumerate(decoding):
-                    if self._append_token(request, logits[row], version):
+                sampling.extend(decoding)
+                rows.append(self._decode(decoding))
+            if sampling:
+                drawn = sample_tokens(
+                    torch.cat(rows),
+                    [r.temperature for r in sampling],
+                    [r.top_p for r in sampling],
+                    [r.top_k for r in sampling],
+                    [r.generator for r in sampling],
+                )
+                for request, (token, logprob) in zip(sampling, drawn, strict=True):
+                    if self._append_token(request, token, logprob, version):
                         finished[request] = STOP_COMPLETED
             for request in self._running:
                 if request.aborted and request not in finished:
@@ -283,7 +295,9 @@ class ContinuousBatchingEngine:
 
     def _prefill(self, request: _Request) -> torch.Tensor:
         ids = torch.tensor([request.prompt_ids], dtype=torch.long)
-        out = self.model(input_ids=ids, use_cache=True)
+        # Only the last position's logits are sampled from: the vocabulary projection of the others would be
+        # most of a prefill's work on a small model (what vLLM also skips).
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
         request.cache = _split_cache(out.past_key_values, 0)
         return out.logits[0, -1]
 
@@ -314,9 +328,8 @@ class ContinuousBatchingEngine:
             ]
         return out.logits[:, -1]
 
-    def _append_token(self, request: _Request, logits: torch.Tensor, version: int) -> bool:
-        """Sample one token into ``request``; return True when the request is complete."""
-        token, logprob = sample_token(logits, request.temperature, request.top_p, request.top_k, request.generator)
+    def _append_token(self, request: _Request, token: int, logprob: float, version: int) -> bool:
+        """Add one sampled token to ``request``; return True when the request is complete."""
         request.token_ids.append(token)
         request.logprobs.append(logprob)
         request.versions.append(version)
@@ -327,19 +340,49 @@ class ContinuousBatchingEngine:
 def sample_token(
     logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator
 ) -> tuple[int, float]:
-    """Sample from ``logits``; return the token and its log-prob under ``softmax(logits / T)``.
+    """:func:`sample_tokens` for one row of ``logits``."""
+    return sample_tokens(logits[None], [temperature], [top_p], [top_k], [generator])[0]
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperatures: list[float],
+    top_ps: list[float],
+    top_ks: list[int],
+    generators: list[torch.Generator],
+) -> list[tuple[int, float]]:
+    """Sample one token per row of ``logits`` (rows, vocabulary); return each token and its log-prob under
+    ``softmax(logits / T)``.
 
     The log-prob ignores top-p/top-k truncation, matching what verl's trainer recomputes
-    (``log_softmax(logits / temperature)``). ``temperature <= 0`` means greedy (T = 1 log-probs).
+    (``log_softmax(logits / temperature)``). ``temperature <= 0`` means greedy (T = 1 log-probs). Each row
+    draws one uniform number from its own generator and inverts the cumulative distribution: the draw
+    depends on the row alone, not on the batch it shares (``torch.multinomial`` would draw one exponential
+    per vocabulary entry, most of a decode step's time on a small model).
     """
-    logits = logits.float()
-    greedy = temperature <= 0
-    scaled = logits / (1.0 if greedy else temperature)
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    if greedy:
-        token = int(torch.argmax(logprobs))
-        return token, float(logprobs[token])
-    probs = logprobs.exp()
+    greedy = torch.tensor([t <= 0 for t in temperatures])
+    scale = torch.tensor([1.0 if t <= 0 else t for t in temperatures])
+    logprobs = torch.log_softmax(logits.float() / scale[:, None], dim=-1)
+    tokens = torch.zeros(len(temperatures), dtype=torch.long)
+    if greedy.any():
+        tokens[greedy] = torch.argmax(logprobs[greedy], dim=-1)
+    sampled = [row for row in range(len(temperatures)) if not greedy[row]]
+    if sampled:
+        probs = logprobs[sampled].exp()
+        for i, row in enumerate(sampled):
+            if (0 < top_ks[row] < probs.shape[1]) or top_ps[row] < 1.0:
+                probs[i] = _truncate(probs[i], top_ps[row], top_ks[row])
+        cdf = torch.cumsum(probs, dim=-1)
+        uniform = torch.cat([torch.rand(1, generator=generators[row]) for row in sampled])
+        # First index whose cumulative mass exceeds u·total: tokens of zero mass are never drawn.
+        drawn = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0]
+        tokens[sampled] = drawn.clamp(max=probs.shape[1] - 1)
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
+    return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
+
+
+def _truncate(probs: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """``probs`` with everything outside the top-k, then outside the top-p nucleus, set to zero."""
     if top_k is not None and 0 < top_k < probs.numel():
         kth = torch.topk(probs, top_k).values[-1]
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
@@ -349,8 +392,7 @@ def sample_token(
         filtered = torch.zeros_like(probs)
         filtered[order[keep]] = sorted_probs[keep]
         probs = filtered
-    token = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
-    return token, float(logprobs[token])
+    return probs
 
 
 def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
