@@ -49,24 +49,27 @@ class EpisodeAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):  # type: ig
         record = EpisodeRecord()
         CURRENT_EPISODE.set(record)  # the task below starts from a copy of this context: same record
         episode = asyncio.create_task(super()._run_agent_loop(*args, **kwargs))
+        watch = self._watch()
+        watch.add(episode, record)
         try:
-            while True:
-                done, _ = await asyncio.wait({episode}, timeout=min(CHECK_S, self.environment_timeout_s / 4))
-                if done:
-                    return episode.result()
-                outside = record.seconds_outside_engine()
-                if outside > self.environment_timeout_s:
-                    raise EpisodeStalledError(
-                        f"an agent-loop episode spent {outside:.0f} s outside the engine (a tool call or environment "
-                        f"step) after {record.turns} turn(s), over areal.episodes.environment_timeout_s="
-                        f"{self.environment_timeout_s:g}; it fails and its group is re-issued. Fix or bound the tool, "
-                        "or raise the limit"
-                    )
+            return await episode
+        except asyncio.CancelledError:
+            stalled = watch.stalled.pop(episode, None)
+            if stalled is None:
+                raise
+            raise EpisodeStalledError(stalled) from None
         finally:
+            watch.discard(episode)
             if not episode.done():
                 episode.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await episode
+
+    def _watch(self) -> EpisodeWatch:
+        watch = getattr(self, "_episode_watch", None)
+        if watch is None:
+            watch = self._episode_watch = EpisodeWatch(self.environment_timeout_s)
+        return watch
 
     async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any) -> Any:
         record = CURRENT_EPISODE.get()
@@ -83,6 +86,41 @@ class EpisodeAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):  # type: ig
             truncated = len(single.response_mask) >= self.rollout_config.response_length
             single.extra_fields.update(record.extra_fields(trained, truncated))
         return await super()._agent_loop_postprocess(output, validate, **kwargs)
+
+
+class EpisodeWatch:
+    """One timer for all of a worker's episodes: every ``CHECK_S`` (at most a quarter of the limit) it cancels
+    the episodes that have been outside the engine longer than ``limit_s`` and says why in ``stalled``.
+    A timer per episode woke hundreds of times a second with many episodes in flight."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.live: dict[asyncio.Task, EpisodeRecord] = {}
+        self.stalled: dict[asyncio.Task, str] = {}
+        self._timer: asyncio.Task | None = None
+
+    def add(self, episode: asyncio.Task, record: EpisodeRecord) -> None:
+        self.live[episode] = record
+        if self._timer is None or self._timer.done():
+            self._timer = asyncio.get_running_loop().create_task(self._run())
+
+    def discard(self, episode: asyncio.Task) -> None:
+        self.live.pop(episode, None)
+        self.stalled.pop(episode, None)
+
+    async def _run(self) -> None:
+        while self.live:
+            await asyncio.sleep(min(CHECK_S, self.limit_s / 4))
+            for episode, record in list(self.live.items()):
+                outside = record.seconds_outside_engine()
+                if outside > self.limit_s and episode not in self.stalled and not episode.done():
+                    self.stalled[episode] = (
+                        f"an agent-loop episode spent {outside:.0f} s outside the engine (a tool call or environment "
+                        f"step) after {record.turns} turn(s), over areal.episodes.environment_timeout_s="
+                        f"{self.limit_s:g}; it fails and its group is re-issued. Fix or bound the tool, or raise the "
+                        "limit"
+                    )
+                    episode.cancel()
 
 
 class ArealAgentLoopManager(AgentLoopManagerTQ):

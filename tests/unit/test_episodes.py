@@ -122,6 +122,29 @@ def test_an_episode_stuck_in_a_tool_fails_and_is_cancelled(monkeypatch):
     assert cancelled == [True]
 
 
+def test_one_stalled_episode_among_many_fails_alone(monkeypatch):
+    # One timer watches all of a worker's episodes: it must cancel the stuck one and no other.
+    async def episode(self, index, *args, **kwargs):
+        record = CURRENT_EPISODE.get()
+        record.enter_engine()
+        if index == 3:  # turn 1 done, then a tool that never returns
+            record.add_turn([0], 0)
+            await asyncio.sleep(3600)
+        await asyncio.sleep(0.8)  # the others generate, longer than the limit
+        record.add_turn([0], 0)
+        return index
+
+    monkeypatch.setattr(AgentLoopWorker, "_run_agent_loop", episode)
+    worker = watched_worker(0.4)
+
+    async def many():
+        return await asyncio.gather(*[worker._run_agent_loop(i) for i in range(6)], return_exceptions=True)
+
+    results = asyncio.run(many())
+    assert [r for i, r in enumerate(results) if i != 3] == [0, 1, 2, 4, 5]
+    assert isinstance(results[3], EpisodeStalledError)
+
+
 def test_a_long_generation_is_not_a_stalled_episode(monkeypatch):
     async def slow_engine(self, *args, **kwargs):
         record = CURRENT_EPISODE.get()
