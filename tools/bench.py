@@ -120,12 +120,16 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def measure(run_dir: Path) -> dict:
-    """Per-run figures from verl's metrics.jsonl (+ our areal_steps.jsonl for async runs)."""
+def measure(run_dir: Path, warmup_steps: int = 1) -> dict:
+    """Per-run figures from verl's metrics.jsonl (+ our areal_steps.jsonl for async runs), over the steps after
+    the first ``warmup_steps`` (step 1 includes starting verl's agent-loop workers; an async run's backlog of
+    rollouts in flight builds up over its first steps)."""
     steps = [row["data"] for row in read_jsonl(run_dir / "metrics.jsonl") if "timing_s/step" in row["data"]]
-    counted = steps[1:]  # step 1 includes starting verl's agent-loop workers
+    counted = steps[warmup_steps:]
     if not counted:
-        raise RuntimeError(f"{run_dir}: fewer than 2 steps in metrics.jsonl; see {run_dir / 'train.log'}")
+        raise RuntimeError(
+            f"{run_dir}: no step after the {warmup_steps} warm-up step(s) in metrics.jsonl; see {run_dir / 'train.log'}"
+        )
     wall = sum(s["timing_s/step"] for s in counted)
     tokens = sum(s["perf/total_num_tokens"] for s in counted)
     gen = [s.get("timing_s/gen", 0.0) for s in counted]
@@ -162,7 +166,7 @@ def measure(run_dir: Path) -> dict:
             for s in counted
             if "training/off_policy/trajectory_staleness/max" in s
         )
-    ours = read_jsonl(run_dir / "areal_steps.jsonl")[1:]
+    ours = read_jsonl(run_dir / "areal_steps.jsonl")[warmup_steps:]
     for key in (
         "areal/trainer_idle_ratio",
         "areal/rollout_idle_ratio",
@@ -295,7 +299,14 @@ QUICK_BATCH = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batc
 
 
 def run_one(
-    config: Config, steps: int, repeat: int, seed: int, out_dir: Path, tiny_dir: Path, workload_overrides: list[str]
+    config: Config,
+    steps: int,
+    repeat: int,
+    seed: int,
+    out_dir: Path,
+    tiny_dir: Path,
+    workload_overrides: list[str],
+    warmup_steps: int = 1,
 ) -> dict:
     run_dir = out_dir / f"{config.name}-r{repeat}"
     command = [
@@ -328,13 +339,13 @@ def run_one(
         raise RuntimeError(
             f"{config.name} repeat {repeat} failed (exit {process.returncode}); see {run_dir / 'train.log'}"
         )
-    figures = measure(run_dir)
+    figures = measure(run_dir, warmup_steps)
     figures["process_s"] = time.monotonic() - started
-    cores = busy_cores(cpu.samples, 1, steps)
+    cores = busy_cores(cpu.samples, warmup_steps, steps)
     if cores is not None:
         figures["busy_cores"] = cores
         figures["cpu_s_per_1k_tokens"] = figures["s_per_1k_tokens"] * cores  # the work, whoever did it
-    roles = cpu_by_role(cpu.process_samples, 1, steps)
+    roles = cpu_by_role(cpu.process_samples, warmup_steps, steps)
     if roles is not None:  # who did the work: the trainer's workers, the engines, the agent loops, the driver...
         for role, seconds in roles.items():
             figures[f"cpu_s_per_1k_tokens/{role}"] = 1000 * seconds / figures["trained_tokens"]
@@ -431,6 +442,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, help="steps per run (default 12; --quick: 4)")
     parser.add_argument("--repeats", type=int, help="runs per configuration (default 3; --quick: 2)")
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=1,
+        help="first steps of each run left out of the figures (default 1: agent-loop start-up; more lets an async "
+        "run's backlog of rollouts in flight fill up before counting)",
+    )
     parser.add_argument("--etas", help="comma list of max staleness values (default 0,1,2,4,8; --quick: 4)")
     parser.add_argument("--placements", help="separate and/or colocated (default both; --quick: separate)")
     parser.add_argument(
@@ -465,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if not 1 <= args.warmup_steps < args.steps:
+        parser.error(f"--warmup-steps must be at least 1 and below --steps ({args.steps}), got {args.warmup_steps}")
     from areal_plugins.cli import ensure_tiny_assets
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")  # build progress
@@ -490,7 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     for repeat in range(args.repeats):  # interleave configurations so drift in the machine hits all alike
         for config in plan:
             print(f"[{done + 1}/{total}] {config.name} repeat {repeat}: running ({args.steps} steps)...", flush=True)
-            figures = run_one(config, args.steps, repeat, repeat, args.out, tiny_dir, workload_overrides)
+            figures = run_one(
+                config, args.steps, repeat, repeat, args.out, tiny_dir, workload_overrides, args.warmup_steps
+            )
             results[config.name].append(figures)
             done += 1
             print(
@@ -505,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
         "workload": args.workload,
         "workload_overrides": workload_overrides,
         "steps_per_run": args.steps,
-        "counted_steps": args.steps - 1,
+        "counted_steps": args.steps - args.warmup_steps,
+        "warmup_steps": args.warmup_steps,
         "repeats": args.repeats,
         "prox_logp": prox_logps,
         "sync_poll_s": args.sync_poll_s,
@@ -526,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "bench.json").write_text(json.dumps(bench, indent=2))
     plot(bench, args.out / "bench.png")
     print(
-        f"sync {bench['sync_wall_s']['median']:.1f} s for {args.steps - 1} steps; best async {best['config']}: "
+        f"sync {bench['sync_wall_s']['median']:.1f} s for {args.steps - args.warmup_steps} steps; "
+        f"best async {best['config']}: "
         f"speedup {best['speedup']['median']:.2f}x "
         f"(min {best['speedup']['min']:.2f}, max {best['speedup']['max']:.2f}); "
         f"ideal overlap bound {bench['sync_overlap_bound']['median']:.2f}x, "

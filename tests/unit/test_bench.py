@@ -70,6 +70,9 @@ def test_measure_skips_step_one_and_reads_the_phases(tmp_path):
     assert figures["overlap_bound"] == pytest.approx(4 / 3)
     assert figures["final_reward"] == pytest.approx(0.2)  # the last 3 steps' mean
     assert figures["trajectories_per_step"] == pytest.approx(10.0)  # 200 tokens / (17 + 3) per trajectory
+    # Two warm-up steps: steps 3 and 4 counted, 8 s for 400 tokens.
+    later = bench.measure(tmp_path, warmup_steps=2)
+    assert (later["wall_s"], later["trained_tokens"]) == (8.0, 400)
 
 
 def test_speedup_splits_into_less_work_and_busier_cores():
