@@ -294,6 +294,10 @@ FULL_DEFAULTS = {
 }
 QUICK_DEFAULTS = {"steps": 4, "repeats": 2, "etas": "4", "placements": "separate", "workload": "addition"}
 
+#: ``--frozen-policy``: every step's work is done (old log-probs, loss, backward, optimizer step, weight sync)
+#: but the weights do not move, so response lengths stay the distribution of the start in every configuration.
+FROZEN_POLICY = ["actor_rollout_ref.actor.optim.lr=0"]
+
 #: ``--quick``: 8 prompts per step (x 8 samples) instead of the recipes' 16.
 QUICK_BATCH = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
 
@@ -443,6 +447,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="steps per run (default 12; --quick: 4)")
     parser.add_argument("--repeats", type=int, help="runs per configuration (default 3; --quick: 2)")
     parser.add_argument(
+        "--frozen-policy",
+        action="store_true",
+        help="learning rate 0 in every configuration: the same work per step, but response lengths do not drift "
+        "apart between runs as each run's policy learns (a systems comparison, not a learning one)",
+    )
+    parser.add_argument(
         "--warmup-steps",
         type=int,
         default=1,
@@ -492,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     default_dir, workload_overrides = WORKLOADS[args.workload]
     if args.quick:  # half-size steps: 4 verl startups (~95 s each) leave little of the 10 minutes
         workload_overrides = [*workload_overrides, *QUICK_BATCH]
+    if args.frozen_policy:
+        workload_overrides = [*workload_overrides, *FROZEN_POLICY]
     tiny_dir = ensure_tiny_assets(args.tiny_dir or default_dir, workload=args.workload)
     etas = [int(x) for x in args.etas.split(",") if x]
     placements = [p for p in args.placements.split(",") if p]
@@ -529,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps_per_run": args.steps,
         "counted_steps": args.steps - args.warmup_steps,
         "warmup_steps": args.warmup_steps,
+        "frozen_policy": args.frozen_policy,
         "repeats": args.repeats,
         "prox_logp": prox_logps,
         "sync_poll_s": args.sync_poll_s,

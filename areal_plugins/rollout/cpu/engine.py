@@ -355,10 +355,12 @@ def sample_tokens(
     ``softmax(logits / T)``.
 
     The log-prob ignores top-p/top-k truncation, matching what verl's trainer recomputes
-    (``log_softmax(logits / temperature)``). ``temperature <= 0`` means greedy (T = 1 log-probs). Each row
-    draws one uniform number from its own generator and inverts the cumulative distribution: the draw
-    depends on the row alone, not on the batch it shares (``torch.multinomial`` would draw one exponential
-    per vocabulary entry, most of a decode step's time on a small model).
+    (``log_softmax(logits / temperature)``). ``temperature <= 0`` means greedy (T = 1 log-probs).
+    Each row draws its Gumbel noise from its own generator and takes ``argmax(log p + noise)`` (the
+    Gumbel-max trick): the draw depends on the row alone, not on the batch it shares, and a float-level
+    change in the logits flips a draw only at a near-tie of two perturbed scores, so runs whose weights
+    differ by rounding (η = 0 against synchronous verl) keep the same samples. ``torch.multinomial``
+    drew the same way but one row at a time, most of a decode step's time on a small model.
     """
     greedy = torch.tensor([t <= 0 for t in temperatures])
     scale = torch.tensor([1.0 if t <= 0 else t for t in temperatures])
@@ -368,15 +370,12 @@ def sample_tokens(
         tokens[greedy] = torch.argmax(logprobs[greedy], dim=-1)
     sampled = [row for row in range(len(temperatures)) if not greedy[row]]
     if sampled:
-        probs = logprobs[sampled].exp()
+        scores = logprobs[sampled]
         for i, row in enumerate(sampled):
-            if (0 < top_ks[row] < probs.shape[1]) or top_ps[row] < 1.0:
-                probs[i] = _truncate(probs[i], top_ps[row], top_ks[row])
-        cdf = torch.cumsum(probs, dim=-1)
-        uniform = torch.cat([torch.rand(1, generator=generators[row]) for row in sampled])
-        # First index whose cumulative mass exceeds u·total: tokens of zero mass are never drawn.
-        drawn = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0]
-        tokens[sampled] = drawn.clamp(max=probs.shape[1] - 1)
+            if (0 < top_ks[row] < scores.shape[1]) or top_ps[row] < 1.0:
+                scores[i] = torch.log(_truncate(scores[i].exp(), top_ps[row], top_ks[row]))
+        uniform = torch.stack([torch.rand(scores.shape[1], generator=generators[row]) for row in sampled])
+        tokens[sampled] = torch.argmax(scores - torch.log(-torch.log(uniform)), dim=-1)
     chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
     return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
 
