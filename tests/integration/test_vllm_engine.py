@@ -142,7 +142,10 @@ def test_single_abort_all_abort_ids_and_prefix_cache_reset_on_a_real_server(serv
     assert len(cut.log_probs) == len(cut.token_ids) == len(cut.extra_fields["token_versions"])
     # abort_all names exactly the requests still in flight (all but the one aborted alone).
     assert sorted(reply["request_ids"]) == sorted(f"a{i}" for i in range(1, len(PROMPTS)))
-    assert all(r.stop_reason == "aborted" for r in rest)
+    # Each was cut short. A random model samples an end-of-sequence token now and then: a request that
+    # did so while the abort was on its way ends completed, short of its limit (CI saw one in a run).
+    completed = [len(r.token_ids) for r in rest if r.stop_reason != "aborted"]
+    assert len(completed) <= 1 and all(n < MAX_TOKENS for n in completed), completed
 
 
 def test_a_killed_server_is_replaced_and_its_requests_finish(server, loop):
