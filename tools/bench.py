@@ -15,7 +15,13 @@ and writes ``bench.json`` + ``bench.png`` with medians and spread:
   splits it into *less CPU work per token* (e.g. ``prox_logp: loglinear`` skips the old-log-prob
   pass) x *busier cores* (overlap); ``sync_core_headroom`` = cores / sync's busy cores is the most overlap
   alone can gain while doing sync's work (``--prox-logp loglinear,recompute`` runs both modes);
+- who did that work: CPU seconds per 1k trained tokens of each process role (Ray's ``ray::Class`` titles:
+  the trainer's ``WorkerDict``, the engines, the agent-loop workers, the driver's ``TaskRunner``, Ray's own);
 - trainer and rollout idle ratios of the async runs, final reward (last 3 steps' mean).
+
+``--warmup-steps N`` leaves out the first N steps (an async run's backlog of rollouts in flight fills up over
+its first steps); ``--frozen-policy`` trains at learning rate 0, so every configuration does the same work per
+step on response lengths that do not drift apart as each run's policy learns.
 
 Workloads: ``longtail`` (default; answers after a lognormal run of thinking tokens, so a batch waits for its
 longest response, as in reasoning RL; its tiny model is built on first use, ~3 min) and ``addition`` (the
