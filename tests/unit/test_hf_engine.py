@@ -12,7 +12,6 @@ from areal_plugins.rollout.cpu.engine import (
     STOP_ABORTED,
     STOP_COMPLETED,
     ContinuousBatchingEngine,
-    sample_token,
     sample_tokens,
 )
 
@@ -25,6 +24,11 @@ def full_forward_logprobs(model, prompt: list[int], tokens: list[int], temperatu
         logits = model(torch.tensor([prompt + tokens])).logits[0].float() / temperature
     logprobs = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
     return logprobs.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def sample_token(logits, temperature, top_p, top_k, generator):
+    """One row through the engine's batched sampler."""
+    return sample_tokens(logits[None], [temperature], [top_p], [top_k], [generator])[0]
 
 
 def run(coro):

@@ -337,13 +337,6 @@ class ContinuousBatchingEngine:
         return token in self.eos_token_ids or len(request.token_ids) >= request.max_tokens
 
 
-def sample_token(
-    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator
-) -> tuple[int, float]:
-    """:func:`sample_tokens` for one row of ``logits``."""
-    return sample_tokens(logits[None], [temperature], [top_p], [top_k], [generator])[0]
-
-
 def sample_tokens(
     logits: torch.Tensor,
     temperatures: list[float],
