@@ -43,6 +43,8 @@ class RolloutServer(abc.ABC):
     uses_reserved_gpus: ClassVar[bool] = False
 
     free_cache_engine: bool
+    #: verl's ``rollout.ignore_eos``: the default of a request that does not set ``ignore_eos`` itself.
+    ignore_eos: bool = False
     replica_rank: int
     max_model_len: int
     response_length: int
@@ -75,6 +77,7 @@ class RolloutServer(abc.ABC):
         from verl.workers.rollout.replica import TokenOutput
 
         params = dict(sampling_params)
+        params.setdefault("ignore_eos", self.ignore_eos)  # as verl's vLLM server does
         media = bool(image_data or video_data or audio_data)
         max_tokens = token_budget(
             self.backend_name, prompt_ids, params, self.max_model_len, self.response_length, media

@@ -146,6 +146,7 @@ def _replica_class() -> type:
                 seed=self.config.seed + self.replica_rank,
                 replica_rank=self.replica_rank,
                 free_cache_engine=bool(self.config.free_cache_engine),
+                ignore_eos=bool(self.config.get("ignore_eos", False)),
                 **extra,
             )
             await server.get_version.remote()  # surfaces constructor errors here, not at first use

@@ -13,6 +13,9 @@ pytestmark = pytest.mark.integration
 PROMPTS = [[100 + 7 * i + j for j in range(12)] for i in range(6)]
 MAX_TOKENS = 160
 PARAMS = {"max_tokens": MAX_TOKENS, "temperature": 1.0, "logprobs": True}
+# The random model samples an end-of-sequence token now and then: where a test needs every request still
+# running when it aborts them, the requests ignore it (verl's rollout.ignore_eos, passed on to vLLM).
+RUN_TO_LIMIT = {**PARAMS, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +127,8 @@ def test_single_abort_all_abort_ids_and_prefix_cache_reset_on_a_real_server(serv
         ids = [f"a{i}" for i in range(len(PROMPTS))]
         before = server.generated_tokens
         tasks = {
-            rid: asyncio.create_task(server.generate(p, dict(PARAMS), rid)) for rid, p in zip(ids, PROMPTS, strict=True)
+            rid: asyncio.create_task(server.generate(p, dict(RUN_TO_LIMIT), rid))
+            for rid, p in zip(ids, PROMPTS, strict=True)
         }
         while server.generated_tokens - before < 8 * len(PROMPTS) or server.in_flight < len(PROMPTS):
             await asyncio.sleep(0.002)
@@ -142,10 +146,8 @@ def test_single_abort_all_abort_ids_and_prefix_cache_reset_on_a_real_server(serv
     assert len(cut.log_probs) == len(cut.token_ids) == len(cut.extra_fields["token_versions"])
     # abort_all names exactly the requests still in flight (all but the one aborted alone).
     assert sorted(reply["request_ids"]) == sorted(f"a{i}" for i in range(1, len(PROMPTS)))
-    # Each was cut short. A random model samples an end-of-sequence token now and then: a request that
-    # did so while the abort was on its way ends completed, short of its limit (CI saw one in a run).
-    completed = [len(r.token_ids) for r in rest if r.stop_reason != "aborted"]
-    assert len(completed) <= 1 and all(n < MAX_TOKENS for n in completed), completed
+    # Each was cut short.
+    assert all(r.stop_reason == "aborted" and len(r.token_ids) < MAX_TOKENS for r in rest)
 
 
 def test_a_killed_server_is_replaced_and_its_requests_finish(server, loop):

@@ -78,3 +78,22 @@ def test_resume_before_the_weights_came_back_is_refused(model_dir):
     with pytest.raises(WeightSyncError, match="weight update must come before resume_generation"):
         asyncio.run(server.resume_generation())
     assert torch.is_tensor(next(server.engine.model.parameters()))
+
+
+def test_rollout_ignore_eos_is_every_requests_default_and_a_request_may_override_it(model_dir):
+    from areal_plugins.rollout.cpu.server import CPURolloutServer
+
+    def lengths(ignore_eos: bool) -> list[int]:
+        server = CPURolloutServer(str(model_dir), response_length=64, max_model_len=128, ignore_eos=ignore_eos)
+        server.engine.eos_token_ids = set(range(server.engine.model.config.vocab_size))  # every token ends a response
+
+        async def scenario():
+            default = await server.generate([5, 6, 7], dict(PARAMS), "default")
+            honour = await server.generate([5, 6, 7], {**PARAMS, "ignore_eos": False}, "honour")
+            ignore = await server.generate([5, 6, 7], {**PARAMS, "ignore_eos": True}, "ignore")
+            return [len(default.token_ids), len(honour.token_ids), len(ignore.token_ids)]
+
+        return asyncio.run(scenario())
+
+    assert lengths(ignore_eos=False) == [1, 1, 64]
+    assert lengths(ignore_eos=True) == [64, 1, 64]  # verl's rollout.ignore_eos, as its vLLM server applies it

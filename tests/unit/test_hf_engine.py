@@ -76,6 +76,15 @@ def test_stops_at_eos_and_keeps_it(random_qwen2):
     assert len(result.token_ids) <= 2 and result.stop_reason == STOP_COMPLETED
 
 
+def test_ignore_eos_generates_to_the_limit_like_vllm(random_qwen2):
+    # Every token is an end-of-sequence token: a request stops after one, unless it ignores them.
+    every_token = list(range(random_qwen2.config.vocab_size))
+    engine = ContinuousBatchingEngine(random_qwen2, every_token)
+    assert len(run(engine.generate([8, 9, 10], max_tokens=7)).token_ids) == 1
+    result = run(engine.generate([8, 9, 10], max_tokens=7, ignore_eos=True))
+    assert len(result.token_ids) == 7 and result.stop_reason == STOP_COMPLETED
+
+
 def test_abort_returns_partial_output(random_qwen2):
     engine = ContinuousBatchingEngine(random_qwen2, NO_EOS, max_batch_size=2)
 

@@ -45,6 +45,7 @@ class _Request:
     temperature: float
     top_p: float
     top_k: int
+    ignore_eos: bool
     future: asyncio.Future
     generator: torch.Generator
     token_ids: list[int] = field(default_factory=list)
@@ -107,8 +108,10 @@ class ContinuousBatchingEngine:
         top_p: float = 1.0,
         top_k: int = -1,
         request_id: str = "",
+        ignore_eos: bool = False,
     ) -> GenerationResult:
-        """Generate up to ``max_tokens`` tokens after ``prompt_ids``; return when done or aborted."""
+        """Generate up to ``max_tokens`` tokens after ``prompt_ids`` (past end-of-sequence tokens with
+        ``ignore_eos``, as vLLM does); return when done or aborted."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if not prompt_ids:
@@ -123,6 +126,7 @@ class ContinuousBatchingEngine:
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
+            ignore_eos=ignore_eos,
             future=loop.create_future(),
             generator=self._request_generator(prompt_ids),
         )
@@ -334,7 +338,8 @@ class ContinuousBatchingEngine:
         request.logprobs.append(logprob)
         request.versions.append(version)
         self.generated_tokens += 1
-        return token in self.eos_token_ids or len(request.token_ids) >= request.max_tokens
+        ended = token in self.eos_token_ids and not request.ignore_eos
+        return ended or len(request.token_ids) >= request.max_tokens
 
 
 def sample_tokens(

@@ -62,6 +62,7 @@ class CPURolloutServer(RolloutServer):
         seed: int = 0,
         replica_rank: int = 0,
         free_cache_engine: bool = False,
+        ignore_eos: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,6 +79,7 @@ class CPURolloutServer(RolloutServer):
         self._init_gate(free_cache_engine)
         self.global_steps = 0
         self.replica_rank = replica_rank
+        self.ignore_eos = ignore_eos
         record_weight_sync(replica_rank, self.engine.version, weights_checksum(model.state_dict()), "load")
 
     # ------------------------------------------------------------------ generation
@@ -89,6 +91,7 @@ class CPURolloutServer(RolloutServer):
             temperature=float(params.get("temperature", 1.0)),
             top_p=float(params.get("top_p", 1.0)),
             top_k=int(params.get("top_k", -1)),
+            ignore_eos=bool(params.get("ignore_eos", False)),
             request_id=request_id,
         )
         return Generated(result.token_ids, result.logprobs, result.versions, result.stop_reason)

@@ -58,6 +58,7 @@ class VLLMClient:
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = -1,
+        ignore_eos: bool = False,
         seed: int | None = None,
         on_tokens: Callable[[int], None] | None = None,
         into: Generation | None = None,
@@ -74,6 +75,7 @@ class VLLMClient:
             "temperature": temperature,
             "top_p": top_p,
             "top_k": top_k,
+            "ignore_eos": ignore_eos,
             "logprobs": 0,  # the sampled token's own log-prob
             "return_tokens_as_token_ids": True,
             "stream": True,

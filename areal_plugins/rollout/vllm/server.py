@@ -120,12 +120,14 @@ class VLLMRolloutServer(RolloutServer):
         replica_rank: int = 0,
         log_dir: str | None = None,
         free_cache_engine: bool = False,
+        ignore_eos: bool = False,
         gpu: dict[str, Any] | None = None,
     ) -> None:
         # The run directory is on the driver's machine: a server on another node logs to a local folder.
         local_run_dir = run_dir() if remote_sink() is None else None
         log_dir = log_dir or (str(local_run_dir) if local_run_dir else None) or tempfile.mkdtemp(prefix="areal_vllm_")
         self.replica_rank = replica_rank
+        self.ignore_eos = ignore_eos
         self.response_length = response_length
         self.max_model_len = max_model_len
         self.server = VLLMServer(
@@ -185,6 +187,7 @@ class VLLMRolloutServer(RolloutServer):
                         temperature=float(params.get("temperature", 1.0)),
                         top_p=float(params.get("top_p", 1.0)),
                         top_k=int(params.get("top_k", -1)),
+                        ignore_eos=bool(params.get("ignore_eos", False)),
                         on_tokens=self._count_tokens,
                         into=chunk,
                     )
