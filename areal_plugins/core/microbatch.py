@@ -1,4 +1,5 @@
-"""Token-budget micro-batching (AReaL, arXiv 2505.24298, Algorithm 1; docs/design.md, Micro-batches).
+"""Token-budget micro-batching (AReaL, arXiv 2505.24298, Algorithm 1; docs/design.md, Micro-batches),
+and length-ordered batches for fixed-size padded micro-batches.
 
 Sequences are visited longest first; each goes into the micro-batch with room that holds the fewest
 sequences, and a new micro-batch opens when none has room or fewer than ``min_groups`` exist. The
@@ -49,3 +50,41 @@ def ffd_allocate(lengths: Sequence[int], capacity: int, min_groups: int = 1) -> 
         groups[target].append(index)
         used[target] += length
     return groups
+
+
+def length_ordered(lengths: Sequence[int], ranks: int, mini_batch_per_rank: int | None) -> list[int]:
+    """A reordering of a batch that puts sequences of like length into the same fixed-size micro-batch.
+
+    verl hands each data-parallel rank a contiguous share of the batch, splits the share into
+    consecutive mini-batches (one optimizer step each, unshuffled by default) and those into
+    micro-batches of a fixed count, each padded to its longest sequence. Sorting every mini-batch by
+    length, longest first, keeps each sample in its rank and mini-batch (same optimizer steps, same
+    loss) and lets short sequences share micro-batches instead of being padded to a long one.
+
+    Args:
+        lengths: tokens of each sequence, in batch order.
+        ranks: data-parallel ranks (the batch divides into this many equal shares).
+        mini_batch_per_rank: sequences per mini-batch on one rank; None or not dividing the share:
+            the whole share is one mini-batch.
+
+    Returns:
+        Indices into ``lengths`` in their new order (a permutation).
+    """
+    if ranks < 1 or len(lengths) % ranks:
+        raise ValueError(f"{len(lengths)} sequences do not divide into {ranks} data-parallel shares")
+    share = len(lengths) // ranks
+    segment = mini_batch_per_rank if mini_batch_per_rank and share % mini_batch_per_rank == 0 else share
+    order: list[int] = []
+    for start in range(0, len(lengths), segment) if segment else ():
+        order.extend(sorted(range(start, start + segment), key=lambda i: (-lengths[i], i)))
+    return order
+
+
+def padded_tokens(lengths: Sequence[int], micro_batch: int) -> int:
+    """Tokens computed when consecutive runs of ``micro_batch`` sequences are padded to their longest."""
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+    return sum(
+        max(lengths[i : i + micro_batch]) * len(lengths[i : i + micro_batch])
+        for i in range(0, len(lengths), micro_batch)
+    )

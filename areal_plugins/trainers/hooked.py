@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from areal_plugins.manager import call_hook, configure_plugins, selected_plugin_names
+from areal_plugins.trainers.length_order import order_batch_by_length, pads_micro_batches
 from areal_plugins.trainers.workers import run_in_workers
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ class HookedTrainerMixin:
 
     Weight updates reach the engines in verl's ``on_init_end`` (initial sync) and ``on_step_end``
     (after each step), so ``areal_on_weights_updated`` follows those; ``_compute_metrics`` runs just
-    before verl logs a step, so plugins can add metrics in ``areal_after_train_step``.
+    before verl logs a step, so plugins can add metrics in ``areal_after_train_step``. After verl
+    balances a batch across ranks, padded micro-batches get it ordered by length (length_order.py).
     """
 
     config: Any
@@ -73,6 +75,15 @@ class HookedTrainerMixin:
         result = super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)  # type: ignore[misc]
         call_hook("areal_after_train_step", step=global_steps, metrics=metrics)
         return result
+
+    def _balance_batch(
+        self, batch: Any, metrics: dict, logging_prefix: str = "global_seqlen", keep_minibatch: bool = False
+    ) -> Any:
+        batch = super()._balance_batch(batch, metrics, logging_prefix, keep_minibatch)  # type: ignore[misc]
+        if not pads_micro_batches(self.config):
+            return batch
+        dp_size = max(self.actor_rollout_wg._dispatch_info["actor"]) + 1  # type: ignore[attr-defined]  # verl's
+        return order_batch_by_length(batch, self.config, dp_size, metrics)
 
     def fit(self, agent_loop_manager: Any) -> None:
         reason = "error"

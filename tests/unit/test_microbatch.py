@@ -44,3 +44,57 @@ def test_invariants(lengths, capacity, min_groups):
     assert flat == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in g) <= capacity for g in groups)
     assert len(groups) >= min(min_groups, len(lengths))
+
+
+def test_length_order_sorts_each_ranks_mini_batches_and_moves_no_sample_between_them():
+    from areal_plugins.core.microbatch import length_ordered
+
+    lengths = [5, 100, 3, 50, 7, 200, 10, 20]  # two ranks of four; mini-batches of two per rank
+    assert length_ordered(lengths, ranks=2, mini_batch_per_rank=2) == [1, 0, 3, 2, 5, 4, 7, 6]
+    # One mini-batch per rank (or a size that does not divide the share): each rank's share sorted whole.
+    assert length_ordered(lengths, ranks=2, mini_batch_per_rank=None) == [1, 3, 0, 2, 5, 7, 6, 4]
+    assert length_ordered(lengths, ranks=2, mini_batch_per_rank=3) == [1, 3, 0, 2, 5, 7, 6, 4]
+    assert length_ordered([4, 4, 9], ranks=1, mini_batch_per_rank=None) == [2, 0, 1]  # ties keep their order
+    with pytest.raises(ValueError, match="do not divide into 3"):
+        length_ordered(lengths, ranks=3, mini_batch_per_rank=None)
+
+
+def test_padded_tokens_pads_each_micro_batch_to_its_longest():
+    from areal_plugins.core.microbatch import padded_tokens
+
+    assert padded_tokens([5, 100, 3, 50], 2) == 2 * 100 + 2 * 50
+    assert padded_tokens([100, 50, 5, 3], 2) == 2 * 100 + 2 * 5
+    assert padded_tokens([4, 1, 2], 2) == 2 * 4 + 1 * 2  # the last micro-batch is short
+    with pytest.raises(ValueError, match="micro_batch must be >= 1"):
+        padded_tokens([1], 0)
+
+
+def test_a_verl_batch_is_reordered_by_length_with_its_padding_reported():
+    from omegaconf import OmegaConf
+    from transfer_queue import KVBatchMeta
+
+    from areal_plugins.trainers.length_order import order_batch_by_length, pads_micro_batches
+
+    config = OmegaConf.create(
+        {
+            "actor_rollout_ref": {
+                "model": {"use_remove_padding": False},
+                "actor": {"ppo_mini_batch_size": 2},
+                "rollout": {"n": 2, "log_prob_micro_batch_size_per_gpu": 2, "log_prob_use_dynamic_bsz": False},
+            }
+        }
+    )
+    lengths = [5, 100, 3, 50]
+    batch = KVBatchMeta(
+        partition_id="train",
+        keys=[f"k{i}" for i in range(4)],
+        tags=[{"seq_len": n, "i": i} for i, n in enumerate(lengths)],
+    )
+    metrics: dict = {}
+    out = order_batch_by_length(batch, config, dp_size=1, metrics=metrics)
+    assert out.keys == ["k1", "k3", "k0", "k2"] and [t["i"] for t in out.tags] == [1, 3, 0, 2]  # tags follow keys
+    assert metrics["areal/padded_token_ratio_unordered"] == pytest.approx((2 * 100 + 2 * 50) / 158)
+    assert metrics["areal/padded_token_ratio"] == pytest.approx((2 * 100 + 2 * 5) / 158)
+    assert pads_micro_batches(config)
+    config.actor_rollout_ref.model.use_remove_padding = True
+    assert not pads_micro_batches(config)
