@@ -363,8 +363,9 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     def fit(self, agent_loop_manager: Any) -> None:
         try:
             super().fit(agent_loop_manager)
-        except ray.exceptions.RayActorError:
-            # An actor was lost under a call (a weight sync to a lost node's engines): name it and its node.
+        except (ray.exceptions.RayActorError, RolloutServerDiedError):
+            # An actor was lost under a call (a weight sync to a lost node's engines, the step's look at the
+            # engines' statistics): name it and its node.
             self._actor_liveness.explain()
             raise
 
