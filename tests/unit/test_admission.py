@@ -17,6 +17,12 @@ from areal_plugins.testing import plugin_registered
 from areal_plugins.trainers.admission import AdmissionLoop, MissingRolloutFieldError, RolloutsFailingError
 
 
+def as_batch(values: list) -> object:
+    if isinstance(values[0], torch.Tensor):
+        return torch.nested.as_nested_tensor(values, layout=torch.jagged)
+    return values
+
+
 class MemoryStore:
     """``kv_list`` / ``kv_batch_get`` / ``kv_clear`` over dicts, one partition."""
 
@@ -28,7 +34,12 @@ class MemoryStore:
         return {partition_id: {k: dict(v) for k, v in self.tags.items()}}
 
     def kv_batch_get(self, keys, partition_id, select_fields):
-        return {name: [self.rows[k][name] for k in keys] for name in select_fields}
+        """Tensors as TransferQueue hands them out: one jagged nested tensor per field."""
+        return {
+            name: as_batch([self.rows[k][name] for k in keys])
+            for name in select_fields
+            if all(name in self.rows[k] for k in keys)
+        }
 
     def kv_clear(self, keys, partition_id):
         for key in keys:
@@ -181,12 +192,36 @@ def test_a_trajectory_without_behaviour_logprobs_stops_the_loop_instead_of_inven
     loop.poll_once()
     store.finish("p0", [1.0], [[0, 0]])
     del store.rows["p0_0_0"]["rollout_log_probs"]
-    store.kv_batch_get = lambda keys, partition_id, select_fields: {  # type: ignore[method-assign]
-        name: [store.rows[k][name] for k in keys] for name in select_fields if name in store.rows[keys[0]]
-    }
     with pytest.raises(MissingRolloutFieldError, match="calculate_log_probs"):
         loop.poll_once()
     assert len(loop.buffer) == 0
+
+
+def test_tensor_rows_reads_every_layout_transfer_queue_may_hand_out():
+    from areal_plugins.trainers.admission import tensor_rows
+
+    rows = [torch.tensor([1, 2, 3]), torch.tensor([4]), torch.tensor([5, 6])]
+    assert tensor_rows(torch.nested.as_nested_tensor(rows, layout=torch.jagged)) == [[1, 2, 3], [4], [5, 6]]
+    assert tensor_rows(torch.nested.nested_tensor(rows)) == [[1, 2, 3], [4], [5, 6]]  # strided: no offsets
+    assert tensor_rows(torch.tensor([[1, 2], [3, 4]])) == [[1, 2], [3, 4]]
+    assert tensor_rows(torch.tensor([7.0, 8.0])) == [[7.0], [8.0]]  # one value per row
+
+
+def test_masked_response_tokens_are_not_the_trajectorys_and_the_reward_is_the_rows_sum():
+    store = MemoryStore()
+    loop, _ = make_loop(store, eta=0, batch=1)
+    seen = []
+    loop.accept = lambda trajectory: seen.append(trajectory) or True
+    loop.poll_once()
+    store.finish("p0", [1.0], [[0, 0, 0]])
+    store.rows["p0_0_0"]["responses"] = torch.tensor([11, 12, 13])
+    store.rows["p0_0_0"]["response_mask"] = torch.tensor([1, 0, 1])  # a tool's output inside the response
+    store.rows["p0_0_0"]["rollout_log_probs"] = torch.tensor([-0.25, -9.0, -0.5])
+    store.rows["p0_0_0"]["rm_scores"] = torch.tensor([0.0, 0.5, 0.25])
+    loop.poll_once()
+    (trajectory,) = seen
+    assert trajectory.prompt_ids == [1, 2, 3] and trajectory.response_ids == [11, 13]
+    assert trajectory.behav_logprobs == [-0.25, -0.5] and trajectory.reward == 0.75
 
 
 def test_a_trajectory_without_per_token_versions_is_refused():
