@@ -116,3 +116,28 @@ def test_an_actor_created_after_the_first_look_is_watched_too():
 )
 def test_a_dead_actor_is_named_by_its_role_in_the_run(class_name, expected):
     assert describe_actor(class_name, 3, "0123abcdef99") == expected
+
+
+def test_a_rollout_server_found_dead_by_the_statistics_look_is_named_with_its_node(monkeypatch):
+    # The step's look at the engines' statistics may see a lost node first: the run's error must still name it.
+    import threading
+
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from areal_plugins.trainers.async_trainer import ArealAsyncTrainer, RolloutServerDiedError
+
+    cluster = Cluster([actor("s1", "CPURolloutServer")])
+    liveness = ActorLiveness(cluster)
+    liveness.check()  # seen alive at the start
+
+    def fit(self, agent_loop_manager):
+        cluster.actors[0] = actor("s1", "CPURolloutServer", "DEAD", "NODE_DIED", "The node died")
+        raise RolloutServerDiedError("a rollout server of areal_cpu (replicas [0]) died")
+
+    monkeypatch.setattr(PPOTrainer, "fit", fit)
+    trainer = object.__new__(ArealAsyncTrainer)
+    trainer._actor_liveness, trainer._monitor_stop, trainer._stall_guard, trainer.manager = (
+        liveness, threading.Event(), None, None
+    )  # fmt: skip
+    with pytest.raises(RunActorDiedError, match=r"rollout server CPURolloutServer \(pid 42, node abababab\) died"):
+        trainer.fit(None)
