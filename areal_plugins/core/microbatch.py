@@ -72,10 +72,12 @@ def length_ordered(lengths: Sequence[int], ranks: int, mini_batch_per_rank: int 
     """
     if ranks < 1 or len(lengths) % ranks:
         raise ValueError(f"{len(lengths)} sequences do not divide into {ranks} data-parallel shares")
+    if not lengths:
+        return []
     share = len(lengths) // ranks
     segment = mini_batch_per_rank if mini_batch_per_rank and share % mini_batch_per_rank == 0 else share
     order: list[int] = []
-    for start in range(0, len(lengths), segment) if segment else ():
+    for start in range(0, len(lengths), segment):
         order.extend(sorted(range(start, start + segment), key=lambda i: (-lengths[i], i)))
     return order
 

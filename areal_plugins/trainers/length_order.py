@@ -30,10 +30,12 @@ def order_batch_by_length(batch: Any, config: Any, dp_size: int, metrics: dict) 
     micro = config.actor_rollout_ref.rollout.get("log_prob_micro_batch_size_per_gpu")
     if micro and not config.actor_rollout_ref.rollout.get("log_prob_use_dynamic_bsz", False):
         share = len(lengths) // dp_size
-        before = sum(padded_tokens(lengths[r * share : (r + 1) * share], micro) for r in range(dp_size))
-        ordered = [lengths[i] for i in order]
-        after = sum(padded_tokens(ordered[r * share : (r + 1) * share], micro) for r in range(dp_size))
-        metrics["areal/padded_token_ratio"] = after / sum(lengths)
-        metrics["areal/padded_token_ratio_unordered"] = before / sum(lengths)
+
+        def ratio(seq_lens: list[int]) -> float:  # each rank pads its own share
+            padded = sum(padded_tokens(seq_lens[r * share : (r + 1) * share], micro) for r in range(dp_size))
+            return padded / sum(seq_lens)
+
+        metrics["areal/padded_token_ratio"] = ratio([lengths[i] for i in order])
+        metrics["areal/padded_token_ratio_unordered"] = ratio(lengths)
     batch.reorder(order)
     return batch

@@ -98,3 +98,9 @@ def test_a_verl_batch_is_reordered_by_length_with_its_padding_reported():
     assert pads_micro_batches(config)
     config.actor_rollout_ref.model.use_remove_padding = True
     assert not pads_micro_batches(config)
+
+
+def test_an_empty_batch_has_an_empty_order():
+    from areal_plugins.core.microbatch import length_ordered
+
+    assert length_ordered([], ranks=2, mini_batch_per_rank=None) == []
