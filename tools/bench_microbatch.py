@@ -1,4 +1,4 @@
-"""Benchmark: training throughput of three micro-batching strategies on long-tailed lengths.
+"""Benchmark: training throughput of four micro-batching strategies on long-tailed lengths.
 
 What verl's FSDP engine does per micro-batch on this machine (``use_remove_padding=False``, the
 CPU path) is pad it to its own longest sequence and run forward + backward; this times exactly that
@@ -6,7 +6,9 @@ on the tiny Qwen2 model, for the partitions each strategy produces of the same b
 
 - ``fixed``: verl without ``use_dynamic_bsz``: consecutive chunks of ``micro_batch_size_per_gpu``;
 - ``verl_dynamic``: verl's ``use_dynamic_bsz`` partitioner (``rearrange_micro_batches``) at the budget;
-- ``ffd``: ours, ``areal.micro_batch.max_tokens`` (the paper's Algorithm 1) at the same budget.
+- ``ffd``: ours, ``areal.micro_batch.max_tokens`` (the paper's Algorithm 1) at the same budget, as run
+  where the engine removes padding;
+- ``padded_runs``: ours where verl pads (this path): runs of like length, the budget counted padded.
 
 The fixed micro-batch size gives the same number of micro-batches verl's dynamic mode starts from
 (``ceil(tokens / budget)``), so memory per micro-batch is comparable. Reported: effective tokens/s
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from areal_plugins.core.microbatch import ffd_allocate
+from areal_plugins.core.microbatch import ffd_allocate, padded_allocate
 from areal_plugins.tiny.model import TinyModelSpec, random_qwen2
 
 
@@ -47,6 +49,8 @@ def partition(strategy: str, lengths: list[int], budget: int) -> list[list[int]]
         return [list(range(start, min(start + size, len(lengths)))) for start in range(0, len(lengths), size)]
     if strategy == "ffd":
         return ffd_allocate(lengths, budget)
+    if strategy == "padded_runs":
+        return padded_allocate(lengths, budget)
     from verl.utils.seqlen_balancing import rearrange_micro_batches
 
     width = max(lengths)
@@ -74,7 +78,7 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     model = random_qwen2(TinyModelSpec(seed=0), vocab_size=16448)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    strategies = ("fixed", "verl_dynamic", "ffd")
+    strategies = ("fixed", "verl_dynamic", "ffd", "padded_runs")
     results: dict[str, dict] = {s: {"tokens_per_s": [], "micro_batches": [], "padding_ratio": []} for s in strategies}
     for repeat in range(args.repeats):
         rng = random.Random(repeat)

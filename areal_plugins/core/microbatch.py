@@ -26,16 +26,7 @@ def ffd_allocate(lengths: Sequence[int], capacity: int, min_groups: int = 1) -> 
     Raises:
         ValueError: ``capacity <= 0``, ``min_groups < 1``, or a sequence longer than ``capacity``.
     """
-    if capacity <= 0:
-        raise ValueError(f"capacity must be > 0 tokens, got {capacity}")
-    if min_groups < 1:
-        raise ValueError(f"min_groups must be >= 1, got {min_groups}")
-    too_long = [i for i, n in enumerate(lengths) if n > capacity]
-    if too_long:
-        raise ValueError(
-            f"sequence {too_long[0]} has {lengths[too_long[0]]} tokens, more than the micro-batch budget of "
-            f"{capacity}; raise areal.micro_batch.max_tokens to at least {max(lengths)}"
-        )
+    _check_budget(lengths, capacity, min_groups)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: list[list[int]] = []
     used: list[int] = []
@@ -50,6 +41,53 @@ def ffd_allocate(lengths: Sequence[int], capacity: int, min_groups: int = 1) -> 
         groups[target].append(index)
         used[target] += length
     return groups
+
+
+def padded_allocate(lengths: Sequence[int], capacity: int, min_groups: int = 1) -> list[list[int]]:
+    """Micro-batches for padded attention: runs of like length, each at most ``capacity`` tokens *padded*.
+
+    Where every micro-batch is padded to its longest sequence (``use_remove_padding: false``), FFD's
+    mixing of long and short sequences pads each short one to a long one. Here the sequences are
+    sorted longest first and cut into consecutive runs, each as long as ``count x longest <=
+    capacity`` allows: padding only between neighbours in length, and the padded tensor, which is what
+    the memory holds, stays within the budget. Runs are then halved (largest padded size first) until
+    ``min_groups`` exist.
+
+    Returns:
+        Micro-batches as lists of indices into ``lengths``, longest first; each index appears once.
+
+    Raises:
+        ValueError: as :func:`ffd_allocate`.
+    """
+    _check_budget(lengths, capacity, min_groups)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    start = 0
+    while start < len(order):
+        size = capacity // lengths[order[start]]  # the run's first member is its longest
+        groups.append(order[start : start + size])
+        start += size
+    while len(groups) < min_groups:
+        splittable = [g for g in range(len(groups)) if len(groups[g]) > 1]
+        if not splittable:
+            break  # fewer sequences than min_groups: the caller's agreement on counts reports it
+        widest = max(splittable, key=lambda g: (len(groups[g]) * lengths[groups[g][0]], -g))
+        run = groups[widest]
+        groups[widest : widest + 1] = [run[: len(run) // 2], run[len(run) // 2 :]]
+    return groups
+
+
+def _check_budget(lengths: Sequence[int], capacity: int, min_groups: int) -> None:
+    if capacity <= 0:
+        raise ValueError(f"capacity must be > 0 tokens, got {capacity}")
+    if min_groups < 1:
+        raise ValueError(f"min_groups must be >= 1, got {min_groups}")
+    too_long = [i for i, n in enumerate(lengths) if n > capacity]
+    if too_long:
+        raise ValueError(
+            f"sequence {too_long[0]} has {lengths[too_long[0]]} tokens, more than the micro-batch budget of "
+            f"{capacity}; raise areal.micro_batch.max_tokens to at least {max(lengths)}"
+        )
 
 
 def length_ordered(lengths: Sequence[int], ranks: int, mini_batch_per_rank: int | None) -> list[int]:

@@ -2,8 +2,11 @@
 
 *Why*: with ``use_dynamic_bsz`` verl derives the micro-batch *count* from the token budget and
 balances Σ seqlen² across that count (Karmarkar-Karp); the paper packs with first-fit-decreasing
-(:func:`areal_plugins.core.microbatch.ffd_allocate`). verl 0.9.1 has no seam for the partitioner: the
-engine calls ``rearrange_micro_batches``, imported by name into ``verl.workers.engine.utils``.
+(:func:`areal_plugins.core.microbatch.ffd_allocate`). Both count real tokens, which is what a
+padding-free engine computes; where verl pads each micro-batch to its longest sequence
+(``use_remove_padding: false``) both mix long and short sequences, so the patch then cuts runs of
+like length within the budget counted *padded* (:func:`areal_plugins.core.microbatch.padded_allocate`).
+verl 0.9.1 has no seam for the partitioner: the engine calls ``rearrange_micro_batches``, imported by name into ``verl.workers.engine.utils``.
 *What stays verl's*: the token budget (``ppo_max_token_len_per_gpu``, routed from our setting), the
 loss normalisation (the engine counts the global batch's tokens before it splits, so the global
 token mean does not depend on the partition) and the restore of the original order (from the index
@@ -22,7 +25,7 @@ from typing import Any
 
 from packaging.specifiers import SpecifierSet
 
-from areal_plugins.core.microbatch import ffd_allocate
+from areal_plugins.core.microbatch import ffd_allocate, padded_allocate
 from areal_plugins.patches._base import AttributePatch
 
 logger = logging.getLogger(__name__)
@@ -41,8 +44,13 @@ def sequence_lengths(batch: Any) -> list[int]:
     return [int(n) for n in batch["attention_mask"].sum(dim=1).tolist()]
 
 
-def ffd_partition_agreed(lengths: list[int], capacity: int, min_groups: int, dp_group: Any = None) -> list[list[int]]:
-    """FFD micro-batches, with every data-parallel rank agreeing on their count.
+def ffd_partition_agreed(
+    lengths: list[int], capacity: int, min_groups: int, dp_group: Any = None, padded: bool = False
+) -> list[list[int]]:
+    """Token-budget micro-batches, with every data-parallel rank agreeing on their count.
+
+    FFD (:func:`ffd_allocate`) where the engine removes padding; where it pads each micro-batch to its
+    longest sequence, runs of like length within the padded budget (:func:`padded_allocate`).
 
     Ranks step in lock-step (all-reduce per round) because each must run the same number of
     forward/backward passes; a rank with fewer micro-batches re-packs with ``min_groups`` raised to
@@ -51,7 +59,8 @@ def ffd_partition_agreed(lengths: list[int], capacity: int, min_groups: int, dp_
     import torch
     import torch.distributed as dist
 
-    groups = ffd_allocate(lengths, capacity, min_groups=min_groups)
+    allocate = padded_allocate if padded else ffd_allocate
+    groups = allocate(lengths, capacity, min_groups=min_groups)
     if dp_group is None or not dist.is_initialized():
         return groups
     while True:
@@ -65,7 +74,7 @@ def ffd_partition_agreed(lengths: list[int], capacity: int, min_groups: int, dp_
                 f"FFD micro-batching: another data-parallel rank needs {largest} micro-batches but this one has "
                 f"only {len(lengths)} sequences; raise areal.micro_batch.max_tokens"
             )
-        groups = ffd_allocate(lengths, capacity, min_groups=largest)
+        groups = allocate(lengths, capacity, min_groups=largest)
 
 
 def _make_replacement(original: Any) -> Any:
@@ -95,25 +104,29 @@ def _make_replacement(original: Any) -> Any:
         from verl.utils import tensordict_utils as tu
 
         lengths = sequence_lengths(batch)
+        # verl's engine pads each micro-batch to its longest sequence unless it removes padding.
+        padded = not tu.get_non_tensor_data(data=batch, key="use_remove_padding", default=True)
         groups = ffd_partition_agreed(
             lengths,
             int(max_token_len),
             min_groups=max(int(min_num_micro_batch or 1), 1),
             dp_group=dp_group if same_micro_num_in_dp else None,
+            padded=padded,
         )
-        _record(lengths, groups, int(max_token_len))
+        _record(lengths, groups, int(max_token_len), "padded_runs" if padded else "ffd")
         return [tu.index_select_tensor_dict(batch, group) for group in groups], groups
 
     return rearrange_micro_batches
 
 
-def _record(lengths: list[int], groups: list[list[int]], capacity: int) -> None:
+def _record(lengths: list[int], groups: list[list[int]], capacity: int, strategy: str) -> None:
     from areal_plugins.records import append_record
 
     tokens = [sum(lengths[i] for i in group) for group in groups]
     padded = [len(group) * max(lengths[i] for i in group) for group in groups]
     line = {
         "pid": os.getpid(),
+        "strategy": strategy,
         "sequences": len(lengths),
         "capacity": capacity,
         "micro_batches": len(groups),

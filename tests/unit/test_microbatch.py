@@ -1,4 +1,4 @@
-"""ffd_allocate against hand-worked examples (Algorithm 1) and its invariants."""
+"""ffd_allocate (Algorithm 1) and padded_allocate against hand-worked examples, and their invariants."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from areal_plugins.core.microbatch import ffd_allocate
+from areal_plugins.core.microbatch import ffd_allocate, padded_allocate
 
 
 def test_hand_worked_example():
@@ -44,6 +44,45 @@ def test_invariants(lengths, capacity, min_groups):
     assert flat == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in g) <= capacity for g in groups)
     assert len(groups) >= min(min_groups, len(lengths))
+
+
+def test_padded_runs_keep_short_sequences_away_from_long_ones():
+    # Budget 40, lengths 30,5,5,5,5,30. FFD (by real tokens): 30(i0) G0, 30(i5) G1, then the 5s alternate
+    # between the two by fewest sequences -> [[0, 1, 3], [5, 2, 4]]: padded 3x30 + 3x30 = 180 for 80 real.
+    # Padded runs: sorted i0, i5, i1..i4; 40 // 30 = 1 per long run, 40 // 5 = 8 for the last -> padded 80.
+    lengths = [30, 5, 5, 5, 5, 30]
+    assert ffd_allocate(lengths, capacity=40) == [[0, 1, 3], [5, 2, 4]]
+    assert padded_allocate(lengths, capacity=40) == [[0], [5], [1, 2, 3, 4]]
+
+
+def test_padded_runs_cut_at_the_padded_budget():
+    # Sorted: 30(i1) 30(i3) 10(i4) 8(i2) 5(i0) 2(i5); budget 60: 60 // 30 = 2, then 60 // 10 = 6 (4 are left).
+    assert padded_allocate([5, 30, 8, 30, 10, 2], capacity=60) == [[1, 3], [4, 2, 0, 5]]
+    # 59 // 30 = 1: the second 30 starts its own run; 59 // 30 again; 59 // 10 = 5 takes the rest.
+    assert padded_allocate([5, 30, 8, 30, 10, 2], capacity=59) == [[1], [3], [4, 2, 0, 5]]
+
+
+def test_padded_runs_are_halved_until_min_groups_exist():
+    # One run of four (16 // 4); halved into [0, 1] [2, 3]; both pad 8 tokens: the earlier one is halved.
+    assert padded_allocate([4, 4, 4, 4], capacity=16, min_groups=3) == [[0], [1], [2, 3]]
+    assert padded_allocate([5], capacity=16, min_groups=2) == [[0]]  # nothing left to split
+    with pytest.raises(ValueError, match="max_tokens to at least 12"):
+        padded_allocate([3, 12], capacity=10)
+
+
+@given(
+    lengths=st.lists(st.integers(1, 50), max_size=60),
+    capacity=st.integers(50, 200),
+    min_groups=st.integers(1, 5),
+)
+def test_padded_runs_invariants(lengths, capacity, min_groups):
+    groups = padded_allocate(lengths, capacity, min_groups)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(len(g) * max(lengths[i] for i in g) <= capacity for g in groups)  # the padded tensor fits
+    assert len(groups) >= min(min_groups, len(lengths))
+    # Runs of like length: every sequence of a run is at least as short as every one of the run before.
+    for before, after in zip(groups, groups[1:]):
+        assert min(lengths[i] for i in before) >= max(lengths[i] for i in after)
 
 
 def test_length_order_sorts_each_ranks_mini_batches_and_moves_no_sample_between_them():

@@ -39,6 +39,19 @@ def test_verl_splits_by_the_papers_algorithm(patched, tmp_path, monkeypatch):
     assert record["tokens"] == [10, 10] and record["padded_tokens"] == [16, 15] and record["capacity"] == 10
 
 
+def test_where_verl_pads_it_cuts_runs_of_like_length_within_the_padded_budget(patched, tmp_path, monkeypatch):
+    monkeypatch.setenv("AREAL_RUN_DIR", str(tmp_path))
+    # Lengths 5,3,8,2,2, budget 10, verl padding each micro-batch: sorted 8(i2) 5(i0) 3(i1) 2(i3) 2(i4);
+    # 10 // 8 = 1, 10 // 5 = 2, 10 // 2 = 5 for the rest -> [[2], [0, 1], [3, 4]], padded 8 + 10 + 4.
+    data = padded_batch([5, 3, 8, 2, 2])
+    tu.assign_non_tensor(data, use_remove_padding=False)
+    micro_batches, indices = engine_utils.prepare_micro_batches(data)
+    assert indices == [[2], [0, 1], [3, 4]]
+    assert [mb["input_ids"][:, 0].tolist() for mb in micro_batches] == [[2], [0, 1], [3, 4]]
+    record = json.loads((tmp_path / "micro_batches.jsonl").read_text())
+    assert record["strategy"] == "padded_runs" and record["padded_tokens"] == [8, 10, 4]
+
+
 def test_verl_would_partition_differently(patched):
     # Lengths 4,4,3,3,3,3, budget 10. FFD: 4,4 share G0 (8); the 3s do not fit there: G1 = 3,3,3 (9),
     # the last 3 opens G2. verl: ceil(20/10) = 2 micro-batches balancing sum of squares 68 -> {4,3,3} twice.
