@@ -6,7 +6,8 @@ balances Σ seqlen² across that count (Karmarkar-Karp); the paper packs with fi
 padding-free engine computes; where verl pads each micro-batch to its longest sequence
 (``use_remove_padding: false``) both mix long and short sequences, so the patch then cuts runs of
 like length within the budget counted *padded* (:func:`areal_plugins.core.microbatch.padded_allocate`).
-verl 0.9.1 has no seam for the partitioner: the engine calls ``rearrange_micro_batches``, imported by name into ``verl.workers.engine.utils``.
+verl 0.9.1 has no seam for the partitioner: the engine calls ``rearrange_micro_batches``, imported by
+name into ``verl.workers.engine.utils``.
 *What stays verl's*: the token budget (``ppo_max_token_len_per_gpu``, routed from our setting), the
 loss normalisation (the engine counts the global batch's tokens before it splits, so the global
 token mean does not depend on the partition) and the restore of the original order (from the index

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -81,7 +83,7 @@ def test_padded_runs_invariants(lengths, capacity, min_groups):
     assert all(len(g) * max(lengths[i] for i in g) <= capacity for g in groups)  # the padded tensor fits
     assert len(groups) >= min(min_groups, len(lengths))
     # Runs of like length: every sequence of a run is at least as short as every one of the run before.
-    for before, after in zip(groups, groups[1:]):
+    for before, after in itertools.pairwise(groups):
         assert min(lengths[i] for i in before) >= max(lengths[i] for i in after)
 
 
