@@ -32,6 +32,7 @@ recipes' short answers). ``--quick`` (addition, 8 prompts per step, sync and asy
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -99,23 +100,38 @@ def configs(
     sync_poll_s: float,
     verl_async: list[str] = (),
     max_concurrent: list[int | None] = (None,),
+    micro_batch_tokens: list[int | None] = (None,),
 ) -> list[Config]:
     """sync, verl's async modes, then ours per placement x η x proximal log-prob mode (the first mode's names
-    carry no suffix). verl's rows poll their replay buffer as the sync baseline does."""
+    carry no suffix). verl's rows poll their replay buffer as the sync baseline does.
+
+    ``micro_batch_tokens``: None keeps the recipes' fixed micro-batches; N gives verl's async rows verl's own
+    token-budget micro-batching (``use_dynamic_bsz``) at N tokens and ours ``areal.micro_batch.max_tokens=N``.
+    """
     out = [Config("sync", "grpo_cpu_sync.yaml", sync_poll_overrides(sync_poll_s))]
     for mode in verl_async:
-        overrides = [*sync_poll_overrides(sync_poll_s), *VERL_ASYNC[mode]]
-        out.append(Config(f"verl-{mode}", "grpo_cpu_sync.yaml", overrides))
+        for tokens in micro_batch_tokens:
+            overrides = [*sync_poll_overrides(sync_poll_s), *VERL_ASYNC[mode]]
+            if tokens is not None:
+                overrides += [
+                    "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                    f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={tokens}",
+                ]
+            suffix = "" if tokens is None else f"-mb{tokens}"
+            out.append(Config(f"verl-{mode}{suffix}", "grpo_cpu_sync.yaml", overrides))
     for placement in placements:
         recipe = "grpo_cpu_async_separate.yaml" if placement == "separate" else "grpo_cpu_async.yaml"
         for eta in etas:
             for prox in prox_logps:
-                for limit in max_concurrent:
+                for limit, tokens in itertools.product(max_concurrent, micro_batch_tokens):
                     overrides = [f"areal.max_staleness={eta}", f"areal.loss.prox_logp={prox}"]
                     suffix = "" if prox == prox_logps[0] else f"-{prox}"
                     if limit is not None:  # areal.max_concurrent_rollouts; None: the default
                         overrides.append(f"areal.max_concurrent_rollouts={limit}")
                         suffix += f"-mcr{limit}"
+                    if tokens is not None:
+                        overrides.append(f"areal.micro_batch.max_tokens={tokens}")
+                        suffix += f"-mb{tokens}"
                     out.append(Config(f"async-{placement}-eta{eta}{suffix}", recipe, overrides, eta, placement))
     return out
 
@@ -488,6 +504,12 @@ def main(argv: list[str] | None = None) -> int:
         default="default",
         help="comma list of areal.max_concurrent_rollouts for our rows; 'default' = (η+1) x train batch",
     )
+    parser.add_argument(
+        "--micro-batch-tokens",
+        default="fixed",
+        help="comma list: 'fixed' = the recipes' fixed micro-batches; N = token-budget micro-batches of N tokens "
+        "(verl's async rows: use_dynamic_bsz; ours: areal.micro_batch.max_tokens)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
     parser.add_argument(
         "--workload", choices=sorted(WORKLOADS), help="longtail (default; long-tailed lengths); --quick: addition"
@@ -521,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     if set(verl_async) - set(VERL_ASYNC):
         parser.error(f"--verl-async takes {', '.join(VERL_ASYNC)}, got {args.verl_async!r}")
     limits = [None if x == "default" else int(x) for x in args.max_concurrent.split(",") if x]
-    plan = configs(etas, placements, prox_logps, args.sync_poll_s, verl_async, limits)
+    budgets = [None if x == "fixed" else int(x) for x in args.micro_batch_tokens.split(",") if x]
+    plan = configs(etas, placements, prox_logps, args.sync_poll_s, verl_async, limits, budgets)
     results: dict[str, list[dict]] = {c.name: [] for c in plan}
     total = len(plan) * args.repeats
     done = 0
