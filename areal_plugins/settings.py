@@ -88,7 +88,8 @@ class MicroBatchConfig:
     max_tokens: int | None = field(
         default=None,
         metadata={
-            "help": "token budget of one micro-batch, packed by first-fit-decreasing (paper's Algorithm 1); "
+            "help": "token budget of one micro-batch, packed by first-fit-decreasing (paper's Algorithm 1), or "
+            "where verl pads (model.use_remove_padding: false) cut into runs of like length, padded tokens counted; "
             "null: verl's own micro-batching"
         },
     )

@@ -4,7 +4,8 @@
 - :mod:`~areal_plugins.core.buffer`: accepted groups, handed out oldest first.
 - :mod:`~areal_plugins.core.trajectory`: one generated sample with per-token versions and log-probs.
 - :mod:`~areal_plugins.core.losses`: the decoupled PPO objective.
-- :mod:`~areal_plugins.core.microbatch`: token-budget micro-batches by first-fit-decreasing.
+- :mod:`~areal_plugins.core.microbatch`: token-budget micro-batches (first-fit-decreasing; runs of
+  like length where micro-batches are padded).
 
 Everything else in the package depends on this; this depends on nothing else in the package.
 """

@@ -108,3 +108,21 @@ def test_a_concurrency_sweep_names_its_limit():
     assert [c.name for c in plan] == ["sync", "async-colocated-eta4", "async-colocated-eta4-mcr16"]
     assert "areal.max_concurrent_rollouts=16" in plan[2].overrides
     assert not [o for o in plan[1].overrides if "max_concurrent" in o]
+
+
+def test_a_micro_batch_budget_reaches_verls_rows_and_ours_under_their_own_keys():
+    plan = bench.configs([1], ["colocated"], ["recompute"], 0.05, ["colocate_async"], [None], [None, 512])
+    names = [c.name for c in plan]
+    assert names == [
+        "sync",
+        "verl-colocate_async",
+        "verl-colocate_async-mb512",
+        "async-colocated-eta1",
+        "async-colocated-eta1-mb512",
+    ]
+    verl_budget = plan[2].overrides
+    assert "actor_rollout_ref.actor.use_dynamic_bsz=true" in verl_budget
+    assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512" in verl_budget
+    assert "areal.micro_batch.max_tokens=512" in plan[4].overrides
+    for fixed in (plan[0], plan[1], plan[3]):  # the recipes' fixed micro-batches: no budget anywhere
+        assert not [o for o in fixed.overrides if "dynamic_bsz" in o or "max_tokens" in o or "token_len" in o]
