@@ -44,9 +44,10 @@ def test_the_plugin_is_loaded_in_the_worker_processes_too(observed_run):
 def test_ffd_micro_batches_and_reward_service_metrics(observed_run):
     steps, _, run_dir = observed_run
     packs = read_jsonl(run_dir / "micro_batches.jsonl")
-    # verl's actor split its batches through our FFD packing, within the budget, every sequence once.
-    assert packs and all(p["capacity"] == MICRO_BATCH_TOKENS for p in packs)
-    assert all(max(p["tokens"]) <= MICRO_BATCH_TOKENS and sum(p["sizes"]) == p["sequences"] for p in packs)
+    # verl's actor split its batches through our packing, every sequence once; the CPU recipes pad each
+    # micro-batch (use_remove_padding: false), so the runs of like length hold the budget counted padded.
+    assert packs and all(p["capacity"] == MICRO_BATCH_TOKENS and p["strategy"] == "padded_runs" for p in packs)
+    assert all(max(p["padded_tokens"]) <= MICRO_BATCH_TOKENS and sum(p["sizes"]) == p["sequences"] for p in packs)
     assert any(p["micro_batches"] > 1 for p in packs)
     # The reward service's per-trajectory reports became step metrics in verl's logger.
     assert all(s["areal/reward_latency_s_mean"] > 0 and s["areal/reward_failed"] == 0 for s in steps)
