@@ -18,8 +18,13 @@ def test_a_trainer_worker_error_stops_the_run_and_the_last_checkpoint_resumes(ti
         AREAL_EXAMPLE_OBSERVER_REWARD="quarter",  # and a third party's reward scores every rollout 0.25
         AREAL_EXAMPLE_OBSERVER_LOG=str(observer_log),
     )
+    # The loss is called once per micro-batch: the recipe's fixed micro-batches (two per step) make its 3rd call
+    # fall in step 2, after step 1 was checkpointed; token-budget ones would vary in number with the lengths.
+    fixed_micro_batches = "areal.micro_batch.max_tokens=null"
     result = run_cli(
-        *train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 4, "trainer.save_freq=1"), env=plugin_env, check=False
+        *train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 4, "trainer.save_freq=1", fixed_micro_batches),
+        env=plugin_env,
+        check=False,
     )
     assert result.returncode != 0
     log = (run_dir / "train.log").read_text()
@@ -33,7 +38,7 @@ def test_a_trainer_worker_error_stops_the_run_and_the_last_checkpoint_resumes(ti
     latest = int((run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
     assert latest >= 1 and latest == max(completed)  # every completed step was saved, the failed one not
     # The checkpoint is whole: the same run resumes from it (without the failing loss) and trains on.
-    steps = train_tiny("grpo_cpu_async.yaml", run_dir, tiny_dir, latest + 1, "trainer.save_freq=1")
+    steps = train_tiny("grpo_cpu_async.yaml", run_dir, tiny_dir, latest + 1, "trainer.save_freq=1", fixed_micro_batches)
     assert [s["areal/trainer_version"] for s in steps] == [float(latest)]
 
 
