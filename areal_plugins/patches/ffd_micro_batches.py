@@ -29,6 +29,9 @@ from packaging.specifiers import SpecifierSet
 from areal_plugins.core.microbatch import ffd_allocate, padded_allocate
 from areal_plugins.patches._base import AttributePatch
 
+#: The packing per engine mode: FFD where verl removes padding, runs of like length where it pads.
+ALLOCATORS = {"ffd": ffd_allocate, "padded_runs": padded_allocate}
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_VERL = SpecifierSet(">=0.9.1,<0.9.2")
@@ -46,7 +49,7 @@ def sequence_lengths(batch: Any) -> list[int]:
 
 
 def ffd_partition_agreed(
-    lengths: list[int], capacity: int, min_groups: int, dp_group: Any = None, padded: bool = False
+    lengths: list[int], capacity: int, min_groups: int, dp_group: Any = None, strategy: str = "ffd"
 ) -> list[list[int]]:
     """Token-budget micro-batches, with every data-parallel rank agreeing on their count.
 
@@ -60,7 +63,7 @@ def ffd_partition_agreed(
     import torch
     import torch.distributed as dist
 
-    allocate = padded_allocate if padded else ffd_allocate
+    allocate = ALLOCATORS[strategy]
     groups = allocate(lengths, capacity, min_groups=min_groups)
     if dp_group is None or not dist.is_initialized():
         return groups
@@ -72,8 +75,8 @@ def ffd_partition_agreed(
             return groups
         if largest > len(lengths):
             raise ValueError(
-                f"FFD micro-batching: another data-parallel rank needs {largest} micro-batches but this one has "
-                f"only {len(lengths)} sequences; raise areal.micro_batch.max_tokens"
+                f"token-budget micro-batching: another data-parallel rank needs {largest} micro-batches, this one has "
+                f"{len(lengths)} sequences; raise areal.micro_batch.max_tokens"
             )
         groups = allocate(lengths, capacity, min_groups=largest)
 
@@ -107,14 +110,15 @@ def _make_replacement(original: Any) -> Any:
         lengths = sequence_lengths(batch)
         # verl's engine pads each micro-batch to its longest sequence unless it removes padding.
         padded = not tu.get_non_tensor_data(data=batch, key="use_remove_padding", default=True)
+        strategy = "padded_runs" if padded else "ffd"
         groups = ffd_partition_agreed(
             lengths,
             int(max_token_len),
             min_groups=max(int(min_num_micro_batch or 1), 1),
             dp_group=dp_group if same_micro_num_in_dp else None,
-            padded=padded,
+            strategy=strategy,
         )
-        _record(lengths, groups, int(max_token_len), "padded_runs" if padded else "ffd")
+        _record(lengths, groups, int(max_token_len), strategy)
         return [tu.index_select_tensor_dict(batch, group) for group in groups], groups
 
     return rearrange_micro_batches

@@ -10,6 +10,13 @@ from hypothesis import strategies as st
 
 from areal_plugins.core.microbatch import ffd_allocate, padded_allocate
 
+#: Random batches and budgets for the invariants of both packings.
+budget_cases = given(
+    lengths=st.lists(st.integers(1, 50), max_size=60),
+    capacity=st.integers(50, 200),
+    min_groups=st.integers(1, 5),
+)
+
 
 def test_hand_worked_example():
     # Visit order 8(i2) 5(i0) 3(i1) 2(i3) 2(i4); budget 10.
@@ -35,11 +42,7 @@ def test_errors_name_the_fix():
         ffd_allocate([1], capacity=0)
 
 
-@given(
-    lengths=st.lists(st.integers(1, 50), max_size=60),
-    capacity=st.integers(50, 200),
-    min_groups=st.integers(1, 5),
-)
+@budget_cases
 def test_invariants(lengths, capacity, min_groups):
     groups = ffd_allocate(lengths, capacity, min_groups)
     flat = sorted(i for g in groups for i in g)
@@ -72,11 +75,7 @@ def test_padded_runs_are_halved_until_min_groups_exist():
         padded_allocate([3, 12], capacity=10)
 
 
-@given(
-    lengths=st.lists(st.integers(1, 50), max_size=60),
-    capacity=st.integers(50, 200),
-    min_groups=st.integers(1, 5),
-)
+@budget_cases
 def test_padded_runs_invariants(lengths, capacity, min_groups):
     groups = padded_allocate(lengths, capacity, min_groups)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
