@@ -6,7 +6,7 @@ through its ``verl.plugins`` entry point.
 
 from __future__ import annotations
 
-from areal_plugins.hookimpl import hookimpl
+from areal_plugins.hooks.hookimpl import hookimpl
 
 __version__ = "0.1.0"
 __all__ = ["__version__", "hookimpl"]

@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from areal_plugins.bounded_log import BoundedLog
-from areal_plugins.run_control import (
+from areal_plugins.run.bounded_log import BoundedLog
+from areal_plugins.run.control import (
     STOP_REQUEST_FILE,
     RunStopper,
     kill_run_leftovers,
@@ -303,8 +303,8 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
 
 def _report(run_dir: Path) -> None:
     """Log what the run achieved and draw its reward curve."""
-    from areal_plugins.run_plots import plot_all
-    from areal_plugins.run_report import summarize_run
+    from areal_plugins.run.plots import plot_all
+    from areal_plugins.run.report import summarize_run
 
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.exists():
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_plan(args)
     if args.command == "plot":
-        from areal_plugins.run_plots import plot_all
+        from areal_plugins.run.plots import plot_all
 
         if not args.run_dir.is_dir():
             raise SystemExit(f"{args.run_dir} is not a directory; pass a run directory made by areal-plugins train")

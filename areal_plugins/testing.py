@@ -18,7 +18,7 @@ from typing import Any
 import pluggy
 import pytest
 
-from areal_plugins.manager import check_plugins, get_plugin_manager
+from areal_plugins.hooks.manager import check_plugins, get_plugin_manager
 
 
 @contextmanager

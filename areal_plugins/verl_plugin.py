@@ -59,8 +59,8 @@ def _register_config_resolvers() -> None:
 
     from omegaconf import OmegaConf
 
-    from areal_plugins.routing import verl_setting
-    from areal_plugins.settings import ArealConfig
+    from areal_plugins.config.routing import verl_setting
+    from areal_plugins.config.settings import ArealConfig
 
     if not OmegaConf.has_resolver("areal_package_path"):
         root = Path(__file__).resolve().parent

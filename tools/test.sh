@@ -8,8 +8,8 @@ if [ "${1:-}" = "--full" ]; then
   MARKERS="integration or full"
 fi
 bash tools/setup.sh
-.venv/bin/ruff check areal_plugins tests tools
-.venv/bin/ruff format --check areal_plugins tests tools
-.venv/bin/mypy areal_plugins
+.venv/bin/ruff check areal_plugins patches tests tools
+.venv/bin/ruff format --check areal_plugins patches tests tools
+.venv/bin/mypy areal_plugins patches
 .venv/bin/python -m pytest tests/unit -q --durations=5
 .venv/bin/python -m pytest tests/integration -m "$MARKERS" -q -p no:cacheprovider --durations=15

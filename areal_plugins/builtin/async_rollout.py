@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from areal_plugins.hookimpl import hookimpl
+from areal_plugins.hooks.hookimpl import hookimpl
 
 
 def _settings(config: Any) -> Any:
-    from areal_plugins.settings import ArealConfig
+    from areal_plugins.config.settings import ArealConfig
 
     return ArealConfig.from_node(config.areal)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from areal_plugins.hookimpl import hookimpl
+from areal_plugins.hooks.hookimpl import hookimpl
 
 
 @hookimpl(trylast=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_plugins.hookimpl import hookimpl
-from areal_plugins.settings import ArealConfigError
+from areal_plugins.config.settings import ArealConfigError
+from areal_plugins.hooks.hookimpl import hookimpl
 
 
 @hookimpl(trylast=True)
@@ -77,7 +77,7 @@ def areal_validate_config(config: Any) -> None:
 
 def _check_agent_loop_manager(class_path: str | None) -> None:
     """The async trainer needs its episode-recording workers; a recipe's own manager must extend ours."""
-    from areal_plugins.routing import EPISODE_MANAGER_CLASS
+    from areal_plugins.config.routing import EPISODE_MANAGER_CLASS
 
     if class_path == EPISODE_MANAGER_CLASS:
         return

@@ -34,7 +34,7 @@ def _reward_fn(enable: bool, plugins: dict[str, Any]) -> Callable[..., float]:
             if not enable:
                 _chosen[key] = math_verify_score
             else:
-                from areal_plugins.manager import call_hook, configure_plugins
+                from areal_plugins.hooks.manager import call_hook, configure_plugins
 
                 if include is not None or exclude:  # the default set needs no rebuild
                     configure_plugins(include=include, exclude=exclude)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from areal_plugins.records import append_record
+from areal_plugins.run.records import append_record
 
 
 class RolloutServer(abc.ABC):

@@ -9,7 +9,7 @@ provide all of them through the server contract (:mod:`areal_plugins.rollout.bas
 
 from __future__ import annotations
 
-from areal_plugins.settings import ArealConfigError
+from areal_plugins.config.settings import ArealConfigError
 
 CAPABILITIES = {
     "abort_keeps_partial": "an abort returns the tokens and behaviour log-probs generated so far",

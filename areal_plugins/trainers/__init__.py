@@ -5,7 +5,7 @@
   (:mod:`.llm_client`), per-token versions, the oldest samples first (docs/design.md).
 - ``areal_sync`` (:mod:`.hooked`): verl's synchronous trainer plus our lifecycle hooks.
 
-``areal.enable: true`` routes ``trainer.v1.trainer_mode`` to one of them (:mod:`areal_plugins.routing`).
+``areal.enable: true`` routes ``trainer.v1.trainer_mode`` to one of them (:mod:`areal_plugins.config.routing`).
 The decoupled objective is registered as verl policy losses (:mod:`.policy_loss`); :mod:`.baseline_sampler`
 is the fair synchronous baseline of the benchmarks.
 """

@@ -35,12 +35,12 @@ from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.utils import tensordict_utils as tu
 from verl.utils.debug import marked_timer
 
-from areal_plugins.manager import call_hook
-from areal_plugins.record_sink import start_record_sink
-from areal_plugins.records import RunRecorder, record_exists
+from areal_plugins.config.settings import ArealConfig
+from areal_plugins.hooks.manager import call_hook
 from areal_plugins.rollout.capabilities import check_backend_capabilities
-from areal_plugins.run_control import STOP_REQUEST_FILE
-from areal_plugins.settings import ArealConfig
+from areal_plugins.run.control import STOP_REQUEST_FILE
+from areal_plugins.run.record_sink import start_record_sink
+from areal_plugins.run.records import RunRecorder, record_exists
 from areal_plugins.trainers.actor_liveness import ActorLiveness
 from areal_plugins.trainers.hooked import HookedTrainerMixin
 from areal_plugins.trainers.llm_client import InterruptibleLLMClient

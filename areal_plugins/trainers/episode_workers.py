@@ -23,7 +23,7 @@ from typing import Any
 import ray
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
-from areal_plugins.settings import ArealConfig
+from areal_plugins.config.settings import ArealConfig
 from areal_plugins.trainers.episodes import CURRENT_EPISODE, EpisodeRecord
 
 logger = logging.getLogger(__name__)

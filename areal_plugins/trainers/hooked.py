@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from areal_plugins.manager import call_hook, configure_plugins, selected_plugin_names
+from areal_plugins.hooks.manager import call_hook, configure_plugins, selected_plugin_names
 from areal_plugins.trainers.length_order import order_batch_by_length, pads_micro_batches
 from areal_plugins.trainers.workers import run_in_workers
 

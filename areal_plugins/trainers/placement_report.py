@@ -10,14 +10,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from areal_plugins.records import append_record
+from areal_plugins.run.records import append_record
 
 logger = logging.getLogger(__name__)
 
 
 def record_ray_placement(placement: str) -> int:
     """Append one line per live actor of this Ray job to ``ray_actors.jsonl``; how many were recorded."""
-    from areal_plugins.records import run_dir
+    from areal_plugins.run.records import run_dir
     from areal_plugins.trainers.actor_liveness import list_job_actors
 
     if run_dir() is None:  # nowhere to write: no state-API query at start-up for nothing

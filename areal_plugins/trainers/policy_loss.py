@@ -6,7 +6,7 @@ before the update), ``log_prob`` (π_θ) and ``rollout_is_weights``. With
 ``exp(old_log_prob - rollout_log_prob)`` = w_t of the decoupled objective (the rollout log-probs are
 the engine's per-token behaviour log-probs) and applies our cap through ``rollout_is_threshold``
 (``areal.loss`` routes it: ``"1e-12_CAP"`` zeroes w > CAP = mode mask, a plain ``CAP`` clamps =
-mode clamp; see :func:`areal_plugins.routing.cap_threshold`). Capped weights reach this loss
+mode clamp; see :func:`areal_plugins.config.routing.cap_threshold`). Capped weights reach this loss
 already capped; verl logs the capped fraction as ``rollout_corr/rollout_is_ratio_fraction_high``.
 
 Aggregation: verl's ``token-mean`` divides by the token count of the *global* batch and multiplies
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from areal_plugins.config.routing import LOGLINEAR_LOSS_NAME, RECOMPUTE_LOSS_NAME, parse_cap_threshold
 from areal_plugins.core.losses import decoupled_ppo_loss
-from areal_plugins.routing import LOGLINEAR_LOSS_NAME, RECOMPUTE_LOSS_NAME, parse_cap_threshold
 
 LOSS_NAME = RECOMPUTE_LOSS_NAME
 
@@ -112,7 +112,7 @@ def pure_loss() -> Any:
     """The loss the ``areal_make_policy_loss`` hook chose in this worker (asked once per process)."""
     global _pure_loss
     if _pure_loss is None:
-        from areal_plugins.manager import call_hook
+        from areal_plugins.hooks.manager import call_hook
 
         _pure_loss = call_hook("areal_make_policy_loss", config=None) or decoupled_ppo_loss
     return _pure_loss

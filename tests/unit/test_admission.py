@@ -11,8 +11,8 @@ import torch
 
 from areal_plugins.core.buffer import SampleBuffer
 from areal_plugins.core.staleness import StalenessController
-from areal_plugins.hookimpl import hookimpl
-from areal_plugins.manager import call_hook
+from areal_plugins.hooks.hookimpl import hookimpl
+from areal_plugins.hooks.manager import call_hook
 from areal_plugins.testing import plugin_registered
 from areal_plugins.trainers.admission import AdmissionLoop, MissingRolloutFieldError, RolloutsFailingError
 

@@ -9,17 +9,24 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "areal_plugins"
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "areal_plugins"
+#: The top-level ``patches/`` folder is installed as ``areal_plugins.patches`` (pyproject's package-dir).
+PATCHES = REPO / "patches"
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    if path.is_relative_to(PATCHES):
+        parts = ("areal_plugins", "patches", *path.relative_to(PATCHES).with_suffix("").parts)
+    else:
+        parts = path.relative_to(REPO).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def import_graph() -> dict[str, set[str]]:
     """module -> the package modules it imports (a ``from pkg import name`` of a submodule counts as it)."""
-    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    sources = [*PACKAGE.rglob("*.py"), *PATCHES.rglob("*.py")]
+    modules = {module_name(path): path for path in sources}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         targets: set[str] = set()
@@ -78,11 +85,11 @@ def test_the_core_imports_nothing_else_of_the_package():
 
 
 def test_settings_is_a_leaf():
-    assert import_graph()["areal_plugins.settings"] == set(), "settings.py must import nothing of the package"
+    assert import_graph()["areal_plugins.config.settings"] == set(), "settings.py must import nothing of the package"
 
 
 def test_hook_specs_import_only_the_core_for_types():
-    assert import_graph()["areal_plugins.hookspecs"] <= {"areal_plugins.core.trajectory"}
+    assert import_graph()["areal_plugins.hooks.hookspecs"] <= {"areal_plugins.core.trajectory"}
 
 
 def test_the_core_imports_neither_verl_nor_ray():
@@ -100,7 +107,7 @@ def test_every_design_citation_names_a_section_of_the_design_doc():
     repo = PACKAGE.parent
     headings = re.findall(r"^## (.+)$", (repo / "docs" / "design.md").read_text(), flags=re.M)
     cited, unresolved = 0, []
-    for folder in ("areal_plugins", "tests", "tools"):
+    for folder in ("areal_plugins", "patches", "tests", "tools"):
         for path in (repo / folder).rglob("*.py"):
             for after in re.findall(r"docs/design\.md[,(] ?(\w[^\n]{0,40})", path.read_text()):
                 cited += 1

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from areal_plugins.config.settings import ArealConfigError
 from areal_plugins.rollout.capabilities import CAPABILITIES, check_backend_capabilities
-from areal_plugins.settings import ArealConfigError
 from tests.unit.test_recipes import compose
 
 

@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
+from areal_plugins.patches import ffd_micro_batches
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine import utils as engine_utils
 
 from areal_plugins import patches
-from areal_plugins.patches import ffd_micro_batches
 
 
 @pytest.fixture
@@ -95,9 +95,8 @@ def test_refused_on_unsupported_verl():
 def test_a_patch_that_fails_on_its_second_target_changes_nothing():
     import types
 
-    from packaging.specifiers import SpecifierSet
-
     from areal_plugins.patches._base import AttributePatch
+    from packaging.specifiers import SpecifierSet
 
     first, second = types.ModuleType("areal_test_first"), types.ModuleType("areal_test_second")
     first.target = "original"

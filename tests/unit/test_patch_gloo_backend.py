@@ -7,9 +7,9 @@ import socket
 
 import pytest
 import torch.distributed as dist
+from areal_plugins.patches import gloo_backend
 
 from areal_plugins._compat import UnsupportedVerlVersionError
-from areal_plugins.patches import gloo_backend
 
 
 def _free_port() -> int:

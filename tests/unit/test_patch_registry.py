@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from areal_plugins import patches
 from areal_plugins.patches import gloo_backend
+
+from areal_plugins import patches
 
 
 def test_nothing_is_patched_off_the_cpu_platform(monkeypatch):

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from areal_plugins import hookspecs
 from areal_plugins.core.trajectory import Trajectory
-from areal_plugins.hookimpl import hookimpl
-from areal_plugins.manager import PluginError, build_plugin_manager, call_hook
+from areal_plugins.hooks import hookspecs
+from areal_plugins.hooks.hookimpl import hookimpl
+from areal_plugins.hooks.manager import PluginError, build_plugin_manager, call_hook
 from areal_plugins.testing import plugin_registered
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "hooks.md"
@@ -193,7 +193,7 @@ def test_an_opt_in_plugin_loads_only_when_named(installed_example_plugin, tmp_pa
 
 
 def test_m2po_is_shipped_opt_in_and_replaces_the_loss_when_included():
-    from areal_plugins.manager import installed_plugin_names
+    from areal_plugins.hooks.manager import installed_plugin_names
     from areal_plugins.objectives.m2po import m2po_loss
 
     assert "m2po" in installed_plugin_names()  # our own entry point (pyproject.toml)
@@ -218,7 +218,7 @@ def test_docs_are_regenerated_from_the_specs():
 
 def test_policy_loss_hook_chooses_the_workers_loss():
     from areal_plugins.core.losses import decoupled_ppo_loss
-    from areal_plugins.hookimpl import hookimpl
+    from areal_plugins.hooks.hookimpl import hookimpl
     from areal_plugins.testing import plugin_registered
     from areal_plugins.trainers import policy_loss as verl_loss
 
@@ -244,7 +244,7 @@ def test_policy_loss_hook_chooses_the_workers_loss():
 def test_all_installed_means_the_drivers_plugins_for_every_worker(installed_example_plugin):
     from omegaconf import OmegaConf
 
-    from areal_plugins.manager import selected_plugin_names
+    from areal_plugins.hooks.manager import selected_plugin_names
     from areal_plugins.trainers.hooked import pin_plugin_selection
 
     assert selected_plugin_names(None, []) == [installed_example_plugin]

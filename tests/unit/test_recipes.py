@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_plugins.routing import EPISODE_MANAGER_CLASS
+from areal_plugins.config.routing import EPISODE_MANAGER_CLASS
 
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "recipes"
 RECIPES = sorted(p for p in RECIPE_DIR.glob("*.yaml") if not p.name.startswith("_"))
@@ -80,7 +80,7 @@ def test_the_multi_turn_recipe_runs_verls_tool_loop_through_our_episode_workers(
 
 def test_a_recipe_replacing_the_episode_workers_is_refused_at_startup():
     from areal_plugins.builtin.validation import areal_validate_config
-    from areal_plugins.settings import ArealConfigError
+    from areal_plugins.config.settings import ArealConfigError
 
     areal_validate_config(config=compose("grpo_cpu_async"))  # as shipped: accepted
     verls_own = "actor_rollout_ref.rollout.agent.agent_loop_manager_class=verl.trainer.ppo.v1.AgentLoopManagerTQ"
@@ -143,7 +143,7 @@ def test_loglinear_skips_the_proximal_forward_pass():
 
 def test_loglinear_with_several_optimizer_steps_is_refused():
     from areal_plugins.builtin.validation import areal_validate_config
-    from areal_plugins.settings import ArealConfigError
+    from areal_plugins.config.settings import ArealConfigError
 
     config = compose(
         "grpo_cpu_async", ["areal.loss.prox_logp=loglinear", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
@@ -155,7 +155,7 @@ def test_loglinear_with_several_optimizer_steps_is_refused():
 
 def test_a_concurrency_limit_below_one_batch_is_refused():
     from areal_plugins.builtin.validation import areal_validate_config
-    from areal_plugins.settings import ArealConfigError
+    from areal_plugins.config.settings import ArealConfigError
 
     with pytest.raises(ArealConfigError, match="max_concurrent_rollouts=8 can never fill"):
         areal_validate_config(compose("grpo_cpu_async", ["areal.max_concurrent_rollouts=8"]))
@@ -164,7 +164,7 @@ def test_a_concurrency_limit_below_one_batch_is_refused():
 
 def test_token_budget_micro_batches_route_to_verls_dynamic_batching():
     from areal_plugins.builtin.validation import areal_validate_config
-    from areal_plugins.settings import ArealConfigError
+    from areal_plugins.config.settings import ArealConfigError
 
     config = compose("grpo_cpu_async", ["areal.micro_batch.max_tokens=96"])
     actor = config.actor_rollout_ref.actor

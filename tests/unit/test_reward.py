@@ -22,7 +22,7 @@ def test_exact_answers(response, truth, expected):
 
 
 def test_recipes_reward_asks_the_hook_only_when_enabled():
-    from areal_plugins.hookimpl import hookimpl
+    from areal_plugins.hooks.hookimpl import hookimpl
     from areal_plugins.rewards import hooked
     from areal_plugins.testing import plugin_registered
 

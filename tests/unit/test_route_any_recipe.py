@@ -6,11 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from areal_plugins.patches import route_areal_node
 from hydra import compose, initialize_config_module
 
-from areal_plugins.patches import route_areal_node
-from areal_plugins.routing import route_composed_config
-from areal_plugins.settings import ArealConfigError
+from areal_plugins.config.routing import route_composed_config
+from areal_plugins.config.settings import ArealConfigError
 from tests.user_recipe import user_recipe
 
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from areal_plugins.run_control import RunStopper, kill_run_leftovers, new_group_dying_with_parent
+from areal_plugins.run.control import RunStopper, kill_run_leftovers, new_group_dying_with_parent
 
 #: A child that ignores SIGTERM (as a busy verl driver may for a while) and would sleep for a minute.
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"

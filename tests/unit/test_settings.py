@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areal_plugins.routing import verl_setting
-from areal_plugins.settings import ArealConfig, ArealConfigError
+from areal_plugins.config.routing import verl_setting
+from areal_plugins.config.settings import ArealConfig, ArealConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -81,7 +81,7 @@ def test_shipped_defaults_are_the_paper_defaults():
 
 
 def test_choices_match_the_core_that_enforces_them():
-    from areal_plugins import settings
+    from areal_plugins.config import settings
     from areal_plugins.core import buffer, losses
 
     assert settings.ON_STALE == buffer.ON_STALE and settings.WEIGHT_MODES == losses.WEIGHT_MODES

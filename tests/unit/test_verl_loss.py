@@ -6,8 +6,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from areal_plugins.routing import cap_threshold
-from areal_plugins.settings import ArealConfig
+from areal_plugins.config.routing import cap_threshold
+from areal_plugins.config.settings import ArealConfig
 from areal_plugins.trainers.policy_loss import areal_decoupled_policy_loss
 
 
@@ -131,6 +131,6 @@ def test_loglinear_equals_the_recomputed_objective_when_theta_is_prox(cap, mode)
     ("threshold", "expected"), [("1e-12_5.0", (5.0, "mask")), (5.0, (5.0, "clamp")), (1e9, (None, "clamp"))]
 )
 def test_cap_threshold_round_trips(threshold, expected):
-    from areal_plugins.routing import parse_cap_threshold
+    from areal_plugins.config.routing import parse_cap_threshold
 
     assert parse_cap_threshold(threshold) == expected

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from areal_plugins.run_control import new_group_dying_with_parent
+from areal_plugins.run.control import new_group_dying_with_parent
 
 logger = logging.getLogger(__name__)
 

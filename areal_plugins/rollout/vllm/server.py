@@ -30,8 +30,6 @@ from typing import Any
 import aiohttp
 import torch
 
-from areal_plugins.record_sink import remote_sink
-from areal_plugins.records import run_dir
 from areal_plugins.rollout.base import (
     Generated,
     RolloutServer,
@@ -42,6 +40,8 @@ from areal_plugins.rollout.base import (
 from areal_plugins.rollout.vllm.http_client import ABORTED, Generation, VLLMClient
 from areal_plugins.rollout.vllm.process import GpuSettings, VLLMServer
 from areal_plugins.rollout.vllm.worker_extension import layout_free_checksum
+from areal_plugins.run.record_sink import remote_sink
+from areal_plugins.run.records import run_dir
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,253 @@
+"""The ``areal:`` node of a recipe: one dataclass per feature, validated with the YAML path to change.
+
+This module is the one source of every setting's default and help text: the Hydra config group that
+ships the node (``areal_plugins/config/areal/default.yaml``) is generated from it
+(``python tools/gen_default_config.py``; a test fails when the two differ). It imports nothing of
+the package, of verl or of torch: which verl keys a setting drives lives in :mod:`areal_plugins.config.routing`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+MODES = ("async", "sync")
+PLACEMENTS = ("colocated", "separate")
+PROX_LOGP = ("recompute", "loglinear")
+#: The same choices as :data:`areal_plugins.core.buffer.ON_STALE` and
+#: :data:`areal_plugins.core.losses.WEIGHT_MODES` (a test ties them; this module stays a leaf).
+ON_STALE = ("wait", "drop", "reissue")
+WEIGHT_MODES = ("mask", "clamp")
+
+
+class ArealConfigError(ValueError):
+    """An invalid ``areal:`` setting; the message names the YAML path and what to change."""
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """``areal.loss``: the decoupled PPO objective (docs/design.md, The decoupled objective)."""
+
+    decoupled: bool = field(
+        default=True,
+        metadata={"help": "false: standard PPO with the behaviour log-probs as the old policy (ablation)"},
+    )
+    behav_imp_weight_cap: float | None = field(
+        default=5.0, metadata={"help": "cap on w = π_prox/π_behav (> 1), null for none; paper: 5"}
+    )
+    behav_imp_weight_mode: str = field(
+        default="mask", metadata={"help": "mask: drop tokens with w > cap; clamp: use min(w, cap)"}
+    )
+    prox_logp: str = field(
+        default="recompute",
+        metadata={
+            "help": "recompute: a forward pass gives π_prox; loglinear: interpolate from per-token versions "
+            "(no forward pass; exact with one optimizer step per batch)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        cap = self.behav_imp_weight_cap
+        if cap is not None and cap <= 1:
+            raise ArealConfigError(f"areal.loss.behav_imp_weight_cap must be > 1 or null, got {cap}")
+        if self.prox_logp not in PROX_LOGP:
+            raise ArealConfigError(f"areal.loss.prox_logp must be one of {PROX_LOGP}, got {self.prox_logp!r}")
+        if self.behav_imp_weight_mode not in WEIGHT_MODES:
+            raise ArealConfigError(
+                f"areal.loss.behav_imp_weight_mode must be one of {WEIGHT_MODES}, got {self.behav_imp_weight_mode!r}"
+            )
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """``areal.reward``: where and how long rewards are computed."""
+
+    service: bool = field(
+        default=True, metadata={"help": "score in worker processes with a time limit (a hung verifier costs 0)"}
+    )
+    num_workers: int = field(default=1, metadata={"help": "reward worker processes per verl reward worker"})
+    timeout_s: float = field(default=10.0, metadata={"help": "most seconds one reward may take"})
+    retries: int = field(default=1, metadata={"help": "further attempts after a timeout or a crashed worker"})
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ArealConfigError(f"areal.reward.num_workers must be >= 1, got {self.num_workers}")
+        if not self.timeout_s > 0:
+            raise ArealConfigError(f"areal.reward.timeout_s must be > 0, got {self.timeout_s}")
+        if self.retries < 0:
+            raise ArealConfigError(f"areal.reward.retries must be >= 0, got {self.retries}")
+
+
+@dataclass(frozen=True)
+class MicroBatchConfig:
+    """``areal.micro_batch``: how the trainer splits a batch for forward/backward."""
+
+    max_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "token budget of one micro-batch, packed by first-fit-decreasing (paper's Algorithm 1), or "
+            "where verl pads (model.use_remove_padding: false) cut into runs of like length, padded tokens counted; "
+            "null: verl's own micro-batching"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
+            raise ArealConfigError(
+                f"areal.micro_batch.max_tokens must be a positive integer or null, got {self.max_tokens!r}"
+            )
+
+
+@dataclass(frozen=True)
+class EpisodesConfig:
+    """``areal.episodes``: agent-loop episodes of several turns (docs/multi_turn.md)."""
+
+    environment_timeout_s: float = field(
+        default=120.0,
+        metadata={
+            "help": "most seconds an episode may spend outside the engine at a time (tool calls, environment "
+            "steps); past it the episode fails, is counted and its group re-issued"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not self.environment_timeout_s > 0:
+            raise ArealConfigError(
+                f"areal.episodes.environment_timeout_s must be > 0 seconds, got {self.environment_timeout_s!r}"
+            )
+
+
+@dataclass(frozen=True)
+class PluginsConfig:
+    """``areal.plugins``: which installed third-party plugins to load."""
+
+    include: list[str] | None = field(
+        default=None,
+        metadata={"help": "installed plugin (entry-point) names to load; null: all but opt-in ones (m2po)"},
+    )
+    exclude: list[str] = field(default_factory=list, metadata={"help": "installed plugin names to skip"})
+
+    def __post_init__(self) -> None:
+        for key in ("include", "exclude"):
+            value = getattr(self, key)
+            if value is None and key == "include":
+                continue
+            if not isinstance(value, list | tuple) or not all(isinstance(name, str) for name in value):
+                raise ArealConfigError(
+                    f"areal.plugins.{key} must be a list of plugin names, e.g. [my_plugin], got {value!r}"
+                )
+
+
+@dataclass(frozen=True)
+class ArealConfig:
+    """``areal``: switch and settings of areal_plugins."""
+
+    enable: bool = field(default=False, metadata={"help": "true turns our features on; false leaves verl as is"})
+    mode: str = field(default="async", metadata={"help": "async or sync training"})
+    max_staleness: int = field(
+        default=4,
+        metadata={
+            "help": "η: staleness bound, by count at admission (per sample with on_stale: reissue or drop); "
+            "0 = synchronous; paper: 4-8"
+        },
+    )
+    placement: str = field(
+        default="colocated",
+        metadata={"help": "colocated: engines pause while the trainer trains; separate: both run all the time"},
+    )
+    on_stale: str = field(
+        default="wait",
+        metadata={
+            "help": "a buffered group beyond η at consumption: wait = train on it, drop = reject, "
+            "reissue = generate it again under the current weights (strict per-sample bound)"
+        },
+    )
+    max_concurrent_rollouts: int | None = field(
+        default=None, metadata={"help": "most prompt groups in flight; null: (max_staleness + 1) x train_batch_size"}
+    )
+    poll_interval_s: float = field(
+        default=0.05, metadata={"help": "seconds between the admission loop's looks at finished rollouts"}
+    )
+    watchdog_s: float = field(
+        default=900.0,
+        metadata={"help": "stop with a report when the trainer waits this long with no rollout progress"},
+    )
+    waive_capabilities: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "rollout-backend capabilities to run without (verl's own vllm/sglang lack some); "
+            "refused at startup unless named here"
+        },
+    )
+    loss: LossConfig = field(default_factory=LossConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    micro_batch: MicroBatchConfig = field(default_factory=MicroBatchConfig)
+    episodes: EpisodesConfig = field(default_factory=EpisodesConfig)
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable, bool):
+            raise ArealConfigError(f"areal.enable must be true or false, got {self.enable!r}")
+        if self.mode not in MODES:
+            raise ArealConfigError(f"areal.mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ArealConfigError(
+                f"areal.max_staleness must be an integer >= 0 (0 = synchronous), got {self.max_staleness!r}"
+            )
+        if self.placement not in PLACEMENTS:
+            raise ArealConfigError(f"areal.placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.on_stale not in ON_STALE:
+            raise ArealConfigError(f"areal.on_stale must be one of {ON_STALE}, got {self.on_stale!r}")
+        if self.max_concurrent_rollouts is not None and self.max_concurrent_rollouts < 1:
+            raise ArealConfigError(
+                f"areal.max_concurrent_rollouts must be >= 1 or null, got {self.max_concurrent_rollouts!r}"
+            )
+        if not self.watchdog_s > 0:
+            raise ArealConfigError(f"areal.watchdog_s must be > 0 seconds, got {self.watchdog_s!r}")
+        if not self.poll_interval_s > 0:
+            raise ArealConfigError(f"areal.poll_interval_s must be > 0, got {self.poll_interval_s!r}")
+        waived = self.waive_capabilities
+        if not isinstance(waived, list | tuple) or not all(isinstance(name, str) for name in waived):
+            raise ArealConfigError(
+                f"areal.waive_capabilities must be a list of capability names, e.g. [weight_checksum], got {waived!r}"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> ArealConfig:
+        """Build from the plain ``areal:`` mapping; unknown keys fail with the closest valid key."""
+        return _build(cls, dict(values or {}), "areal")
+
+    @classmethod
+    def from_node(cls, node: Any) -> ArealConfig:
+        """Build from the recipe's ``areal`` node: an OmegaConf node (resolved here) or a plain mapping."""
+        from omegaconf import OmegaConf
+
+        values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        return cls.from_dict(values)  # type: ignore[arg-type]
+
+
+def _build(cls: type, values: dict[str, Any], path: str) -> Any:
+    known = {f.name: f for f in fields(cls)}
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=1)
+            hint = f"; did you mean {path}.{close[0]}?" if close else f"; valid keys: {', '.join(sorted(known))}"
+            raise ArealConfigError(f"unknown setting {path}.{key}{hint}")
+    sections = nested_sections(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key in sections:
+            if not isinstance(value, dict):
+                raise ArealConfigError(f"{path}.{key} must be a mapping, got {value!r}")
+            value = _build(sections[key], value, f"{path}.{key}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def nested_sections(cls: type) -> dict[str, type]:
+    """The fields of ``cls`` that are sections of their own (typed with a dataclass)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls) if dataclasses.is_dataclass(hints[f.name])}

@@ -1,0 +1,54 @@
+"""Default sample buffer and rollout manager of the async trainer (AReaL semantics, docs/design.md, Admission)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from areal_plugins.hooks.hookimpl import hookimpl
+
+
+def _settings(config: Any) -> Any:
+    from areal_plugins.config.settings import ArealConfig
+
+    return ArealConfig.from_node(config.areal)
+
+
+@hookimpl(trylast=True)
+def areal_make_sample_buffer(config: Any) -> Any:
+    from areal_plugins.core.buffer import SampleBuffer
+
+    settings = _settings(config)
+    return SampleBuffer(max_staleness=settings.max_staleness, on_stale=settings.on_stale)
+
+
+@hookimpl(trylast=True)
+def areal_make_rollout_manager(
+    config: Any,
+    buffer: Any,
+    submit_prompts: Callable[[int], int],
+    accept_trajectory: Callable[[Any], bool],
+    reissue_prompts: Callable[[list[str]], None],
+) -> Any:
+    import transfer_queue
+
+    from areal_plugins.core.staleness import StalenessController
+    from areal_plugins.trainers.admission import AdmissionLoop
+
+    settings = _settings(config)
+    batch = int(config.data.train_batch_size)  # η and B count prompt groups: GRPO groups stay together
+    controller = StalenessController(
+        max_staleness=settings.max_staleness,
+        batch_size=batch,
+        max_concurrent=settings.max_concurrent_rollouts or (settings.max_staleness + 1) * batch,
+    )
+    return AdmissionLoop(
+        controller,
+        buffer,
+        submit_prompts,
+        accept_trajectory,
+        settings.poll_interval_s,
+        store=transfer_queue,
+        failure_limit=2 * batch,  # two batches' worth of failures in a row, none finished: not a fluke
+        reissue=reissue_prompts,
+    )

@@ -1,0 +1,101 @@
+"""Built-in checks of setting combinations that span the ``areal:`` node and verl's own settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from areal_plugins.config.settings import ArealConfigError
+from areal_plugins.hooks.hookimpl import hookimpl
+
+
+@hookimpl(trylast=True)
+def areal_validate_config(config: Any) -> None:
+    areal = config.areal
+    if not areal.enable:
+        return
+    actor = config.actor_rollout_ref.actor
+    if areal.loss.decoupled and areal.loss.prox_logp == "loglinear":
+        # The log-linear π_prox is exact only while θ is still the proximal policy
+        # (docs/design.md, The decoupled objective).
+        if actor.ppo_epochs != 1 or actor.ppo_mini_batch_size != config.data.train_batch_size:
+            raise ArealConfigError(
+                "areal.loss.prox_logp=loglinear needs one optimizer step per batch: set "
+                "actor_rollout_ref.actor.ppo_mini_batch_size = data.train_batch_size "
+                f"({config.data.train_batch_size}, got {actor.ppo_mini_batch_size}) and "
+                f"actor_rollout_ref.actor.ppo_epochs=1 (got {actor.ppo_epochs}), or use areal.loss.prox_logp=recompute"
+            )
+    if actor.loss_agg_mode != "token-mean" and areal.loss.decoupled:
+        raise ArealConfigError(
+            "the decoupled objective is a global token mean: set actor_rollout_ref.actor.loss_agg_mode=token-mean "
+            f"(got {actor.loss_agg_mode!r}) or areal.loss.decoupled=false"
+        )
+    limit = areal.get("max_concurrent_rollouts", None)
+    if areal.mode == "async" and limit is not None and limit < config.data.train_batch_size:
+        raise ArealConfigError(
+            f"areal.max_concurrent_rollouts={limit} can never fill a batch of data.train_batch_size="
+            f"{config.data.train_batch_size} prompt groups: raise it to at least {config.data.train_batch_size} or null"
+        )
+    if areal.mode == "async" and not config.actor_rollout_ref.rollout.calculate_log_probs:
+        raise ArealConfigError(
+            "async training needs the engine's per-token behaviour log-probs: remove the override "
+            "actor_rollout_ref.rollout.calculate_log_probs=false"
+        )
+    rollout = config.actor_rollout_ref.rollout
+    if areal.mode == "async":
+        from areal_plugins.rollout.capabilities import check_backend_capabilities
+
+        check_backend_capabilities(str(rollout.name), list(areal.get("waive_capabilities") or []))
+    if areal.mode == "async" and areal.placement == "separate":
+        if rollout.checkpoint_engine.backend == "naive":
+            raise ArealConfigError(
+                "areal.placement=separate gives the engines a resource pool of their own, and weights reach it "
+                "through a checkpoint engine: set actor_rollout_ref.rollout.checkpoint_engine.backend=nccl on GPUs "
+                "(or areal_gloo without them); 'naive' only works for engines on the trainer's devices"
+            )
+        if not (rollout.nnodes > 0 and rollout.n_gpus_per_node > 0):
+            raise ArealConfigError(
+                "areal.placement=separate needs the size of the rollout pool: set actor_rollout_ref.rollout.nnodes "
+                f"and actor_rollout_ref.rollout.n_gpus_per_node (got {rollout.nnodes} x {rollout.n_gpus_per_node})"
+            )
+    budget = (areal.get("micro_batch") or {}).get("max_tokens", None)
+    longest = config.data.max_prompt_length + config.data.max_response_length
+    if budget is not None and not (actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu == budget):
+        raise ArealConfigError(
+            f"areal.micro_batch.max_tokens={budget} sets actor_rollout_ref.actor.use_dynamic_bsz=true and "
+            f"ppo_max_token_len_per_gpu={budget}, but the recipe overrides them (use_dynamic_bsz="
+            f"{actor.use_dynamic_bsz}, ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu}): remove those "
+            "two keys from the recipe"
+        )
+    if budget is not None and budget < longest:
+        raise ArealConfigError(
+            f"areal.micro_batch.max_tokens={budget} cannot hold one sequence of up to {longest} tokens "
+            f"(data.max_prompt_length + data.max_response_length): raise it to at least {longest}"
+        )
+    if areal.mode == "async":
+        _check_agent_loop_manager(rollout.get("agent", {}).get("agent_loop_manager_class"))
+
+
+def _check_agent_loop_manager(class_path: str | None) -> None:
+    """The async trainer needs its episode-recording workers; a recipe's own manager must extend ours."""
+    from areal_plugins.config.routing import EPISODE_MANAGER_CLASS
+
+    if class_path == EPISODE_MANAGER_CLASS:
+        return
+    hint = (
+        f"areal.mode=async needs actor_rollout_ref.rollout.agent.agent_loop_manager_class={EPISODE_MANAGER_CLASS} "
+        "(areal.enable routes it) or a subclass of it: it records the version of every generated token across "
+        "an episode's turns"
+    )
+    if not class_path:
+        raise ArealConfigError(f"{hint}; the recipe sets it to null")
+    import importlib
+
+    from areal_plugins.trainers.episode_workers import ArealAgentLoopManager
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        manager = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ArealConfigError(f"{hint}; {class_path!r} cannot be imported: {error}") from error
+    if not (isinstance(manager, type) and issubclass(manager, ArealAgentLoopManager)):
+        raise ArealConfigError(f"{hint}; the recipe sets {class_path!r}, which does not extend it")

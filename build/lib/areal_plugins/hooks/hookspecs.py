@@ -1,0 +1,199 @@
+"""Hook specifications of areal_plugins, in lifecycle order (startup → rollout → training → shutdown).
+
+Specs only: implementations live in ``areal_plugins/builtin/`` (``trylast`` defaults) and in
+third-party plugins registered through the ``areal_plugins`` entry-point group. Every hook here is
+listed with its exact signature in ``docs/hooks.md`` (a test enforces it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from areal_plugins.core.trajectory import Trajectory
+
+PROJECT_NAME = "areal_plugins"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+
+
+# ---------------------------------------------------------------- startup
+
+
+@hookspec
+def areal_validate_config(config: Any) -> None:
+    """Check the ``areal:`` settings before anything starts; raise ``ValueError`` to refuse them.
+
+    The return value is ignored; raise with a message naming the YAML path to change.
+
+    :param config: the whole composed recipe (verl's config with our ``areal:`` node).
+
+    Called from: verl's TaskRunner (the trainer's driver, a Ray actor), when the trainer initialises,
+    before any worker starts (``areal_plugins.trainers.hooked.HookedTrainerMixin.init``).
+    Default: ``areal_plugins.builtin.validation``: refuses combinations of ``areal:`` and verl settings
+    that cannot work (single fields validate themselves in ``areal_plugins.config.settings``).
+    """
+
+
+@hookspec(firstresult=True)
+def areal_make_sample_buffer(config: Any) -> Any:
+    """Create the buffer that holds finished, accepted rollout groups until the trainer takes them.
+
+    Return the buffer (an object with ``put(group)``, ``take(count, trainer_version, timeout)`` and
+    ``__len__``, like :class:`areal_plugins.core.buffer.SampleBuffer`), or None to let the next
+    implementation decide.
+
+    :param config: the composed recipe (``config.areal`` holds our settings).
+
+    Called from: verl's TaskRunner (the driver), when the async trainer is built.
+    Default: ``areal_plugins.builtin.async_rollout``: :class:`~areal_plugins.core.buffer.SampleBuffer`,
+    oldest head version first, ``areal.on_stale`` applied.
+    """
+
+
+@hookspec(firstresult=True)
+def areal_make_rollout_manager(
+    config: Any,
+    buffer: Any,
+    submit_prompts: Callable[[int], int],
+    accept_trajectory: Callable[[Any], bool],
+    reissue_prompts: Callable[[list[str]], None],
+) -> Any:
+    """Create the manager that admits rollouts within the staleness bound and fills ``buffer``.
+
+    Return the manager (an object with ``start()``, ``stop()``, ``pause()``, ``resume(version)``,
+    ``check_alive()`` and a ``controller`` holding ``running``/``accepted``/``rejected``, like
+    :class:`areal_plugins.trainers.admission.AdmissionLoop`; ``areal.on_stale: reissue`` also needs
+    ``reissue_stale(groups)``), or None to defer.
+
+    :param config: the composed recipe.
+    :param buffer: what ``areal_make_sample_buffer`` returned.
+    :param submit_prompts: submits ``n`` new prompt groups for generation; returns how many it sent.
+    :param accept_trajectory: asks every ``areal_accept_trajectory`` implementation about one finished
+        :class:`~areal_plugins.core.trajectory.Trajectory`; False means drop it (its slot is freed).
+    :param reissue_prompts: sends prompt groups that failed (by uid) for generation again; their prompt
+        stays registered in TransferQueue meanwhile, so a checkpoint keeps it. A manager that drops
+        failed groups instead loses their prompts.
+
+    Called from: verl's TaskRunner (the driver), when the async trainer starts training.
+    Default: ``areal_plugins.builtin.async_rollout``: :class:`AdmissionLoop` with
+    :class:`~areal_plugins.core.staleness.StalenessController` (docs/design.md, Admission).
+    """
+
+
+@hookspec(firstresult=True)
+def areal_make_reward_fn(config: Any) -> Callable[..., float] | None:
+    """Return the reward function ``(data_source, solution_str, ground_truth, extra_info) -> float``.
+
+    Return None to let the next implementation decide.
+
+    :param config: ``{"areal": {"enable": ..., "plugins": ...}}``: the settings the reward worker
+        receives through ``reward.custom_reward_function.reward_kwargs`` (it has no other config).
+
+    Called from: each reward worker process, once, on its first reward
+    (``areal_plugins.rewards.hooked.compute_score``, the recipes' custom reward function); never when
+    ``areal.enable`` is false.
+    Default: ``builtin.rewards``: the math-verify exact-answer reward (``trylast``).
+    """
+
+
+@hookspec(firstresult=True)
+def areal_make_policy_loss(config: Any) -> Callable[..., Any] | None:
+    """Return the policy loss the trainer optimises, or None to let the next implementation decide.
+
+    The function takes the arguments of :func:`areal_plugins.core.losses.decoupled_ppo_loss`
+    (``logprobs, proximal_logprobs, behav_logprobs, advantages, loss_mask, **clip/cap options``) and
+    returns ``(token-mean loss, stats)``; verl's global-batch weighting is applied around it.
+
+    :param config: None (trainer workers have no recipe; ``areal.loss`` reaches the loss through verl).
+
+    Called from: each trainer worker process, once, at its first loss computation with the policy
+    losses ``areal_decoupled`` / ``areal_decoupled_loglinear`` (``areal.enable: true``).
+    Default: ``builtin.losses``: the decoupled PPO objective (``trylast``).
+    """
+
+
+# ---------------------------------------------------------------- rollout
+
+
+@hookspec(firstresult=True)
+def areal_accept_trajectory(trajectory: Trajectory) -> bool | None:
+    """Decide whether a finished, scored trajectory is kept for training.
+
+    Return False to reject it (its staleness slot is freed and it is counted as rejected), True to
+    keep it and stop asking further plugins, None to defer (kept if nobody rejects).
+
+    :param trajectory: the finished trajectory, reward set. For an episode of several turns (verl's
+        ``tool_agent`` loop or your own agent loop) it is the whole episode: ``prompt_ids`` the first
+        prompt; ``response_ids``, ``behav_logprobs`` and ``versions`` the tokens the model generated in
+        every turn, in order (tool and environment tokens, masked out of the loss, are left out, so
+        ``versions[i]`` is the version that generated ``response_ids[i]``); ``head_version`` the oldest
+        generated token's version, which staleness is judged by; ``reward`` the episode's. ``extra``
+        holds verl's extra fields of the episode plus ours: ``areal_turns``, ``areal_turn_tokens``
+        (generated tokens per turn, so ``versions`` splits into turns), ``num_interrupts`` (weight
+        updates that interrupted a turn), ``areal_updates_between_turns``, ``areal_tool_calls``,
+        ``areal_tool_failures``, ``areal_tool_seconds`` (docs/multi_turn.md).
+
+    Called from: the rollout manager on the driver, once per finished trajectory of the async
+    trainer (``areal.mode: async``). A GRPO group is kept with its remaining members and rejected
+    as a whole (slot freed) only when every member is rejected.
+    Default: none (every trajectory is kept).
+    """
+
+
+@hookspec
+def areal_before_weight_update(version: int) -> None:
+    """Observe that generation is about to pause for weights of ``version``. Return value ignored.
+
+    :param version: the version about to be loaded.
+
+    Called from: verl's TaskRunner in the async trainer, after admission paused and before the
+    engines are interrupted.
+    Default: none.
+    """
+
+
+@hookspec
+def areal_on_weights_updated(version: int) -> None:
+    """Observe that every rollout engine now serves ``version``. Return value ignored.
+
+    :param version: the policy version the engines serve from now on.
+
+    Called from: verl's TaskRunner, after verl's weight sync returned (each engine has confirmed the
+    version and checksum it loaded): once for the initial sync, then after every step.
+    Default: none.
+    """
+
+
+# ---------------------------------------------------------------- training
+
+
+@hookspec
+def areal_after_train_step(step: int, metrics: dict[str, Any]) -> None:
+    """Observe a finished optimizer step; add entries to ``metrics`` to log them. Return value ignored.
+
+    :param step: the trainer's global step just completed (1-based).
+    :param metrics: the step's metrics, mutable; keys are namespaced (``areal/...``).
+
+    Called from: verl's TaskRunner, after each step's metrics are computed, before verl logs them.
+    Default: none.
+    """
+
+
+# ---------------------------------------------------------------- shutdown
+
+
+@hookspec
+def areal_on_shutdown(reason: str) -> None:
+    """Observe the end of a run. Return value ignored.
+
+    :param reason: ``"completed"``, ``"error"`` or ``"interrupted"``.
+
+    Called from: verl's TaskRunner, once, as the trainer's ``fit`` returns or raises, after the async trainer
+    stopped admitting trajectories: no other hook of the run follows it.
+    Default: none.
+    """

@@ -1,0 +1,105 @@
+"""Version-guarded patches of verl, applied only for the features that need them.
+
+Seams first: everything verl lets us register (platform, rollout backend, policy loss, trainer,
+sampler, LLM client) is registered, not patched. A module here exists only where verl 0.9.1 has
+no seam; each says why, where upstream stands and when to delete it.
+
+``apply_enabled_patches(config)`` is the one entry point: it walks :data:`PATCHES` in order and
+applies each patch whose feature is enabled. Three exist: the CPU platform's (selected by
+``VERL_PLATFORM=cpu``, applied at plugin load in every process), the routing of ``areal.enable`` in
+any recipe (applied at plugin load in verl's ``main_ppo`` driver only) and FFD micro-batching
+(selected by ``areal.micro_batch.max_tokens``; the trainer applies it in its worker processes with
+:func:`apply_in_workers`, since only the driver sees the recipe). ``areal.enable: false`` on a GPU
+machine patches nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from areal_plugins.patches import ffd_micro_batches, gloo_backend, route_areal_node
+
+
+def _cpu_platform(config: Any) -> bool:
+    from areal_plugins.platforms.cpu import cpu_platform_selected
+
+    return cpu_platform_selected()
+
+
+def _verl_driver(config: Any) -> bool:
+    """This process is verl's ``main_ppo`` driver, where the recipe is composed (plugin load only).
+
+    Under ``python -m verl.trainer.main_ppo`` verl is imported (and this asked) while ``sys.argv[0]``
+    is still ``-m``: the interpreter's original command line says which module runs.
+    """
+    import sys
+    from pathlib import Path
+
+    command = [*getattr(sys, "orig_argv", []), sys.argv[0]]
+    return config is None and ("verl.trainer.main_ppo" in command or Path(sys.argv[0]).name == "main_ppo.py")
+
+
+def _ffd_micro_batches(config: Any) -> bool:
+    node = None if config is None else config.get("areal")
+    if node is None:
+        return False
+    from areal_plugins.config.settings import ArealConfig
+
+    areal = ArealConfig.from_node(node)
+    return areal.enable and areal.micro_batch.max_tokens is not None
+
+
+#: (feature, is it enabled for this run?, patch), in the order they are applied.
+PATCHES: tuple[tuple[str, Callable[[Any], bool], ModuleType], ...] = (
+    ("cpu platform (VERL_PLATFORM=cpu)", _cpu_platform, gloo_backend),
+    ("areal.enable in any recipe (verl's main_ppo driver)", _verl_driver, route_areal_node),
+    ("areal.micro_batch.max_tokens", _ffd_micro_batches, ffd_micro_batches),
+)
+
+
+def enabled_patches(config: Any = None) -> list[ModuleType]:
+    """The patches the run needs, in order. ``config``: the composed recipe, or None at plugin load."""
+    return [patch for _, enabled, patch in PATCHES if enabled(config)]
+
+
+def apply_enabled_patches(config: Any = None) -> list[str]:
+    """Apply what :func:`enabled_patches` lists; return the applied modules' names."""
+    applied = []
+    for patch in enabled_patches(config):
+        patch.apply()
+        applied.append(patch.__name__)
+    return applied
+
+
+def apply_in_workers(config: Any, worker_groups: list[Any]) -> list[str]:
+    """Apply the run's enabled patches inside every process of ``worker_groups`` (verl Ray worker groups).
+
+    Worker processes load our plugin without the recipe, so features chosen in the recipe reach them
+    from the driver (:func:`areal_plugins.trainers.workers.run_in_workers`).
+    """
+    from areal_plugins.trainers.workers import run_in_workers
+
+    names = [patch.__name__ for patch in enabled_patches(config)]
+    if names:
+        run_in_workers(worker_groups, _apply_by_name, names)
+    return names
+
+
+def _apply_by_name(names: list[str]) -> None:
+    import importlib
+
+    for name in names:
+        importlib.import_module(name).apply()
+
+
+def applied_patches() -> list[str]:
+    """Names of the patches applied in this process."""
+    return [patch.__name__ for _, _, patch in PATCHES if patch.is_applied()]
+
+
+def revert_all() -> None:
+    """Revert every applied patch, in reverse order."""
+    for _, _, patch in reversed(PATCHES):
+        patch.revert()

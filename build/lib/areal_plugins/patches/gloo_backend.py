@@ -1,0 +1,37 @@
+"""Patch: initialise verl's process group with plain ``gloo`` on the CPU platform.
+
+*Why*: verl builds the backend string ``f"cpu:gloo,{device}:{backend}"``; on CPU that is
+``"cpu:gloo,cpu:gloo"``, which torch rejects ("Duplicate device type cpu"). No config or platform
+hook controls the string, so the CPU platform cannot avoid it.
+*Upstream*: no seam exists (verl 0.9.1 ``verl/utils/distributed.py``).
+*Remove when*: verl de-duplicates the device types in that string or lets the platform give it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from areal_plugins.patches._base import AttributePatch
+from packaging.specifiers import SpecifierSet
+
+SUPPORTED_VERL = SpecifierSet(">=0.9.1,<0.9.2")
+#: ``engine_workers`` imported the function by name, so its copy is patched too.
+TARGETS = (
+    ("verl.utils.distributed", "initialize_global_process_group_ray"),
+    ("verl.workers.engine_workers", "initialize_global_process_group_ray"),
+)
+
+
+def _make_replacement(original: Any) -> Any:
+    @functools.wraps(original)
+    def initialize_global_process_group_ray(timeout_second: Any = None, backend: str | None = None) -> Any:
+        return original(timeout_second=timeout_second, backend=backend or "gloo")
+
+    return initialize_global_process_group_ray
+
+
+PATCH = AttributePatch("gloo_backend", TARGETS, _make_replacement, SUPPORTED_VERL)
+apply = PATCH.apply
+revert = PATCH.revert
+is_applied = PATCH.is_applied

@@ -1,0 +1,157 @@
+"""How long a GPU takes to decode, prefill and train, from the chip's datasheet and the model's shape.
+
+Decoding is memory-bound: one decode step of an engine reads the weights once and the KV cache of every
+running sequence, and does 2 FLOPs per matmul parameter per sequence. Training and prefill are
+compute-bound: 2 FLOPs per parameter per token forward, plus causal attention. Two efficiencies turn
+datasheet peaks into achieved speeds (``Efficiency``); docs/simulator.md says where every number comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bandwidth: float  # bytes/s (HBM, datasheet)
+    bf16_flops: float  # dense BF16 FLOP/s (datasheet)
+    memory: float  # bytes
+
+
+#: NVIDIA datasheets (SXM parts). The H800 is the H100 with less NVLink bandwidth: same HBM and FLOPs.
+GPUS = {
+    "h800": GPU("H800 SXM", 3.35e12, 989e12, 80e9),
+    "h100": GPU("H100 SXM", 3.35e12, 989e12, 80e9),
+    "h200": GPU("H200 SXM", 4.8e12, 989e12, 141e9),
+    "a100": GPU("A100 SXM 80GB", 2.039e12, 312e12, 80e9),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder's shape as its Hugging Face ``config.json`` gives it (BF16 weights and KV cache)."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+    @property
+    def layer_params(self) -> int:
+        head_dim = self.hidden // self.heads
+        attention = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * head_dim
+        return attention + 3 * self.hidden * self.intermediate  # q, o, k, v + gate, up, down
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters a token multiplies through: every layer and the output head (not the lookup)."""
+        return self.layers * self.layer_params + self.vocab * self.hidden
+
+    @property
+    def weight_bytes(self) -> int:
+        return 2 * (self.matmul_params + self.vocab * self.hidden)  # plus the input embedding
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * 2  # K and V, BF16
+
+    def attention_flops(self, length: float) -> float:
+        """Causal attention of one forward pass over ``length`` tokens: Q·Kᵀ and A·V, half the square."""
+        return 2 * self.layers * self.hidden * length * length
+
+
+#: The paper's models (DeepSeek-R1-Distill-Qwen), shapes from their config.json files.
+MODELS = {
+    "1.5b": ModelShape("R1-Distill-Qwen-1.5B", 1536, 28, 12, 2, 8960, 151936),
+    "7b": ModelShape("R1-Distill-Qwen-7B", 3584, 28, 28, 4, 18944, 152064),
+    "14b": ModelShape("R1-Distill-Qwen-14B", 5120, 48, 40, 8, 13824, 152064),
+    "32b": ModelShape("R1-Distill-Qwen-32B", 5120, 64, 40, 8, 27648, 152064),
+}
+
+#: Forward-pass equivalents per trained token: the proximal/old log-prob forward, the training forward,
+#: the backward (2) and the activation recompute of gradient checkpointing (1).
+TRAIN_PASSES = 5
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved share of the datasheet peak: HBM bandwidth while decoding, FLOPs while training/prefilling."""
+
+    decode_bandwidth: float
+    compute: float
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One inference engine: ``tensor_parallel`` GPUs serving one model copy."""
+
+    gpu: GPU
+    model: ModelShape
+    efficiency: Efficiency
+    tensor_parallel: int = 1
+    kv_memory_fraction: float = 0.7  # SGLang's mem_fraction_static in the paper's runs
+
+    @property
+    def bandwidth(self) -> float:
+        return self.gpu.memory_bandwidth * self.tensor_parallel * self.efficiency.decode_bandwidth
+
+    @property
+    def flops(self) -> float:
+        return self.gpu.bf16_flops * self.tensor_parallel * self.efficiency.compute
+
+    @property
+    def kv_capacity_tokens(self) -> float:
+        free = self.gpu.memory * self.tensor_parallel * self.kv_memory_fraction - self.model.weight_bytes
+        if free <= 0:
+            raise ValueError(
+                f"{self.model.name} does not fit on {self.tensor_parallel} x {self.gpu.name}: "
+                "use more tensor parallelism"
+            )
+        return free / self.model.kv_bytes_per_token
+
+    def step_base(self, running: int, context: float) -> float:
+        """Seconds of one decode step with ``running`` sequences holding ``context`` tokens of KV cache."""
+        memory = (self.model.weight_bytes + context * self.model.kv_bytes_per_token) / self.bandwidth
+        return memory + running * 2 * self.model.matmul_params / self.flops
+
+    def step_growth(self, running: int) -> float:
+        """How much each step slows the next: every running sequence adds one token of KV cache."""
+        return running * self.model.kv_bytes_per_token / self.bandwidth
+
+    def time_for_steps(self, running: int, context: float, steps: float) -> float:
+        """Seconds for ``steps`` lockstep decode steps: the step time grows linearly with the cache."""
+        return steps * self.step_base(running, context) + self.step_growth(running) * steps * steps / 2
+
+    def steps_in(self, running: int, context: float, seconds: float) -> float:
+        """The inverse of ``time_for_steps``: decode steps done in ``seconds`` (the positive root)."""
+        a, c = self.step_base(running, context), self.step_growth(running)
+        if c == 0:
+            return seconds / a
+        return (-a + (a * a + 2 * c * seconds) ** 0.5) / c
+
+    def prefill_time(self, tokens: float, squared_tokens: float = 0.0) -> float:
+        """Recomputing the KV cache of ``tokens`` (``squared_tokens`` = Σ length² for the attention part)."""
+        flops = 2 * self.model.matmul_params * tokens + 2 * self.model.layers * self.model.hidden * squared_tokens
+        return flops / self.flops
+
+    def weight_load_time(self) -> float:
+        """New weights into the engine from host memory over PCIe Gen5 x16 (64 GB/s, datasheet)."""
+        return self.model.weight_bytes / self.tensor_parallel / 64e9
+
+
+def smallest_tensor_parallel(gpu: GPU, model: ModelShape, kv_memory_fraction: float = 0.7) -> int:
+    """The fewest GPUs (a power of two) whose memory holds the weights with at least as much KV cache."""
+    tp = 1
+    while gpu.memory * tp * kv_memory_fraction < 2 * model.weight_bytes:
+        tp *= 2
+    return tp
+
+
+def train_seconds(model: ModelShape, gpu: GPU, efficiency: Efficiency, devices: int, lengths: list[float]) -> float:
+    """Seconds for one PPO step over sequences of ``lengths`` tokens (prompt + response) on ``devices``."""
+    flops = sum(2 * model.matmul_params * n + model.attention_flops(n) for n in lengths) * TRAIN_PASSES
+    return flops / (devices * gpu.bf16_flops * efficiency.compute)

@@ -1,0 +1,1 @@
+"""Device platforms verl lacks, registered with ``verl.plugin.platform.PlatformRegistry`` (CPU today)."""

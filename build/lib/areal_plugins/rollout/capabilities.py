@@ -1,0 +1,59 @@
+"""What ``areal_async`` needs from a rollout backend, what each backend provides, and the startup check.
+
+Every guarantee of the async trainer rests on one of these. Our backends (``areal_cpu``, ``areal_vllm``)
+provide all of them through the server contract (:mod:`areal_plugins.rollout.base`). verl 0.9.1's own
+``vllm`` and ``sglang`` servers provide what their code shows (read in ``vllm_async_server.py`` and
+``async_sglang_server.py``); what they lack is refused at startup unless the recipe waives it by name
+(``areal.waive_capabilities``), and a waived capability is named in the startup warning.
+"""
+
+from __future__ import annotations
+
+from areal_plugins.config.settings import ArealConfigError
+
+CAPABILITIES = {
+    "abort_keeps_partial": "an abort returns the tokens and behaviour log-probs generated so far",
+    "resume": "generation resumes after a weight update, continuing the aborted requests",
+    "weight_update": "new weights load into the running engine",
+    "version_stamps": "every generated token carries the policy version that generated it",
+    "weight_checksum": "the engine reports a checksum of the weights it loaded, compared with the trainer's",
+    "progress_stats": "the engine counts generated tokens, so the watchdog judges progress by tokens",
+}
+
+#: verl's own servers. vllm: an abort returns the partial output with its log-probs (finish_reason
+#: "abort"), and our client stamps each chunk with the version it ran under; nothing reports a checksum
+#: of the loaded weights or counts tokens. sglang: its abort may return partial tokens without their
+#: log-probs ("an abort may leave an empty logprob payload"), so a resumed trajectory could miss them.
+VERL_BACKENDS = {
+    "vllm": frozenset({"abort_keeps_partial", "resume", "weight_update", "version_stamps"}),
+    "sglang": frozenset({"resume", "weight_update", "version_stamps"}),
+}
+
+
+def provided_capabilities(backend: str) -> frozenset[str]:
+    """What ``backend`` provides: everything for ours, the table above for verl's, nothing for others."""
+    from areal_plugins.rollout.verl_registration import BACKENDS
+
+    if backend in BACKENDS:
+        return frozenset(CAPABILITIES)
+    return VERL_BACKENDS.get(backend, frozenset())
+
+
+def check_backend_capabilities(backend: str, waived: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Raise unless ``backend`` provides every capability not in ``waived``; return the waived missing ones."""
+    unknown = sorted(set(waived) - set(CAPABILITIES))
+    if unknown:
+        raise ArealConfigError(
+            f"areal.waive_capabilities names {unknown}, which are not capabilities; known: {', '.join(CAPABILITIES)}"
+        )
+    missing = [name for name in CAPABILITIES if name not in provided_capabilities(backend)]
+    refused = [name for name in missing if name not in waived]
+    if refused:
+        lines = "\n".join(f"  - {name}: {CAPABILITIES[name]}" for name in refused)
+        raise ArealConfigError(
+            f"actor_rollout_ref.rollout.name={backend} lacks what areal_async relies on:\n{lines}\n"
+            "Use a backend that has all of it (areal_vllm: vLLM behind our server contract; areal_cpu on CPU), "
+            "or set areal.enable=false for verl's own trainers, or accept running without these guarantees: "
+            f"areal.waive_capabilities=[{','.join(refused)}]"
+        )
+    return missing

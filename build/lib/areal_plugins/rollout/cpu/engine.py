@@ -1,0 +1,411 @@
+"""A small continuous-batching generation engine on Hugging Face transformers, for CPUs.
+
+verl registers no rollout backend that runs on CPU (docs/design.md, Engines). This engine is the zero-setup
+default for tests and laptops: requests join and leave the running batch at every decode step,
+each request keeps its own KV cache, every generated token carries its log-prob under the
+temperature-scaled distribution (what verl's trainer recomputes) and the policy version that
+produced it, and ``abort_all`` returns in-flight requests with their partial output (AReaL's
+interruptible generation). It imports neither Ray nor verl.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+STOP_COMPLETED = "completed"
+STOP_ABORTED = "aborted"
+
+
+@dataclass
+class GenerationResult:
+    """What one request produced: tokens, their log-probs and generating versions."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    stop_reason: str
+
+
+@dataclass(eq=False)  # identity semantics: requests are compared and hashed as objects
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    ignore_eos: bool
+    future: asyncio.Future
+    generator: torch.Generator
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    # Per layer (keys, values), each (kv_heads, length, head_dim); None until prefilled.
+    cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    aborted: bool = False
+
+    @property
+    def cache_length(self) -> int:
+        assert self.cache is not None
+        return self.cache[0][0].shape[1]
+
+
+class ContinuousBatchingEngine:
+    """Generate for many concurrent requests with one model, interruptibly.
+
+    Args:
+        model: a causal LM (``transformers`` ``PreTrainedModel``) in eval mode.
+        eos_token_ids: tokens that end a response (kept in the output, as vLLM does).
+        max_batch_size: most requests decoded together; the rest wait their turn.
+        seed: base seed of sampling. Each request draws from its own generator seeded by this seed,
+            its prompt tokens and how many times that prompt was asked before, so the same requests
+            give the same samples whatever the batch they share or the order they arrive in (what
+            makes η = 0 reproduce synchronous training sample for sample).
+        version: policy version of the initial weights.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        eos_token_ids: list[int],
+        max_batch_size: int = 64,
+        seed: int = 0,
+        version: int = 0,
+    ) -> None:
+        self.model = model
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_batch_size = max_batch_size
+        self.version = version
+        self.seed = seed
+        self._prompt_counts: Counter[str] = Counter()
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []
+        self._model_lock = threading.Lock()  # a step and a weight load never overlap
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self.generated_tokens = 0
+        self.busy_seconds = 0.0  # wall time spent in model steps (rollout idle ratio = 1 - busy / wall)
+        self.weights_loaded = True  # False between release_weights() and the next load_state_dict()
+
+    # ------------------------------------------------------------------ public API
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        request_id: str = "",
+        ignore_eos: bool = False,
+    ) -> GenerationResult:
+        """Generate up to ``max_tokens`` tokens after ``prompt_ids`` (past end-of-sequence tokens with
+        ``ignore_eos``, as vLLM does); return when done or aborted."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty: the engine needs at least one prompt token")
+        if not self.weights_loaded:
+            raise RuntimeError("the engine's weights were released (sleep) and no weights were loaded since")
+        loop = asyncio.get_running_loop()
+        request = _Request(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            ignore_eos=ignore_eos,
+            future=loop.create_future(),
+            generator=self._request_generator(prompt_ids),
+        )
+        self._waiting.append(request)
+        self._ensure_loop()
+        assert self._wakeup is not None
+        self._wakeup.set()
+        return await request.future
+
+    def _request_generator(self, prompt_ids: list[int]) -> torch.Generator:
+        prompt_key = hashlib.sha256(str(list(prompt_ids)).encode()).hexdigest()
+        occurrence = self._prompt_counts[prompt_key]
+        self._prompt_counts[prompt_key] += 1
+        digest = hashlib.sha256(f"{self.seed}:{occurrence}:{prompt_key}".encode()).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+    def abort_all(self) -> list[str]:
+        """Finish every waiting and running request now with its partial output; return their ids."""
+        aborted = [*self._running, *self._waiting]
+        for request in aborted:
+            request.aborted = True
+        # Requests that never ran finish at once; running ones finish after the current step.
+        for request in self._waiting:
+            self._finish(request, STOP_ABORTED)
+        self._waiting.clear()
+        return [request.request_id for request in aborted]
+
+    def abort(self, request_id: str) -> bool:
+        """Finish the in-flight request ``request_id`` with its partial output; False if none is in flight."""
+        for request in [*self._running, *self._waiting]:
+            if request.request_id == request_id and not request.aborted:
+                request.aborted = True
+                if request in self._waiting:
+                    self._waiting.remove(request)
+                    self._finish(request, STOP_ABORTED)
+                return True
+        return False
+
+    async def wait_idle(self) -> None:
+        """Return once no request is waiting or running."""
+        while self._running or self._waiting:
+            await asyncio.sleep(0.005)
+
+    # ------------------------------------------------------------------ memory (sleep / wake-up)
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the KV caches of in-flight requests (freed as each request finishes)."""
+        return sum(k.nbytes + v.nbytes for r in self._running if r.cache for k, v in r.cache)
+
+    def weight_bytes(self) -> int:
+        """Bytes of parameter storage the engine holds (0 once :meth:`release_weights` ran)."""
+        return sum(p.nbytes for p in self.model.parameters() if not p.is_meta)
+
+    def release_weights(self) -> None:
+        """Free the weights' storage (a GPU engine's sleep); the next :meth:`load_state_dict` brings them back."""
+        if self.num_in_flight:
+            raise RuntimeError(f"cannot release the weights with {self.num_in_flight} requests in flight: abort them")
+        with self._model_lock:
+            # Buffers (rotary frequencies: not in any state dict) are tiny and kept to restore after the load.
+            self._kept_buffers = {name: b.clone() for name, b in self.model.named_buffers()}
+            self.model.to("meta")
+            self.weights_loaded = False
+
+    @property
+    def has_weights(self) -> bool:
+        return self.weights_loaded
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Load new weights between two decode steps and serve them as ``version``."""
+        with self._model_lock:
+            released = not self.weights_loaded
+            if released:  # storage was freed: allocate it again, then fill it
+                self.model.to_empty(device="cpu")
+            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+            if released:
+                self.model.tie_weights()
+                for name, buffer in self._kept_buffers.items():
+                    self.model.get_buffer(name).copy_(buffer)
+            # Tied embeddings legitimately lack lm_head.weight; anything else is a sync bug.
+            missing = [name for name in missing if name != "lm_head.weight"]
+            if missing or unexpected:
+                raise RuntimeError(
+                    f"weight update did not match the rollout model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+                )
+            self.version = version
+            self.weights_loaded = True
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._running) + len(self._waiting)
+
+    # ------------------------------------------------------------------ scheduling loop
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        while True:
+            if not self._running and not self._waiting:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            admitted = self._admit()
+            started = time.perf_counter()
+            try:
+                finished = await asyncio.to_thread(self._step, admitted)
+            except Exception as error:  # fail the requests, keep the engine alive
+                logger.exception("generation step failed")
+                for request in [*self._running]:
+                    if not request.future.done():
+                        request.future.set_exception(error)
+                self._running.clear()
+                continue
+            finally:
+                self.busy_seconds += time.perf_counter() - started
+            for request, reason in finished:
+                self._running.remove(request)
+                self._finish(request, reason)
+
+    def _admit(self) -> list[_Request]:
+        room = self.max_batch_size - len(self._running)
+        admitted, self._waiting = self._waiting[:room], self._waiting[room:]
+        self._running.extend(admitted)
+        return admitted
+
+    def _finish(self, request: _Request, reason: str) -> None:
+        request.cache = None
+        if not request.future.done():
+            request.future.set_result(GenerationResult(request.token_ids, request.logprobs, request.versions, reason))
+
+    # ------------------------------------------------------------------ model work (worker thread)
+
+    @torch.no_grad()
+    def _step(self, admitted: list[_Request]) -> list[tuple[_Request, str]]:
+        """Prefill the admitted requests, decode one token for the others; return finished ones."""
+        finished: dict[_Request, str] = {}
+        with self._model_lock:
+            version = self.version
+            sampling: list[_Request] = []
+            rows: list[torch.Tensor] = []
+            for request in admitted:
+                if request.aborted:
+                    finished[request] = STOP_ABORTED
+                else:
+                    sampling.append(request)
+                    rows.append(self._prefill(request)[None])
+            fresh = set(admitted)
+            decoding = [r for r in self._running if r not in fresh and not r.aborted]
+            if decoding:
+                sampling.extend(decoding)
+                rows.append(self._decode(decoding))
+            if sampling:
+                drawn = sample_tokens(
+                    torch.cat(rows),
+                    [r.temperature for r in sampling],
+                    [r.top_p for r in sampling],
+                    [r.top_k for r in sampling],
+                    [r.generator for r in sampling],
+                )
+                for request, (token, logprob) in zip(sampling, drawn, strict=True):
+                    if self._append_token(request, token, logprob, version):
+                        finished[request] = STOP_COMPLETED
+            for request in self._running:
+                if request.aborted and request not in finished:
+                    finished[request] = STOP_ABORTED
+        return list(finished.items())
+
+    def _prefill(self, request: _Request) -> torch.Tensor:
+        ids = torch.tensor([request.prompt_ids], dtype=torch.long)
+        # Only the last position's logits are sampled from: the vocabulary projection of the others would be
+        # most of a prefill's work on a small model (what vLLM also skips).
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        request.cache = _split_cache(out.past_key_values, 0)
+        return out.logits[0, -1]
+
+    def _decode(self, batch: list[_Request]) -> torch.Tensor:
+        """One decode step for ``batch``: left-pad the caches, run the model, keep the new column."""
+        from transformers import DynamicCache
+
+        longest = max(r.cache_length for r in batch)
+        num_layers = len(batch[0].cache or [])
+        cache = DynamicCache()
+        for layer in range(num_layers):
+            keys = torch.stack([_left_pad(r.cache[layer][0], longest) for r in batch])  # type: ignore[index]
+            values = torch.stack([_left_pad(r.cache[layer][1], longest) for r in batch])  # type: ignore[index]
+            cache.update(keys, values, layer)
+        mask = torch.zeros(len(batch), longest + 1, dtype=torch.long)
+        for row, request in enumerate(batch):
+            mask[row, longest - request.cache_length :] = 1
+        input_ids = torch.tensor([[r.token_ids[-1]] for r in batch], dtype=torch.long)
+        positions = torch.tensor([[r.cache_length] for r in batch], dtype=torch.long)
+        out = self.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+        )
+        for row, request in enumerate(batch):
+            new = _split_cache(out.past_key_values, row, last_only=True)
+            request.cache = [
+                (torch.cat([k, nk], dim=1), torch.cat([v, nv], dim=1))
+                for (k, v), (nk, nv) in zip(request.cache, new, strict=True)  # type: ignore[arg-type]
+            ]
+        return out.logits[:, -1]
+
+    def _append_token(self, request: _Request, token: int, logprob: float, version: int) -> bool:
+        """Add one sampled token to ``request``; return True when the request is complete."""
+        request.token_ids.append(token)
+        request.logprobs.append(logprob)
+        request.versions.append(version)
+        self.generated_tokens += 1
+        ended = token in self.eos_token_ids and not request.ignore_eos
+        return ended or len(request.token_ids) >= request.max_tokens
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperatures: list[float],
+    top_ps: list[float],
+    top_ks: list[int],
+    generators: list[torch.Generator],
+) -> list[tuple[int, float]]:
+    """Sample one token per row of ``logits`` (rows, vocabulary); return each token and its log-prob under
+    ``softmax(logits / T)``.
+
+    The log-prob ignores top-p/top-k truncation, matching what verl's trainer recomputes
+    (``log_softmax(logits / temperature)``). ``temperature <= 0`` means greedy (T = 1 log-probs).
+    Each row draws its Gumbel noise from its own generator and takes ``argmax(log p + noise)`` (the
+    Gumbel-max trick): the draw depends on the row alone, not on the batch it shares, and a float-level
+    change in the logits flips a draw only at a near-tie of two perturbed scores, so runs whose weights
+    differ by rounding (η = 0 against synchronous verl) keep the same samples. ``torch.multinomial``
+    drew the same way but one row at a time, most of a decode step's time on a small model.
+    """
+    greedy = torch.tensor([t <= 0 for t in temperatures])
+    scale = torch.tensor([1.0 if t <= 0 else t for t in temperatures])
+    logprobs = torch.log_softmax(logits.float() / scale[:, None], dim=-1)
+    tokens = torch.zeros(len(temperatures), dtype=torch.long)
+    if greedy.any():
+        tokens[greedy] = torch.argmax(logprobs[greedy], dim=-1)
+    sampled = [row for row in range(len(temperatures)) if not greedy[row]]
+    if sampled:
+        scores = logprobs[sampled]
+        for i, row in enumerate(sampled):
+            if (0 < top_ks[row] < scores.shape[1]) or top_ps[row] < 1.0:
+                scores[i] = torch.log(_truncate(scores[i].exp(), top_ps[row], top_ks[row]))
+        uniform = torch.stack([torch.rand(scores.shape[1], generator=generators[row]) for row in sampled])
+        tokens[sampled] = torch.argmax(scores - torch.log(-torch.log(uniform)), dim=-1)
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
+    return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
+
+
+def _truncate(probs: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """``probs`` with everything outside the top-k, then outside the top-p nucleus, set to zero."""
+    if top_k is not None and 0 < top_k < probs.numel():
+        kth = torch.topk(probs, top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p * sorted_probs.sum()
+        filtered = torch.zeros_like(probs)
+        filtered[order[keep]] = sorted_probs[keep]
+        probs = filtered
+    return probs
+
+
+def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    missing = length - tensor.shape[1]
+    if missing == 0:
+        return tensor
+    pad = tensor.new_zeros(tensor.shape[0], missing, tensor.shape[2])
+    return torch.cat([pad, tensor], dim=1)
+
+
+def _split_cache(cache: Any, row: int, last_only: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer ``(keys, values)`` of one batch row, each ``(kv_heads, length, head_dim)``."""
+    layers = []
+    for layer in cache.layers:
+        keys, values = layer.keys[row], layer.values[row]
+        if last_only:
+            keys, values = keys[:, -1:], values[:, -1:]
+        layers.append((keys.clone(), values.clone()))
+    return layers

@@ -1,0 +1,185 @@
+"""The ``areal_cpu`` rollout server: :class:`ContinuousBatchingEngine` behind verl's server contract.
+
+Sleep releases what a GPU engine releases: the KV caches (held only by in-flight requests, which
+must be aborted first) and the weights' storage; the next weight update allocates and fills them
+again. Checksums of the served weights answer every update (the sync handshake).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from typing import Any
+
+import torch
+
+from areal_plugins.rollout.base import (
+    Generated,
+    RolloutServer,
+    WeightSyncError,
+    record_replica_event,
+    record_weight_sync,
+)
+from areal_plugins.rollout.cpu.engine import ContinuousBatchingEngine
+
+logger = logging.getLogger(__name__)
+
+
+def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
+    """A short digest of a state dict, independent of key order (for the sync handshake)."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        digest.update(name.encode())
+        digest.update(state_dict[name].detach().to(torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+class CPURolloutServer(RolloutServer):
+    """One rollout server: a model copy on CPU serving token-in/token-out generation.
+
+    Args:
+        model_path: Hugging Face model directory.
+        response_length: default ``max_tokens`` (verl's ``rollout.response_length``).
+        max_model_len: prompt + response limit.
+        max_batch_size: most sequences decoded together (verl's ``rollout.max_num_seqs``).
+        num_threads: torch intra-op threads of this process.
+        seed: sampling seed.
+        replica_rank: this replica's index (names its records).
+        free_cache_engine: verl's ``rollout.free_cache_engine``: whether sleep releases memory.
+    """
+
+    backend_name = "areal_cpu"
+    releases_memory_on_sleep = True
+
+    def __init__(
+        self,
+        model_path: str,
+        response_length: int,
+        max_model_len: int,
+        max_batch_size: int = 64,
+        num_threads: int = 1,
+        seed: int = 0,
+        replica_rank: int = 0,
+        free_cache_engine: bool = False,
+        ignore_eos: bool = False,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(max(1, num_threads))
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+        eos = model.generation_config.eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+            eos_ids.append(tokenizer.eos_token_id)
+        self.engine = ContinuousBatchingEngine(model.eval(), eos_ids, max_batch_size=max_batch_size, seed=seed)
+        self.response_length = response_length
+        self.max_model_len = max_model_len
+        self._init_gate(free_cache_engine)
+        self.global_steps = 0
+        self.replica_rank = replica_rank
+        self.ignore_eos = ignore_eos
+        record_weight_sync(replica_rank, self.engine.version, weights_checksum(model.state_dict()), "load")
+
+    # ------------------------------------------------------------------ generation
+
+    async def _generate(self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any], request_id: str):
+        result = await self.engine.generate(
+            prompt_ids,
+            max_tokens=max_tokens,
+            temperature=float(params.get("temperature", 1.0)),
+            top_p=float(params.get("top_p", 1.0)),
+            top_k=int(params.get("top_k", -1)),
+            ignore_eos=bool(params.get("ignore_eos", False)),
+            request_id=request_id,
+        )
+        return Generated(result.token_ids, result.logprobs, result.versions, result.stop_reason)
+
+    @property
+    def served_version(self) -> int:
+        return self.engine.version
+
+    # ------------------------------------------------------------------ interruption
+
+    async def _abort_in_flight(self) -> list[str]:
+        request_ids = self.engine.abort_all()
+        await self.engine.wait_idle()
+        return request_ids
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
+        aborted = self.engine.abort(request_id)
+        return {"aborted": aborted, "request_id": request_id} | ({} if aborted else {"error": "not in flight"})
+
+    async def _resume_engine(self) -> None:
+        if not self.engine.has_weights:
+            raise WeightSyncError(
+                f"replica {self.replica_rank} was asked to resume generation while asleep with no weights loaded "
+                "since: the weight update must come before resume_generation"
+            )
+
+    async def wait_for_requests_to_drain(self) -> None:
+        await self.engine.wait_idle()
+
+    # ------------------------------------------------------------------ memory
+
+    async def _release_memory(self, weights: bool = True) -> None:
+        in_flight = self.engine.num_in_flight
+        if in_flight:
+            raise RuntimeError(
+                f"replica {self.replica_rank}: sleep or KV-cache release with {in_flight} requests in flight; "
+                "verl aborts them first (abort_all_requests)"
+            )
+        # Idle: no request holds a KV cache; the weights' storage goes too unless only the cache was asked.
+        # A request arriving before the next update fails with that reason (the engine checks).
+        if weights:
+            await asyncio.to_thread(self.engine.release_weights)
+
+    async def _restore_memory(self, tags: set[str]) -> None:
+        # KV caches are allocated per request; weights' storage comes back with the next update_weights,
+        # which fills it (a GPU engine's wake-up allocates it, then the update writes it).
+        return None
+
+    def _memory(self) -> dict[str, int]:
+        return {"weight_bytes": self.engine.weight_bytes(), "kv_cache_bytes": self.engine.kv_cache_bytes()}
+
+    async def clear_kv_cache(self) -> None:
+        """Nothing to drop: the engine keeps no prefix cache, each request's KV cache ends with the request."""
+
+    # ------------------------------------------------------------------ weights
+
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
+        """Load new weights between decode steps; return the version and weights checksum now served."""
+        await asyncio.to_thread(self.engine.load_state_dict, state_dict, version)
+        self.global_steps = version
+        served = self.engine.model.state_dict()
+        checksum = weights_checksum({k: served[k] for k in state_dict})
+        record_weight_sync(self.replica_rank, version, checksum, "update")
+        record_replica_event(self.replica_rank, "update", version=version, **self._memory())
+        return {"version": self.engine.version, "checksum": checksum}
+
+    @staticmethod
+    def verify_weights(reply: dict[str, Any], state_dict: dict[str, torch.Tensor], version: int, where: str) -> None:
+        expected = weights_checksum(state_dict)
+        if reply["version"] != version or reply["checksum"] != expected:
+            raise WeightSyncError(
+                f"weight sync to {where} failed: the server reports version {reply['version']} checksum "
+                f"{reply['checksum']}, the trainer sent version {version} checksum {expected}. The rollout would "
+                "keep sampling stale weights; stopping."
+            )
+
+    async def get_version(self) -> int:
+        return self.engine.version
+
+    async def get_weights_checksum(self) -> str:
+        return weights_checksum(self.engine.model.state_dict())
+
+    async def get_stats(self) -> dict[str, Any]:
+        return {
+            "generated_tokens": self.engine.generated_tokens,
+            "in_flight": self.engine.num_in_flight,
+            "busy_s": self.engine.busy_seconds,
+            "version": self.engine.version,
+            "weight_bytes": self.engine.weight_bytes(),
+            "kv_cache_bytes": self.engine.kv_cache_bytes(),
+        }

@@ -1,0 +1,235 @@
+"""Register our rollout backends with verl's two rollout registries, one generic class per side.
+
+verl 0.9.1 resolves a rollout backend by ``actor_rollout_ref.rollout.name`` in two places:
+``RolloutReplicaRegistry`` (the driver-side replica that launches server actors) and
+``verl.workers.rollout.base._ROLLOUT_REGISTRY`` (the trainer-side adapter that pushes weights to
+the servers). Both are registries meant for extension. One replica class and one adapter class
+serve every backend of :data:`BACKENDS`: each reads the backend from its rollout config's ``name``
+and asks the server class what it needs to know (capabilities, how to verify a weight sync).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from areal_plugins.rollout.base import RolloutServer
+
+logger = logging.getLogger(__name__)
+
+#: ``actor_rollout_ref.rollout.name`` -> ``module:Class`` of its server (imported on first use).
+BACKENDS = {
+    "areal_cpu": "areal_plugins.rollout.cpu.server:CPURolloutServer",
+    "areal_vllm": "areal_plugins.rollout.vllm.server:VLLMRolloutServer",
+}
+ADAPTER_FQN = f"{__name__}.ArealServerAdapter"
+#: CPU share Ray reserves for each server actor: fractional so that it never starves verl's own
+#: actors on a 2-core machine; torch threads are set separately (``engine_kwargs.<backend>.num_threads``).
+SERVER_NUM_CPUS = 0.1
+ENGINE_OPTIONS = ("num_threads", "max_batch_size")
+
+
+def server_class(backend: str) -> type[RolloutServer]:
+    """The server class of ``backend`` (one of :data:`BACKENDS`)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown areal rollout backend {backend!r}; ours: {', '.join(BACKENDS)}")
+    module, _, name = BACKENDS[backend].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def server_actor_name(backend: str, replica_rank: int, name_suffix: str = "") -> str:
+    return f"{backend}_server_{replica_rank}{name_suffix}"
+
+
+def engine_options(rollout_config: Any) -> dict[str, Any]:
+    """Our knobs inside ``rollout.engine_kwargs.<backend>`` (num_threads, max_batch_size)."""
+    backend = rollout_config.name
+    kwargs = getattr(rollout_config, "engine_kwargs", None) or {}
+    options = dict(kwargs.get(backend, {}) or {})
+    unknown = set(options) - set(ENGINE_OPTIONS)
+    if unknown:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.engine_kwargs.{backend} has unknown keys {sorted(unknown)}; "
+            f"valid keys: {', '.join(ENGINE_OPTIONS)}"
+        )
+    return options
+
+
+def check_capabilities(rollout_config: Any) -> None:
+    """Refuse, before any server starts, a setting the backend cannot honour."""
+    cls = server_class(rollout_config.name)
+    if rollout_config.free_cache_engine and not cls.releases_memory_on_sleep:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.free_cache_engine=true asks the {rollout_config.name} servers to release "
+            "their memory on sleep, which this backend cannot do (vLLM has no sleep mode on CPU): set "
+            "actor_rollout_ref.rollout.free_cache_engine=false"
+        )
+
+
+def _node_id(_actor: Any) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def _cuda_devices(_actor: Any) -> list[str]:
+    """The GPUs Ray assigned this worker, as physical ids (none without a GPU, fake slots included).
+
+    Ray's assignment, not the worker's CUDA_VISIBLE_DEVICES, which verl may leave unset (all devices)."""
+    if not torch.cuda.is_available():
+        return []
+    return [str(i) for i in ray.get_gpu_ids()]
+
+
+def gpu_settings(rollout_config: Any, devices: list[str], hybrid: bool) -> dict[str, Any] | None:
+    """The ``gpu`` argument of a server that uses its replica's reserved GPUs; None without GPUs.
+
+    Raises:
+        ValueError: engines sharing the trainer's GPUs (hybrid) that cannot release their memory.
+    """
+    if not devices:
+        return None
+    cls = server_class(rollout_config.name)
+    if hybrid and not cls.releases_memory_on_sleep:
+        raise ValueError(
+            f"the {rollout_config.name} servers would keep gpu_memory_utilization="
+            f"{rollout_config.gpu_memory_utilization} of the trainer's GPUs while it trains (no sleep mode through "
+            "this backend): set areal.placement=separate to give them GPUs of their own"
+        )
+    return {
+        "devices": ",".join(sorted(set(devices), key=lambda d: (len(d), d))),
+        "gpu_memory_utilization": float(rollout_config.gpu_memory_utilization),
+        "tensor_parallel_size": int(rollout_config.tensor_model_parallel_size),
+        "dtype": str(rollout_config.dtype),
+    }
+
+
+def _replica_class() -> type:
+    from verl.workers.rollout.replica import RolloutMode, RolloutReplica
+
+    class ArealRolloutReplica(RolloutReplica):
+        """A replica of one server actor of the backend ``config.name`` (no accelerator needed)."""
+
+        def rollout_worker_use_gpu(self) -> bool:
+            return False
+
+        async def launch_servers(self) -> None:
+            backend = str(self.config.name)
+            check_capabilities(self.config)
+            options = engine_options(self.config)
+            model_path = getattr(self.model_config, "local_path", None) or self.model_config.path
+            name = server_actor_name(backend, self.replica_rank, self.name_suffix)
+            cls = server_class(backend)
+            server_cls: Any = ray.remote(cls)
+            placement: dict[str, Any] = {}
+            extra: dict[str, Any] = {}
+            if self.workers:  # on the node of this replica's workers (its devices), as verl's vLLM replica does
+                node = str(ray.get(self.workers[0].__ray_call__.remote(_node_id)))
+                placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+                if cls.uses_reserved_gpus:
+                    devices = ray.get([w.__ray_call__.remote(_cuda_devices) for w in self.workers])
+                    hybrid = self.rollout_mode == RolloutMode.HYBRID
+                    gpu = gpu_settings(self.config, [d for ds in devices for d in ds], hybrid)
+                    if gpu is not None:
+                        extra["gpu"] = gpu
+            server: Any = server_cls.options(
+                name=name, num_cpus=SERVER_NUM_CPUS, max_concurrency=self.max_concurrency, **placement
+            ).remote(
+                model_path=model_path,
+                response_length=self.config.response_length,
+                max_model_len=self.config.max_model_len or (self.config.prompt_length + self.config.response_length),
+                max_batch_size=int(options.get("max_batch_size", self.config.max_num_seqs)),
+                num_threads=int(options.get("num_threads", 2)),
+                seed=self.config.seed + self.replica_rank,
+                replica_rank=self.replica_rank,
+                free_cache_engine=bool(self.config.free_cache_engine),
+                ignore_eos=bool(self.config.get("ignore_eos", False)),
+                **extra,
+            )
+            await server.get_version.remote()  # surfaces constructor errors here, not at first use
+            self.servers = [server]
+            self._server_handle = server
+            self._server_address = name
+
+    return ArealRolloutReplica
+
+
+def _adapter_class() -> type:
+    from verl.workers.rollout.base import BaseRollout
+
+    class ArealServerAdapter(BaseRollout):
+        """Trainer-side end of the weight sync: gathers full tensors, ships them, verifies the reply.
+
+        ``resume``/``release`` are verl's wake-up and sleep calls of a colocated engine; they reach
+        the server, which acts on them when ``free_cache_engine`` is true (as verl's vLLM adapter does).
+        """
+
+        def __init__(self, config: Any, model_config: Any, device_mesh: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(config, model_config, device_mesh)
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            rollout_world = (
+                self.config.tensor_model_parallel_size
+                * self.config.data_parallel_size
+                * self.config.pipeline_model_parallel_size
+            )
+            replica_rank = kwargs.get("replica_rank", -1)
+            self.replica_rank = rank // rollout_world if replica_rank == -1 else replica_rank
+            self.is_leader_rank = rank % rollout_world == 0
+            self.server_cls = server_class(self.config.name)
+            self._server: Any = None
+
+        def _server_handle(self) -> Any:
+            if self._server is None:
+                self._server = ray.get_actor(server_actor_name(self.config.name, self.replica_rank))
+            return self._server
+
+        async def resume(self, tags: list[str]) -> None:
+            if self.is_leader_rank:
+                await self._server_handle().wake_up.remote(tags=tags)
+
+        async def release(self) -> None:
+            if self.is_leader_rank:
+                await self._server_handle().sleep.remote()
+
+        async def update_weights(self, weights: Any, wire_format: str = "named_tensors", **kwargs: Any) -> None:
+            if wire_format != "named_tensors":
+                raise ValueError(f"the {self.config.name} backend takes full named tensors, not {wire_format!r}")
+            # Every rank must drain the generator: producing full tensors is a collective. Checkpoint
+            # engines hand weights over as a generator, some (verl's nccl) as an async one.
+            if hasattr(weights, "__aiter__"):
+                state = {name: tensor.detach().to("cpu", copy=True) async for name, tensor in weights}
+            else:
+                state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
+            if not self.is_leader_rank:
+                return
+            version = int(kwargs.get("global_steps") or 0)
+            reply = await self._server_handle().update_weights.remote(state, version)
+            self.server_cls.verify_weights(reply, state, version, f"rollout replica {self.replica_rank}")
+
+    return ArealServerAdapter
+
+
+def __getattr__(name: str) -> Any:
+    # verl imports the adapter by its fully qualified name; build the classes on first use so that
+    # importing this module does not import verl's worker stack.
+    makers = {"ArealServerAdapter": _adapter_class, "ArealRolloutReplica": _replica_class}
+    if name in globals():  # built already (the registry's loader calls this function directly)
+        return globals()[name]
+    if name in makers:
+        cls = makers[name]()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
+
+
+def register_rollout_backends() -> None:
+    """Add every backend of :data:`BACKENDS` to both verl rollout registries (idempotent)."""
+    from verl.workers.rollout import base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    for backend in BACKENDS:
+        base._ROLLOUT_REGISTRY[(backend, "async")] = ADAPTER_FQN
+        RolloutReplicaRegistry.register(backend, lambda: __getattr__("ArealRolloutReplica"))

@@ -1,0 +1,120 @@
+"""Stopping a run the CLI started: Ctrl-C and SIGTERM stop it within seconds and leave no process behind.
+
+verl's ``main_ppo`` runs in a process group of its own. The first SIGINT or SIGTERM the CLI receives
+sends SIGTERM to that group and, if it is still there after :data:`GRACE_S`, SIGKILL; a second one
+sends SIGKILL at once. Whatever the run started and left behind (Ray's daemons and workers, engine
+servers) carries the run directory in its environment (``AREAL_RUN_DIR``, inherited from verl's
+driver) and is killed after the driver is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+#: Seconds verl gets to stop after SIGTERM before its process group is killed.
+GRACE_S = 20.0
+#: The file in the run directory that asks the trainer to stop between two steps (with a checkpoint).
+STOP_REQUEST_FILE = "areal_stop_requested"
+#: How long the first Ctrl-C waits for that checkpointed stop before it sends SIGTERM.
+STOP_WAIT_S = 120.0
+
+
+def new_group_dying_with_parent() -> None:
+    """``preexec_fn`` of a child the caller owns: a process group of its own, and SIGTERM when the caller dies.
+
+    Runs in the child between fork and exec. The own group lets the caller signal the child and
+    everything it starts at once; the parent-death signal stops the child even when the caller is
+    SIGKILLed and never gets to stop it.
+    """
+    import ctypes
+
+    os.setsid()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class RunStopper:
+    """Signal handling of the CLI while ``process`` (verl, group leader of its own group) runs."""
+
+    def __init__(
+        self,
+        process: subprocess.Popen,
+        grace_s: float = GRACE_S,
+        stop_request: Path | None = None,
+        stop_wait_s: float = STOP_WAIT_S,
+    ) -> None:
+        self.process = process
+        self.grace_s = grace_s
+        self.stop_request = stop_request
+        self.stop_wait_s = stop_wait_s
+        self.signal_received: int | None = None
+        self._count = 0
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._count += 1
+        self.signal_received = self.signal_received or signum
+        if self._count == 1 and self.stop_request is not None:
+            logger.warning(
+                "%s: stopping after the current step with a checkpoint (SIGTERM to verl in %.0f s if it has not "
+                "stopped; Ctrl-C again to kill at once)",
+                signal.Signals(signum).name,
+                self.stop_wait_s,
+            )
+            self.stop_request.write_text(f"{signal.Signals(signum).name}\n")
+            self._later(self.stop_wait_s, self._terminate)
+        elif self._count == 1:
+            logger.warning(
+                "%s: stopping the run (SIGTERM to verl; SIGKILL in %.0f s; Ctrl-C again to kill at once)",
+                signal.Signals(signum).name,
+                self.grace_s,
+            )
+            self._terminate()
+        else:
+            logger.warning("%s again: killing the run now", signal.Signals(signum).name)
+            self._kill_group(signal.SIGKILL)
+
+    def _terminate(self) -> None:
+        self._kill_group(signal.SIGTERM)
+        self._later(self.grace_s, self._kill_group, signal.SIGKILL)
+
+    @staticmethod
+    def _later(delay_s: float, action, *args: object) -> None:  # type: ignore[no-untyped-def]
+        timer = threading.Timer(delay_s, action, args=args)
+        timer.daemon = True  # never keeps the CLI alive after verl is gone
+        timer.start()
+
+    def _kill_group(self, signum: int) -> None:
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def kill_run_leftovers(run_dir: Path) -> int:
+    """SIGKILL every process (but this one) whose environment names ``run_dir``; how many there were."""
+    import psutil
+
+    marker = str(run_dir)
+    killed = 0
+    for process in psutil.process_iter(["pid"]):
+        if process.pid == os.getpid():
+            continue
+        try:
+            if process.environ().get("AREAL_RUN_DIR") == marker:
+                process.kill()
+                killed += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return killed

@@ -1,0 +1,31 @@
+"""verl trainer modes, registered through verl's ``register_trainer`` seam.
+
+- ``areal_async`` (:mod:`.async_trainer`): verl's V1 PPO trainer run the AReaL way — continuous
+  admission bounded by the staleness η (:mod:`.admission`), interruptible generation
+  (:mod:`.llm_client`), per-token versions, the oldest samples first (docs/design.md).
+- ``areal_sync`` (:mod:`.hooked`): verl's synchronous trainer plus our lifecycle hooks.
+
+``areal.enable: true`` routes ``trainer.v1.trainer_mode`` to one of them (:mod:`areal_plugins.config.routing`).
+The decoupled objective is registered as verl policy losses (:mod:`.policy_loss`); :mod:`.baseline_sampler`
+is the fair synchronous baseline of the benchmarks.
+"""
+
+from __future__ import annotations
+
+ASYNC_MODE = "areal_async"
+SYNC_MODE = "areal_sync"
+
+
+def register_trainers() -> None:
+    """Register ``areal_async`` and ``areal_sync`` with verl (idempotent)."""
+    from verl.trainer.ppo.v1 import get_trainer_cls, register_trainer
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    from areal_plugins.trainers.async_trainer import ArealAsyncTrainer
+    from areal_plugins.trainers.hooked import HookedTrainerMixin
+
+    if SYNC_MODE not in TRAINER_REGISTRY:
+        base = get_trainer_cls("sync")
+        register_trainer(SYNC_MODE)(type(f"Areal{base.__name__}", (HookedTrainerMixin, base), {}))
+    if ASYNC_MODE not in TRAINER_REGISTRY:
+        register_trainer(ASYNC_MODE)(ArealAsyncTrainer)

@@ -1,0 +1,343 @@
+"""Staleness-bounded admission of rollouts, running beside verl's trainer loop (docs/design.md, Admission).
+
+A thread in verl's driver process. Every ``poll_interval`` seconds it reads the rollout state in
+verl's TransferQueue, turns every newly finished group into :class:`Trajectory` objects, asks the
+``areal_accept_trajectory`` hook about each, moves kept groups into the :class:`SampleBuffer`,
+frees the slots of rejected ones, re-issues failed ones (their prompt is work still owed, not a
+rejection: a checkpoint taken meanwhile keeps it), and submits as many new prompts as
+``StalenessController.capacity(version)`` allows. It never blocks the trainer: the trainer only
+waits on the buffer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from areal_plugins.core.buffer import BufferedGroup, SampleBuffer
+from areal_plugins.core.staleness import StalenessController
+from areal_plugins.core.trajectory import Trajectory
+
+logger = logging.getLogger(__name__)
+
+PARTITION = "train"
+#: Trajectory fields read from TransferQueue to build the objects the accept hook sees.
+TRAJECTORY_FIELDS = ["prompts", "responses", "response_mask", "rollout_log_probs", "rm_scores", "extra_fields"]
+
+
+class MissingRolloutFieldError(RuntimeError):
+    """A finished rollout lacks a field asynchronous training cannot do without."""
+
+
+class RolloutsFailingError(RuntimeError):
+    """Every recent rollout group failed: the engines or agent-loop workers are broken, not one request."""
+
+
+class AdmissionLoop:
+    """Keeps the rollout engines fed within the staleness bound, and the buffer filled.
+
+    Args:
+        controller: the admission counters (units: prompt groups).
+        buffer: where accepted groups wait for the trainer.
+        submit: submits ``n`` new prompts for generation (verl's ``_add_prompts_to_generate``).
+        accept: False drops a finished trajectory (the ``areal_accept_trajectory`` hooks).
+        poll_interval: seconds between looks at TransferQueue.
+        store: TransferQueue's module (``kv_list``, ``kv_batch_get``, ``kv_clear``).
+        failure_limit: this many failed groups in a row, none finished since, stop the loop with
+            :class:`RolloutsFailingError` (resubmitting into a dead engine would spin forever).
+        reissue: sends failed prompt groups (by uid) for generation again; None settles a failed group
+            as rejected at once (its prompt is then lost to the run).
+        attempts_per_group: a group that failed this many times is rejected for good (a prompt that
+            always breaks the agent loop must not hold its slot forever).
+    """
+
+    def __init__(
+        self,
+        controller: StalenessController,
+        buffer: SampleBuffer,
+        submit: Callable[[int], int],
+        accept: Callable[[Trajectory], bool],
+        poll_interval: float,
+        store: Any,
+        failure_limit: int = 32,
+        reissue: Callable[[list[str]], None] | None = None,
+        attempts_per_group: int = 3,
+    ) -> None:
+        self.controller = controller
+        self.buffer = buffer
+        self.submit = submit
+        self.accept = accept
+        self.poll_interval = poll_interval
+        self.store = store
+        self.version = 0
+        self.rejected_trajectories = 0
+        self.failed_groups = 0
+        self.reissued_groups = 0
+        self.reissued_stale_groups = 0
+        self.failure_limit = failure_limit
+        self.reissue = reissue
+        self.attempts_per_group = attempts_per_group
+        self._failed_attempts: dict[str, int] = {}
+        self._failures_in_a_row = 0
+        self._handled: set[str] = set()
+        self._admitting = threading.Event()
+        self._admitting.set()
+        self._polling = threading.Event()  # cleared while the engines sleep: nothing can finish then
+        self._polling.set()
+        self._stop = threading.Event()
+        self._poll_lock = threading.Lock()  # held for one poll: quiesce() waits for it
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.last_progress = time.monotonic()
+
+    # ------------------------------------------------------------------ control (trainer thread)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="areal-admission", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def pause(self) -> None:
+        """Stop submitting (a weight update is under way); finished groups are still collected."""
+        self._admitting.clear()
+
+    def resume(self, version: int) -> None:
+        self.version = version
+        self._admitting.set()
+        self._polling.set()
+
+    def suspend_polling(self) -> None:
+        """Stop looking at TransferQueue until :meth:`resume` (colocated engines asleep while the trainer trains).
+
+        Each look lists the whole partition; on shared devices that work would be taken from training.
+        Groups that finish meanwhile are collected by the first poll after the resume.
+        """
+        self.pause()
+        self._polling.clear()
+
+    @contextmanager
+    def quiesce(self) -> Iterator[None]:
+        """Hold the loop between two polls: nothing is drawn, submitted or settled inside the block.
+
+        A checkpoint is taken inside it, so the dataloader position, TransferQueue and our counters
+        describe the same moment (a prompt drawn but not yet registered would be lost or doubled).
+        """
+        with self._poll_lock:
+            yield
+
+    def reissue_stale(self, groups: list[BufferedGroup]) -> None:
+        """Generate accepted groups again that are past η at consumption (``areal.on_stale: reissue``).
+
+        Their trajectories go; their prompts stay registered and are sent again, so they come back
+        generated under the current weights and are settled like any group.
+        """
+        if self.reissue is None:
+            raise RuntimeError("areal.on_stale=reissue needs a rollout manager given reissue_prompts")
+        with self._poll_lock:
+            keys = [key for group in groups for key in group.keys]
+            if keys:
+                self.store.kv_clear(keys=keys, partition_id=PARTITION)
+            uids = [group.group_id for group in groups]
+            self.controller.on_requeue_accepted(len(uids))
+            self.reissue(uids)
+            self._handled.difference_update(uids)
+            self.reissued_stale_groups += len(uids)
+
+    def check_alive(self) -> None:
+        """Raise the admission thread's error in the trainer thread, where verl reports it."""
+        if self.error is not None:
+            raise RuntimeError(f"the areal admission loop failed: {self.error!r}") from self.error
+
+    # ------------------------------------------------------------------ the loop (admission thread)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._polling.is_set():
+                    self._polling.wait(self.poll_interval)
+                    continue
+                self.poll_once()
+                self._stop.wait(self.poll_interval)
+        except BaseException as error:  # surfaced to the trainer by check_alive()
+            logger.exception("areal admission loop failed")
+            self.error = error
+
+    def poll_once(self) -> None:
+        with self._poll_lock:
+            self._poll_locked()
+
+    def _poll_locked(self) -> None:
+        listing = (self.store.kv_list(partition_id=PARTITION) or {}).get(PARTITION, {})
+        trajectory_keys: dict[str, list[str]] = {}
+        for key in listing:
+            if not listing[key].get("is_prompt", False):
+                trajectory_keys.setdefault(key.split("_")[0], []).append(key)
+        to_reissue: list[str] = []
+        for uid, tag in listing.items():
+            if not tag.get("is_prompt", False) or uid in self._handled:
+                continue
+            if tag.get("status") in ("finished", "failure"):
+                self._handled.add(uid)
+                keys = sorted(trajectory_keys.get(uid, []))
+                settled = self._settle(uid, tag["status"], keys, [listing[k] for k in keys])
+                if settled == "progress":
+                    self.last_progress = time.monotonic()  # a failed group is not progress
+                elif settled == "reissue":
+                    to_reissue.append(uid)
+        if to_reissue:
+            assert self.reissue is not None
+            self.reissue(to_reissue)
+            self.reissued_groups += len(to_reissue)
+            self._handled.difference_update(to_reissue)  # settled again when the new attempt ends
+        if self._admitting.is_set():
+            room = self.controller.capacity(self.version)
+            if room > 0:
+                self.controller.on_submit(room)
+                try:
+                    self.submit(room)
+                except BaseException:
+                    self.controller.on_reject(room)
+                    raise
+
+    def _settle(self, uid: str, status: str, keys: list[str], tags: list[dict[str, Any]]) -> str:
+        """Account for one finished group: "progress", or for a failed one "reissue" or "rejected"."""
+        if status == "failure" or not keys:
+            self.failed_groups += 1
+            self._failures_in_a_row += 1
+            attempts = self._failed_attempts[uid] = self._failed_attempts.get(uid, 0) + 1
+            if self._failures_in_a_row >= self.failure_limit:
+                raise RolloutsFailingError(
+                    f"{self._failures_in_a_row} rollout groups in a row failed and none finished since: the rollout "
+                    "engines or verl's agent-loop workers are failing (train.log has their error; a rollout server "
+                    "that died is the usual cause). Stopping instead of resubmitting; fix the cause and resume from "
+                    "the last checkpoint (trainer.resume_mode=auto)"
+                )
+            if self.reissue is not None and attempts < self.attempts_per_group:
+                # The prompt stays registered (a checkpoint keeps it); its partial members go, as verl's
+                # own re-issue on resume does.
+                logger.warning("rollout group %s failed (attempt %d); re-issuing its prompt", uid, attempts)
+                if keys:
+                    self.store.kv_clear(keys=keys, partition_id=PARTITION)
+                return "reissue"
+            logger.warning("rollout group %s failed %d time(s); its prompt is dropped, its slot freed", uid, attempts)
+            self.store.kv_clear(keys=[uid, *keys], partition_id=PARTITION)
+            self._failed_attempts.pop(uid, None)
+            self.controller.on_reject()
+            return "rejected"
+        self._failures_in_a_row = 0
+        self._failed_attempts.pop(uid, None)
+        data = self.store.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=TRAJECTORY_FIELDS)
+        kept_keys, kept_tags, dropped = [], [], []
+        info: list[dict[str, Any]] = []
+        for key, tag, trajectory in zip(keys, tags, group_trajectories(data, uid), strict=True):
+            if not self.accept(trajectory):
+                dropped.append(key)
+                continue
+            kept_keys.append(key)
+            kept_tags.append(tag)
+            info.append(
+                {
+                    "head_version": trajectory.head_version,
+                    "tail_version": max(trajectory.versions, default=trajectory.head_version),
+                    "num_interrupts": int(trajectory.extra.get("num_interrupts", 0)),
+                    "response_tokens": len(trajectory.response_ids),
+                    "reward": trajectory.reward,
+                    "reward_report": reward_report(trajectory.extra),
+                    **episode_report(trajectory.extra),
+                }
+            )
+        self.rejected_trajectories += len(dropped)
+        if dropped:
+            self.store.kv_clear(keys=dropped, partition_id=PARTITION)
+        if not kept_keys:
+            self.store.kv_clear(keys=[uid], partition_id=PARTITION)
+            self.controller.on_reject()
+            return "progress"
+        self.controller.on_accept()
+        heads = [item["head_version"] for item in info]
+        self.buffer.put(BufferedGroup(group_id=uid, head_versions=heads, keys=kept_keys, tags=kept_tags, info=info))
+        return "progress"
+
+
+def reward_report(extra: dict[str, Any]) -> dict[str, float]:
+    """The reward service's report on one trajectory (``areal_reward_*`` of verl's reward_extra_info)."""
+    info = extra.get("reward_extra_info") or {}
+    return {key: float(value) for key, value in dict(info).items() if key.startswith("areal_reward_")}
+
+
+#: An episode's counts (trainers/episodes.py) as our trajectory records name them.
+EPISODE_FIELDS = {
+    "areal_turns": "turns",
+    "areal_turn_tokens": "turn_tokens",
+    "areal_updates_between_turns": "updates_between_turns",
+    "areal_tool_calls": "tool_calls",
+    "areal_tool_failures": "tool_failures",
+    "areal_tool_seconds": "tool_seconds",
+}
+
+
+def episode_report(extra: dict[str, Any]) -> dict[str, Any]:
+    """The turn, tool and interrupt counts of the trajectory's episode (empty from a non-areal worker)."""
+    return {name: extra[key] for key, name in EPISODE_FIELDS.items() if key in extra}
+
+
+def tensor_rows(tensor: Any) -> list[list[Any]]:
+    """Each row of a batch tensor (TransferQueue hands out jagged nested tensors) as a Python list.
+
+    One conversion for the whole group: indexing a nested tensor row by row costs a dispatch per
+    row and field, which made up a quarter of the driver's CPU time in the admission loop.
+    """
+    if not getattr(tensor, "is_nested", False):
+        return [row if isinstance(row, list) else [row] for row in tensor.tolist()]
+    try:
+        values, offsets = tensor.values().tolist(), tensor.offsets().tolist()
+    except (AttributeError, RuntimeError):  # a strided nested tensor has no offsets
+        return [row.tolist() for row in tensor.unbind()]
+    return [values[start:end] for start, end in itertools.pairwise(offsets)]
+
+
+def group_trajectories(data: Any, uid: str) -> list[Trajectory]:
+    """The rows of one group's TransferQueue batch as the :class:`Trajectory` objects plugins see."""
+    if "rollout_log_probs" not in data.keys():
+        raise MissingRolloutFieldError(
+            f"rollout group {uid}: no behaviour log-probs (rollout_log_probs) reached the trainer; the decoupled "
+            "objective and the accept hook need them: remove the override "
+            "actor_rollout_ref.rollout.calculate_log_probs=false"
+        )
+    prompts, responses = tensor_rows(data["prompts"]), tensor_rows(data["responses"])
+    masks, behavs = tensor_rows(data["response_mask"]), tensor_rows(data["rollout_log_probs"])
+    scores = tensor_rows(data["rm_scores"]) if "rm_scores" in data.keys() else None
+    out = []
+    for row, (prompt, tokens, mask, logprobs) in enumerate(zip(prompts, responses, masks, behavs, strict=True)):
+        extra = data["extra_fields"][row]
+        extra = dict(getattr(extra, "data", extra) or {})
+        response = [token for token, keep in zip(tokens, mask, strict=True) if keep]
+        versions = list(extra.get("token_versions") or [])[: len(response)]
+        if len(versions) < len(response):
+            raise MissingRolloutFieldError(
+                f"rollout group {uid}: a trajectory of {len(response)} response tokens carries {len(versions)} "
+                "token versions; staleness needs the version of every token. The rollout client must be "
+                "areal_plugins' InterruptibleLLMClient (areal.enable: true selects it): check that the recipe does "
+                "not replace actor_rollout_ref.rollout.agent.agent_loop_manager_class or the LLM client"
+            )
+        out.append(
+            Trajectory(
+                prompt_ids=prompt,
+                response_ids=response,
+                behav_logprobs=[value for value, keep in zip(logprobs, mask, strict=True) if keep],
+                versions=versions,
+                reward=float(sum(scores[row])) if scores is not None else None,
+                group_id=uid,
+                extra=extra,
+            )
+        )
+    return out

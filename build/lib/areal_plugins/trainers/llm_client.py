@@ -1,0 +1,71 @@
+"""The rollout client of our async trainer: interrupted requests continue as prompt + partial output.
+
+verl's ``FullyAsyncLLMServerClient`` does the same resubmission but sleeps a fixed 1 s before each
+retry and keeps only the first and last version of a trajectory. Ours resubmits at once (the
+server parks the request behind its closed gate until generation resumes, so nothing spins) and
+keeps the generating version of every token, which is what staleness and the log-linear proximal
+approximation need (docs/design.md, Versions). Runs inside verl's agent-loop workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from verl.workers.rollout.llm_server import LLMServerClient
+
+from areal_plugins.trainers.episodes import CURRENT_EPISODE, version_fields
+
+ABORTED = ("aborted", "abort")
+
+
+class InterruptibleLLMClient(LLMServerClient):
+    """``LLMServerClient`` that resumes aborted requests and merges tokens, log-probs and versions.
+
+    The merged output's ``extra_fields`` hold ``token_versions`` (one per response token),
+    ``min_global_steps``/``max_global_steps`` (head and tail version, which verl copies into the
+    trajectory's TransferQueue tags) and ``num_interrupts``. Inside an agent-loop episode the turn
+    is also added to the episode's record, whose fields cover every turn (trainers/episodes.py).
+    """
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any):
+        from verl.workers.rollout.replica import TokenOutput
+
+        params = dict(sampling_params)  # the caller reuses its dict across turns
+        limit_key = "max_new_tokens" if "max_new_tokens" in params else "max_tokens"
+        budget = params.get(limit_key) or self.config.actor_rollout_ref.rollout.response_length
+        token_ids: list[int] = []
+        log_probs: list[float] = []
+        versions: list[int] = []
+        interrupts = 0
+        episode = CURRENT_EPISODE.get()
+        if episode is not None:
+            episode.enter_engine()
+        while True:
+            params[limit_key] = budget - len(token_ids)
+            output = await super().generate(
+                request_id, prompt_ids=list(prompt_ids) + token_ids, sampling_params=params, **kwargs
+            )
+            token_ids.extend(output.token_ids)
+            if output.log_probs is not None:
+                log_probs.extend(output.log_probs)
+            chunk_versions = output.extra_fields.get("token_versions")
+            if chunk_versions is None:  # a backend without per-token versions: stamp the served version
+                chunk_versions = [output.extra_fields.get("global_steps", 0)] * len(output.token_ids)
+            versions.extend(chunk_versions)
+            if output.stop_reason not in ABORTED or len(token_ids) >= budget:
+                break
+            interrupts += 1
+            if not output.token_ids:  # a server rejecting requests while paused: do not spin
+                await asyncio.sleep(0.01)
+        if episode is not None:
+            episode.add_turn(versions, interrupts)
+        extra = {**output.extra_fields, **version_fields(versions), "num_interrupts": interrupts}
+        stop_reason = "length" if output.stop_reason in ABORTED else output.stop_reason
+        return TokenOutput(
+            token_ids=token_ids,
+            log_probs=log_probs if output.log_probs is not None or log_probs else None,
+            stop_reason=stop_reason,
+            num_preempted=output.num_preempted,
+            extra_fields=extra,
+        )

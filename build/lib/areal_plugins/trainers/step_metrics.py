@@ -1,0 +1,84 @@
+"""Per-step metrics of the async trainer (namespaced ``areal/``), computed from consumed groups."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from areal_plugins.core.buffer import BufferedGroup
+
+
+def consumed_metrics(groups: list[BufferedGroup], trainer_version: int) -> dict[str, float]:
+    """Staleness and version statistics of the trajectories a step consumed.
+
+    Staleness of a trajectory is ``trainer_version - head_version`` (docs/design.md, Versions), where
+    ``trainer_version`` is the version of the weights this step starts from.
+    """
+    infos = [info for group in groups for info in group.info]
+    if not infos:
+        return {}
+    staleness = [trainer_version - info["head_version"] for info in infos]
+    metrics: dict[str, float] = {
+        "areal/staleness_mean": sum(staleness) / len(staleness),
+        "areal/staleness_max": float(max(staleness)),
+        "areal/head_version_min": float(min(info["head_version"] for info in infos)),
+        "areal/tail_version_max": float(max(info["tail_version"] for info in infos)),
+        "areal/trainer_version": float(trainer_version),
+        "areal/interrupted_fraction": sum(info["num_interrupts"] > 0 for info in infos) / len(infos),
+        "areal/multi_version_fraction": sum(info["tail_version"] > info["head_version"] for info in infos) / len(infos),
+        "areal/consumed_trajectories": float(len(infos)),
+        "areal/consumed_response_tokens": float(sum(info["response_tokens"] for info in infos)),
+    }
+    for value, count in sorted(Counter(staleness).items()):
+        metrics[f"areal/staleness_count/{value}"] = float(count)
+    metrics.update(reward_service_metrics([info.get("reward_report") or {} for info in infos]))
+    metrics.update(episode_metrics(infos))
+    return metrics
+
+
+def episode_metrics(infos: list[dict[str, Any]]) -> dict[str, float]:
+    """Turns, tool calls and where weight updates met the step's episodes (docs/multi_turn.md)."""
+    infos = [info for info in infos if "turns" in info]
+    if not infos:
+        return {}
+    calls = sum(info["tool_calls"] for info in infos)
+    return {
+        "areal/turns_mean": sum(info["turns"] for info in infos) / len(infos),
+        "areal/turns_max": float(max(info["turns"] for info in infos)),
+        "areal/tool_calls": float(calls),
+        "areal/tool_failures": float(sum(info["tool_failures"] for info in infos)),
+        "areal/tool_latency_s_mean": sum(info["tool_seconds"] for info in infos) / calls if calls else 0.0,
+        # A weight update met the episode inside a turn (the request was interrupted and resumed) ...
+        "areal/episodes_interrupted_within_turn": float(sum(info["num_interrupts"] > 0 for info in infos)),
+        # ... or between two turns (during a tool call, or while the next turn waited for the engine).
+        "areal/episodes_updated_between_turns": float(sum(info["updates_between_turns"] > 0 for info in infos)),
+    }
+
+
+def reward_service_metrics(reports: list[dict[str, float]]) -> dict[str, float]:
+    """Latency and failures of the reward service over the step's trajectories (empty without it)."""
+    reports = [report for report in reports if "areal_reward_latency_s" in report]
+    if not reports:
+        return {}
+    latencies = [report["areal_reward_latency_s"] for report in reports]
+    return {
+        "areal/reward_latency_s_mean": sum(latencies) / len(latencies),
+        "areal/reward_latency_s_max": max(latencies),
+        "areal/reward_failed": sum(report.get("areal_reward_failed", 0.0) for report in reports),
+        "areal/reward_timeouts": sum(report.get("areal_reward_timeouts", 0.0) for report in reports),
+        "areal/reward_crashes": sum(report.get("areal_reward_crashes", 0.0) for report in reports),
+    }
+
+
+def rollout_rates(before: dict[str, Any] | None, after: dict[str, Any] | None, wall_s: float) -> dict[str, float]:
+    """Engine-side rates between two ``get_stats`` snapshots summed over replicas."""
+    if not before or not after or wall_s <= 0:
+        return {}
+    replicas = max(1, int(after.get("replicas", 1)))
+    busy = after["busy_s"] - before["busy_s"]
+    tokens = after["generated_tokens"] - before["generated_tokens"]
+    return {
+        "areal/rollout_idle_ratio": max(0.0, 1.0 - busy / (wall_s * replicas)),
+        "areal/gen_tokens_per_s": tokens / wall_s,
+        "areal/engine_restarts": float(after.get("restarts", 0)),  # since the run started
+    }

@@ -1,0 +1,194 @@
+"""``areal_gloo``: verl checkpoint engine that broadcasts the trainer's weights to standalone rollout workers over gloo.
+
+verl moves weights from the trainer to a rollout pool of its own through a checkpoint engine
+registered in ``CheckpointEngineRegistry`` (``actor_rollout_ref.rollout.checkpoint_engine.backend``).
+Its engines (nccl, nixl, mooncake, ...) need GPUs; this one needs nothing but TCP, so the very same
+trainer code path — standalone rollout pool, ``CheckpointEngineManager.update_weights`` — runs on CPU
+machines and in CI. On GPUs name ``nccl`` instead: nothing else changes.
+
+Protocol, per update: the trainer's rank 0 (the only sender; the other trainer ranks walk the weight
+generator, which is collective over the trainer's ranks, and leave) packs tensors into buckets of
+``bucket_size`` bytes and broadcasts, for each bucket, a header (names, shapes, dtypes, offsets, and
+whether it is the last bucket) and then the bucket's bytes, on a gloo group of its own (a TCP store on
+rank 0's node, not the workers' default process group). Every rollout worker rebuilds the tensors and
+hands them to its server adapter, which loads them and checks the engine's checksum.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Generator, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "areal_gloo"
+#: Seconds a broadcast may wait for its peers before the update fails (a dead worker, a wrong address).
+TIMEOUT_S = 600.0
+
+
+def _pack(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, list[int], str, int, int]], torch.Tensor]:
+    """One bucket: ``(name, shape, dtype, offset, nbytes)`` per tensor and their bytes back to back."""
+    entries, parts, offset = [], [], 0
+    for name, tensor in tensors:
+        raw = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+        entries.append((name, list(tensor.shape), str(tensor.dtype).removeprefix("torch."), offset, raw.numel()))
+        parts.append(raw)
+        offset += raw.numel()
+    return entries, torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def _unpack(
+    entries: list[tuple[str, list[int], str, int, int]], payload: torch.Tensor
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, shape, dtype, offset, nbytes in entries:
+        raw = payload[offset : offset + nbytes].clone()
+        yield name, raw.view(getattr(torch, dtype)).view(shape)
+
+
+def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_size: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group ``weights`` into lists of at most ``bucket_size`` bytes (a larger tensor gets a bucket alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_size:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    yield bucket  # the last one, possibly empty: it carries is_last
+
+
+def _make_engine_class() -> type:
+    from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+
+    @CheckpointEngineRegistry.register(BACKEND_NAME)
+    class GlooCheckpointEngine(CheckpointEngine):
+        """Weights from the trainer's rank 0 to every standalone rollout worker, over a gloo group of its own.
+
+        Args:
+            bucket_size: bytes per broadcast (verl's ``update_weights_bucket_megabytes``).
+            is_master: True on the trainer's rank 0, which hosts the group's store.
+        """
+
+        def __init__(self, bucket_size: int, is_master: bool = False, **kwargs: Any) -> None:
+            self.bucket_size = int(bucket_size)
+            self.is_master = is_master
+            self.rank = -1
+            self.group: Any = None
+            self._store: Any = None
+
+        def prepare(self) -> dict[str, Any]:
+            if not self.is_master:
+                return {}
+            import ray
+            from verl.utils.net_utils import get_free_port
+
+            host = ray.util.get_node_ip_address().strip("[]")
+            port, sock = get_free_port(host)
+            if sock is not None:
+                sock.close()
+            return {"host": host, "port": port}
+
+        @classmethod
+        def build_topology(
+            cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
+        ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+            master = metadata[0]
+            if "host" not in master:
+                raise RuntimeError("areal_gloo: the trainer's rank 0 did not announce the group's address")
+            world_size = 1 + rollout_world_size  # one sender, every rollout worker
+            actor: dict[str, list[Any]] = {
+                "rank": [0] + [-1] * (actor_wg_world_size - 1),
+                "world_size": [world_size] * actor_wg_world_size,
+                "master": [master] * actor_wg_world_size,
+            }
+            rollout: dict[str, list[Any]] = {
+                "rank": list(range(1, world_size)),
+                "world_size": [world_size] * rollout_world_size,
+                "master": [master] * rollout_world_size,
+            }
+            return actor, rollout
+
+        def init_process_group(  # type: ignore[override]  # verl passes build_topology's keys as kwargs
+            self, rank: int, world_size: int, master: dict[str, Any]
+        ) -> None:
+            self.rank = rank
+            if rank < 0:
+                return
+            import torch.distributed as dist
+
+            timeout = timedelta(seconds=TIMEOUT_S)
+            self._store = dist.TCPStore(
+                master["host"], master["port"], world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True
+            )
+            self.group = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
+
+        def finalize(self) -> None:
+            self.group = None
+            self._store = None
+            self.rank = -1
+
+        def _broadcast(self, tensor: torch.Tensor) -> None:
+            self.group.broadcast(tensor, 0).wait()
+
+        def _broadcast_object(self, value: Any) -> Any:
+            data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8) if self.rank == 0 else None
+            length = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
+            self._broadcast(length)
+            buffer = data if data is not None else torch.empty(int(length.item()), dtype=torch.uint8)
+            self._broadcast(buffer)
+            return pickle.loads(buffer.numpy().tobytes())
+
+        @torch.no_grad()
+        async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps=None):
+            if self.rank < 0:  # producing full tensors is collective over the trainer's ranks: walk them all
+                for _ in weights:
+                    pass
+                return
+            if self.rank != 0:
+                raise RuntimeError(f"areal_gloo: trainer rank {self.rank} cannot send; only rank 0 sends")
+            sent, count, pending = 0, 0, None
+            for bucket in buckets(weights, self.bucket_size):  # one bucket of lookahead: the last one says so
+                if pending is not None:
+                    sent += self._send_bucket(pending, is_last=False)
+                    count += 1
+                pending = bucket
+            sent += self._send_bucket(pending or [], is_last=True)
+            logger.info("areal_gloo: sent %d bytes in %d buckets (version %s)", sent, count + 1, global_steps)
+
+        def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], is_last: bool) -> int:
+            entries, payload = _pack(bucket)
+            self._broadcast_object({"entries": entries, "is_last": is_last})
+            self._broadcast(payload)
+            return payload.numel()
+
+        @torch.no_grad()
+        def receive_weights(  # type: ignore[override]  # a plain generator: the adapter takes both kinds
+            self, global_steps=None
+        ) -> Iterator[tuple[str, torch.Tensor]]:
+            if self.rank < 1:
+                raise RuntimeError("areal_gloo: only rollout workers (ranks >= 1) receive weights")
+            while True:
+                header = self._broadcast_object(None)
+                entries = header["entries"]
+                payload = torch.empty(sum(entry[4] for entry in entries), dtype=torch.uint8)
+                self._broadcast(payload)
+                yield from _unpack(entries, payload)
+                if header["is_last"]:
+                    return
+
+    return GlooCheckpointEngine
+
+
+def register_gloo_checkpoint_engine() -> None:
+    """Register ``areal_gloo`` in verl's ``CheckpointEngineRegistry`` (idempotent)."""
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    if BACKEND_NAME not in CheckpointEngineRegistry._registry:
+        _make_engine_class()
