@@ -10,7 +10,7 @@ from areal_plugins.hooks import hookspecs
 INTRO = """# Hook reference
 
 Every hook areal_plugins defines, in lifecycle order, with its exact signature. Implement them in a
-module or class decorated with `areal_plugins.hooks.hookimpl`, and expose it through the entry-point group
+module or class decorated with `areal_plugins.hookimpl`, and expose it through the entry-point group
 `areal_plugins` in your package's `pyproject.toml`:
 
 ```toml

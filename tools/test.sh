@@ -11,5 +11,7 @@ bash tools/setup.sh
 .venv/bin/ruff check areal_plugins patches tests tools
 .venv/bin/ruff format --check areal_plugins patches tests tools
 .venv/bin/mypy areal_plugins patches
+# The documentation site, warnings as errors (a broken link, a missing page or one left out of the nav fails).
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 .venv/bin/python -m pytest tests/unit -q --durations=5
 .venv/bin/python -m pytest tests/integration -m "$MARKERS" -q -p no:cacheprovider --durations=15
