@@ -234,7 +234,7 @@ def _total_steps(recipe: Path, overrides: list[str]) -> str:
 
 def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Path | None) -> int:
     """Run verl's ``main_ppo`` on ``recipe``; return its exit code."""
-    from areal_plugins.run.preflight import Refusal, check_recipe
+    from areal_plugins.run.preflight import RecipeRefusedError, check_recipe
 
     recipe = recipe.resolve()
     env = with_ray_defaults(dict(os.environ))
@@ -252,7 +252,7 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
             seen["VERL_PLATFORM"] = env["VERL_PLATFORM"]
         with _environment(seen):
             check_recipe(recipe, overrides)
-    except Refusal as refusal:
+    except RecipeRefusedError as refusal:
         logger.error("refused: %s", refusal)
         return REFUSED_EXIT_CODE
     if env.get("VERL_PLATFORM") == "cpu" and "VERL_PLATFORM" not in os.environ:

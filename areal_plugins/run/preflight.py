@@ -4,7 +4,7 @@
 folder as config path, the same overrides) and runs every check that does not need Ray or a device:
 Hydra's own (a misspelled key, an unreadable override, a missing config), our ``areal:`` settings and
 their routing into verl's keys, verl's ``validate_config``, and every plugin's ``areal_validate_config``
-(the backend capability check among them). A failure becomes a :class:`Refusal`: one line, no traceback.
+(the backend capability check among them). A failure becomes a :class:`RecipeRefusedError`: one line, no traceback.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 
-class Refusal(Exception):
+class RecipeRefusedError(Exception):
     """A recipe that cannot run; ``str()`` is the one line to show, naming what to change."""
 
 
@@ -32,17 +32,17 @@ def check_recipe(recipe: Path, overrides: list[str]) -> Any:
     """Compose ``recipe`` with ``overrides`` and run every startup check; return the resolved config.
 
     Raises:
-        Refusal: the first check that fails, as one line naming the key and what to set.
+        RecipeRefusedError: the first check that fails, as one line naming the key and what to set.
     """
     from areal_plugins._compat import UnsupportedVerlVersionError, check_verl_version
 
     if not recipe.is_file():
         shipped = Path(__file__).resolve().parents[2] / "recipes"
-        raise Refusal(f"recipe {recipe} does not exist; pass a recipe YAML (shipped ones: {shipped}/*.yaml)")
+        raise RecipeRefusedError(f"recipe {recipe} does not exist; pass a recipe YAML (shipped ones: {shipped}/*.yaml)")
     try:
         check_verl_version()
     except UnsupportedVerlVersionError as error:
-        raise Refusal(one_line(error)) from None
+        raise RecipeRefusedError(one_line(error)) from None
     with _quiet():
         config = compose(recipe, overrides)
         _check_composed(config)
@@ -64,18 +64,20 @@ def compose(recipe: Path, overrides: list[str]) -> Any:
     except OverrideParseException as error:
         bad = re.search(r"Error parsing override '([^']*)'", str(error))
         shown = bad.group(1) if bad else " ".join(overrides)
-        raise Refusal(f"cannot read the override {shown!r}: write KEY=VALUE (e.g. trainer.total_training_steps=10)")
+        raise RecipeRefusedError(
+            f"cannot read the override {shown!r}: write KEY=VALUE (e.g. trainer.total_training_steps=10)"
+        ) from None
     except MissingConfigException as error:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         options = [line for line in lines[2:] if not line.startswith(("Config search path", "provider="))]
         hint = f"; available: {', '.join(options)}" if options else ""
-        raise Refusal(f"{recipe.name}: {lines[0]}{hint}") from None
+        raise RecipeRefusedError(f"{recipe.name}: {lines[0]}{hint}") from None
     except (HydraException, OmegaConfBaseException) as error:
         cause = error.__cause__ or error
         missing = _NOT_IN_STRUCT.search(str(cause))
         if missing:
-            raise Refusal(_unknown_key_message(recipe, overrides, missing.group(2))) from None
-        raise Refusal(f"{recipe.name}: {one_line(error)}") from None
+            raise RecipeRefusedError(_unknown_key_message(recipe, overrides, missing.group(2))) from None
+        raise RecipeRefusedError(f"{recipe.name}: {one_line(error)}") from None
 
 
 def _unknown_key_message(recipe: Path, overrides: list[str], full_key: str) -> str:
@@ -88,7 +90,7 @@ def _unknown_key_message(recipe: Path, overrides: list[str], full_key: str) -> s
         base = compose(recipe, others)
         node = OmegaConf.select(base, parent) if parent else base
         keys = list(node.keys()) if OmegaConf.is_dict(node) else []
-    except Refusal:
+    except RecipeRefusedError:
         keys = []
     close = difflib.get_close_matches(leaf, [str(k) for k in keys], n=1)
     where = f"{parent}.{close[0]}" if parent and close else (close[0] if close else None)
@@ -110,9 +112,9 @@ def _check_composed(config: Any) -> None:
         route_composed_config(config)
         OmegaConf.resolve(config)
     except ValueError as error:  # ArealConfigError, or a resolver's refusal
-        raise Refusal(one_line(error)) from None
+        raise RecipeRefusedError(one_line(error)) from None
     except OmegaConfBaseException as error:
-        raise Refusal(f"the recipe cannot be resolved: {one_line(error)}") from None
+        raise RecipeRefusedError(f"the recipe cannot be resolved: {one_line(error)}") from None
     _verl_validation(config)
     if areal is not None and areal.enable:
         from areal_plugins.hooks.manager import build_plugin_manager, call_hook
@@ -121,7 +123,7 @@ def _check_composed(config: Any) -> None:
             manager = build_plugin_manager(include=areal.plugins.include, exclude=list(areal.plugins.exclude))
             call_hook("areal_validate_config", manager=manager, config=config)
         except PluginError as error:
-            raise Refusal(_plugin_refusal(error)) from None
+            raise RecipeRefusedError(_plugin_refusal(error)) from None
 
 
 def _plugin_refusal(error: Any) -> str:
@@ -142,7 +144,7 @@ def _verl_validation(config: Any) -> None:
             config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config)
         )
     except (AssertionError, ValueError, TypeError, KeyError) as error:
-        raise Refusal(f"verl refuses the recipe: {one_line(error) or type(error).__name__}") from None
+        raise RecipeRefusedError(f"verl refuses the recipe: {one_line(error) or type(error).__name__}") from None
 
 
 def one_line(error: BaseException) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from areal_plugins import cli
-from areal_plugins.run.preflight import Refusal, check_recipe
+from areal_plugins.run.preflight import RecipeRefusedError, check_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 ASYNC = REPO / "recipes" / "grpo_cpu_async.yaml"
@@ -111,7 +111,7 @@ def test_every_shipped_recipe_passes_every_startup_check(recipe):
 def test_the_check_refuses_a_shipped_recipe_made_invalid():
     """The guard of the test above: the same call does refuse (here: a separate pool with no weight transport)."""
     separate = REPO / "recipes" / "grpo_cpu_async_separate.yaml"
-    with pytest.raises(Refusal, match="checkpoint_engine.backend"):
+    with pytest.raises(RecipeRefusedError, match=r"checkpoint_engine\.backend"):
         check_recipe(separate, ["actor_rollout_ref.rollout.checkpoint_engine.backend=naive"])
 
 
