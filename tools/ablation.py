@@ -329,7 +329,7 @@ def spread_cell(value: dict[str, float] | None, digits: int = 3) -> str:
 
 
 def markdown_tables(results: Path) -> str:
-    """The README's tables, from the committed JSON files (every number comes from them)."""
+    """The tables of docs/results/ablation.md, from the committed JSON files (every number comes from them)."""
     lines = []
     drift_path = results / "ablation_drift.json"
     if drift_path.exists():
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     guarantee_parser.add_argument("--etas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     guarantee_parser.add_argument("--modes", type=lambda s: s.split(","), default=["wait", "reissue"])
     guarantee_parser.add_argument("--steps", type=int, default=8)
-    sub.add_parser("table", help="print the README's tables from the JSON in --out")
+    sub.add_parser("table", help="print the tables of docs/results/ablation.md from the JSON in --out")
     args = parser.parse_args(argv)
     if args.command == "table":
         print(markdown_tables(args.out))

@@ -203,7 +203,7 @@ def run_case(case: str, placement: str, tiny_dir: Path) -> Outcome:
 
 
 def markdown_table(result: dict) -> str:
-    """The README's table: one row per case, a column per placement."""
+    """The table of docs/results/faults.md: one row per case, a column per placement."""
     by_case: dict[str, dict[str, dict]] = {}
     for row in result["cases"]:
         by_case.setdefault(row["case"], {})[row["placement"]] = row
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--placements", default="colocated,separate")
     parser.add_argument("--tiny-dir", type=Path, default=ROOT / ".areal" / "tiny")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--table", action="store_true", help="print the README table of --out and stop")
+    parser.add_argument("--table", action="store_true", help="print the table of docs/results/faults.md from --out and stop")
     args = parser.parse_args(argv)
     if args.table:
         print(markdown_table(json.loads(args.out.read_text())))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's test command: set up .venv, lint, then the unit and integration suites.
+# The README's test command: set up .venv, lint, build the docs site, then the unit and integration suites.
 # `tools/test.sh --full` also runs the soak- and benchmark-length tests (marker `full`, ~1 h more).
 set -euo pipefail
 cd "$(dirname "$0")/.."

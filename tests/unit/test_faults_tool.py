@@ -1,4 +1,4 @@
-"""tools/faults.py's reading of a run: which line is the stop message, and the README table."""
+"""tools/faults.py's reading of a run: which line is the stop message, and the table of docs/results/faults.md."""
 
 from __future__ import annotations
 

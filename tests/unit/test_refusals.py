@@ -147,3 +147,33 @@ def test_the_terminal_shows_one_line_for_a_misspelled_key(tmp_path):
 def test_the_cause_of_a_failed_run_is_read_from_the_traceback_tail(line, cause):
     match = cli.ERROR_LINE.match(line)
     assert (match.group(1) if match else None) == cause
+
+
+def test_a_plugin_that_refuses_is_named(caplog, tmp_path, monkeypatch):
+    """An installed third-party plugin (a dist-info with an ``areal_plugins`` entry point) that raises ValueError."""
+    (tmp_path / "refusing_plugin.py").write_text(
+        "from areal_plugins import hookimpl\n\n\n"
+        "@hookimpl\n"
+        "def areal_validate_config(config):\n"
+        "    raise ValueError('set areal.max_staleness <= 1 for this plugin')\n"
+    )
+    dist = tmp_path / "refusing_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: refusing-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[areal_plugins]\nrefuser = refusing_plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = refusal_of(caplog, ASYNC)
+    assert line == "refused: plugin 'refuser' refuses the recipe: set areal.max_staleness <= 1 for this plugin"
+
+
+def test_a_plugin_that_crashes_is_named(caplog, tmp_path, monkeypatch):
+    (tmp_path / "crashing_plugin.py").write_text(
+        "from areal_plugins import hookimpl\n\n\n@hookimpl\ndef areal_validate_config(config):\n    return 1 / 0\n"
+    )
+    dist = tmp_path / "crashing_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: crashing-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[areal_plugins]\ncrasher = crashing_plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = refusal_of(caplog, ASYNC)
+    assert "plugin 'crasher' raised in hook areal_validate_config: ZeroDivisionError" in line
