@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--placements", default="colocated,separate")
     parser.add_argument("--tiny-dir", type=Path, default=ROOT / ".areal" / "tiny")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--table", action="store_true", help="print the table of docs/results/faults.md from --out and stop")
+    parser.add_argument("--table", action="store_true", help="print docs/results/faults.md's table from --out")
     args = parser.parse_args(argv)
     if args.table:
         print(markdown_table(json.loads(args.out.read_text())))
