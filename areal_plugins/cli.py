@@ -234,29 +234,33 @@ def _total_steps(recipe: Path, overrides: list[str]) -> str:
 
 def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Path | None) -> int:
     """Run verl's ``main_ppo`` on ``recipe``; return its exit code."""
-    from areal_plugins.run.preflight import RecipeRefusedError, check_recipe
+    from areal_plugins.run.preflight import RecipeRefusedError, check_recipe, run_platform
 
     recipe = recipe.resolve()
     env = with_ray_defaults(dict(os.environ))
-    if "VERL_PLATFORM" not in env and not has_accelerator():
-        env["VERL_PLATFORM"] = "cpu"
     recipe_text = "".join(path.read_text() for path in _recipe_files(recipe)) if recipe.is_file() else ""
     tiny_assets = {
         variable: (workload, (default_dir if tiny_dir is None else tiny_dir).resolve())
         for variable, (workload, default_dir) in TINY_ASSET_VARIABLES.items()
         if f"oc.env:{variable}" in recipe_text
     }
+    local_accelerator = has_accelerator()
+    # verl is imported here only to check the recipe: on a machine without a GPU, as the CPU platform.
+    checking = {variable: str(directory) for variable, (_, directory) in tiny_assets.items()}
+    if not local_accelerator and "VERL_PLATFORM" not in env:
+        checking["VERL_PLATFORM"] = "cpu"
     try:  # before anything is built or started: a bad recipe costs seconds, and says what to change
-        seen = {variable: str(directory) for variable, (_, directory) in tiny_assets.items()}
-        if "VERL_PLATFORM" in env:
-            seen["VERL_PLATFORM"] = env["VERL_PLATFORM"]
-        with _environment(seen):
-            check_recipe(recipe, overrides)
+        with _environment(checking):
+            config = check_recipe(recipe, overrides)
+        platform = run_platform(
+            str(config.trainer.device), local_accelerator, cluster_address(env, overrides), env.get("VERL_PLATFORM")
+        )
     except RecipeRefusedError as refusal:
         logger.error("refused: %s", refusal)
         return REFUSED_EXIT_CODE
-    if env.get("VERL_PLATFORM") == "cpu" and "VERL_PLATFORM" not in os.environ:
-        logger.info("no accelerator found: running verl on the CPU platform (VERL_PLATFORM=cpu)")
+    if platform is not None and "VERL_PLATFORM" not in env:
+        env["VERL_PLATFORM"] = platform
+        logger.info("trainer.device=%s: verl runs on the CPU platform in every process (VERL_PLATFORM=cpu)", platform)
     for variable, (workload, chosen) in tiny_assets.items():
         env[variable] = str(ensure_tiny_assets(chosen, workload=workload).resolve())
     run_dir = (run_dir or Path("runs") / f"{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()

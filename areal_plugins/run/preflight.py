@@ -49,6 +49,28 @@ def check_recipe(recipe: Path, overrides: list[str]) -> Any:
     return config
 
 
+def run_platform(device: str, local_accelerator: bool, cluster: str | None, preset: str | None) -> str | None:
+    """The ``VERL_PLATFORM`` the run's processes get, from the recipe's ``trainer.device``; None: verl's own
+    detection in each process.
+
+    The recipe decides, not the machine the command runs on: a CPU-only head node of a GPU cluster is normal,
+    and its lack of a GPU must not put the cluster's workers on the CPU platform.
+
+    Raises:
+        RecipeRefusedError: a GPU recipe with neither a local GPU nor a Ray cluster to run on.
+    """
+    if preset:
+        return preset
+    if device == "cpu":
+        return "cpu"
+    if not local_accelerator and cluster is None:
+        raise RecipeRefusedError(
+            f"trainer.device={device}, but this machine has no GPU and joins no Ray cluster: set RAY_ADDRESS (or "
+            "ray_kwargs.ray_init.address) to your GPU cluster's head, or run a CPU recipe (trainer.device=cpu)"
+        )
+    return None
+
+
 def compose(recipe: Path, overrides: list[str]) -> Any:
     """The config ``python -m verl.trainer.main_ppo --config-path DIR --config-name NAME OVERRIDES`` builds."""
     from hydra import compose as hydra_compose

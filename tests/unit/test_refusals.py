@@ -24,12 +24,19 @@ def tiny_dirs(monkeypatch, tmp_path):
     """Recipes read their model and data paths from these; nothing is built for a refusal."""
     monkeypatch.setenv("AREAL_TINY_DIR", str(tmp_path))
     monkeypatch.setenv("AREAL_TINY_CALCULATOR_DIR", str(tmp_path))
-    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)  # as on a user's machine: the recipe decides
+    monkeypatch.setattr(cli, "cluster_address", lambda env, overrides: None)  # whatever Ray runs on this box
 
 
 def refusal_of(caplog, recipe: Path, *overrides: str) -> str:
     """Run the CLI's train on a bad recipe; return its one error line (asserting it was refused in one line)."""
-    with caplog.at_level(logging.INFO):
+
+    def nothing_may_start(*args, **kwargs):
+        raise AssertionError("a refused recipe must not build assets or start verl")
+
+    with pytest.MonkeyPatch.context() as patch, caplog.at_level(logging.INFO):
+        patch.setattr(cli, "ensure_tiny_assets", nothing_may_start)
+        patch.setattr(cli, "BoundedLog", nothing_may_start)  # the run log, opened just before verl starts
         code = cli.main(["train", str(recipe), *overrides, "--tiny-dir", os.environ["AREAL_TINY_DIR"]])
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert code == 2
@@ -177,3 +184,20 @@ def test_a_plugin_that_crashes_is_named(caplog, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     line = refusal_of(caplog, ASYNC)
     assert "plugin 'crasher' raised in hook areal_validate_config: ZeroDivisionError" in line
+
+
+def test_the_recipe_decides_the_platform_not_the_head_nodes_hardware():
+    from areal_plugins.run.preflight import run_platform
+
+    # A CPU-only head node joining a GPU cluster: verl's own detection runs in each (GPU) worker.
+    assert run_platform("cuda", local_accelerator=False, cluster="10.0.0.1:6379", preset=None) is None
+    assert run_platform("cuda", local_accelerator=True, cluster=None, preset=None) is None
+    # A CPU recipe runs on the CPU platform everywhere, even on a machine with a GPU.
+    assert run_platform("cpu", local_accelerator=True, cluster=None, preset=None) == "cpu"
+    # The user's own VERL_PLATFORM wins.
+    assert run_platform("cuda", local_accelerator=False, cluster="head:6379", preset="npu") == "npu"
+
+
+def test_a_gpu_recipe_with_nowhere_to_run_is_refused(caplog):
+    line = refusal_of(caplog, ASYNC, "trainer.device=cuda")
+    assert "trainer.device=cuda, but this machine has no GPU and joins no Ray cluster" in line
