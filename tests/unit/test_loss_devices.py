@@ -36,7 +36,10 @@ def factories_without_device(source: str) -> list[int]:
 
 
 def test_the_reader_finds_a_factory_without_a_device():
-    source = "import torch\na = torch.ones(3, dtype=torch.bool)\nb = torch.arange(3, device=x.device)\nc = torch.zeros_like(b)\n"
+    source = (
+        "import torch\na = torch.ones(3, dtype=torch.bool)\nb = torch.arange(3, device=x.device)\n"
+        "c = torch.zeros_like(b)\n"
+    )
     assert factories_without_device(source) == [2]
 
 
