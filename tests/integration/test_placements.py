@@ -77,3 +77,14 @@ def test_separate_weights_cross_by_the_checkpoint_engine_and_engines_never_sleep
     assert [e["version"] for e in events if e["event"] == "update"] == list(range(SEPARATE_STEPS + 1))
     samples = read_jsonl(run_dir / "areal_samples.jsonl")
     assert max(s["trainer_version"] - s["head_version"] for s in samples) <= 2  # the recipe's η
+
+
+def test_separate_throughput_counts_the_engines_devices_too(separate_run):
+    """perf/throughput = tokens / (seconds x devices): 1 trainer + 1 rollout device in the separate recipe."""
+
+    _, run_dir = separate_run
+    rows = [row["data"] for row in read_jsonl(run_dir / "metrics.jsonl") if "perf/throughput" in row["data"]]
+    assert rows
+    for row in rows:
+        devices = row["perf/total_num_tokens"] / (row["perf/time_per_step"] * row["perf/throughput"])
+        assert devices == pytest.approx(2.0, rel=1e-6)

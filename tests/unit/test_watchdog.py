@@ -45,6 +45,28 @@ def test_stall_guard_stops_a_trainer_that_never_comes_back_to_its_wait():
     assert stopped == ["stuck for 101 s"]  # once
 
 
+def test_stall_guard_limit_grows_with_the_runs_own_measured_steps():
+    """A 7B step can outlast a limit set for the tiny model: once the run has measured a step of 60 s, a step
+    may take 3 x 60 = 180 s before it is called hung (the base limit, 100 s, holds until then)."""
+    from areal_plugins.trainers.watchdog import StallGuard
+
+    now = [0.0]
+    stopped: list[str] = []
+    guard = StallGuard(100.0, lambda idle: f"stuck for {idle:.0f} s", stop=stopped.append, clock=lambda: now[0])
+    now[0] = 500.0
+    guard.beat()  # first beat: the setup before it is not a step (the limit stays 100 s)
+    assert guard.current_limit_s == 100.0
+    now[0] = 560.0
+    guard.beat()  # back in the wait after 60 s of compute
+    now[0] = 561.0
+    guard.beat()  # one second of waiting: a span of 1 s changes nothing
+    assert guard.current_limit_s == 180.0
+    now[0] = 561.0 + 179.0
+    assert not guard.look() and not stopped  # 179 s: longer than 100 s, within 3 x 60 s
+    now[0] = 561.0 + 181.0
+    assert guard.look() and stopped == ["stuck for 181 s"]
+
+
 def test_stall_guard_does_not_judge_validation():
     from areal_plugins.trainers.watchdog import StallGuard
 
@@ -56,6 +78,7 @@ def test_stall_guard_does_not_judge_validation():
         assert not guard.look()
     now[0] = 1050.0
     assert not guard.look() and not stopped  # leaving validation counts as a beat
+    assert guard.longest_span_s == 0.0  # and validation is not a step: the limit does not grow from it
 
 
 def test_stall_guard_stops_at_once_when_its_probe_finds_a_dead_actor():
