@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from areal_plugins.run.bounded_log import BoundedLog
 from areal_plugins.run.control import (
@@ -232,28 +233,64 @@ def _total_steps(recipe: Path, overrides: list[str]) -> str:
     return _recipe_value(recipe, overrides, "trainer", "total_training_steps") or "?"
 
 
-def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Path | None) -> int:
-    """Run verl's ``main_ppo`` on ``recipe``; return its exit code."""
-    from areal_plugins.run.preflight import RecipeRefusedError, check_recipe, run_platform
+def checked_recipe(recipe: Path, overrides: list[str], tiny_dir: Path | None) -> tuple[Any, dict[str, tuple]]:
+    """The recipe composed and through every startup check, and the tiny assets it reads (variable -> (workload,
+    folder); not built here). Raises ``RecipeRefusedError``."""
+    from areal_plugins.run.preflight import check_recipe
 
-    recipe = recipe.resolve()
-    env = with_ray_defaults(dict(os.environ))
     recipe_text = "".join(path.read_text() for path in _recipe_files(recipe)) if recipe.is_file() else ""
     tiny_assets = {
         variable: (workload, (default_dir if tiny_dir is None else tiny_dir).resolve())
         for variable, (workload, default_dir) in TINY_ASSET_VARIABLES.items()
         if f"oc.env:{variable}" in recipe_text
     }
-    local_accelerator = has_accelerator()
     # verl is imported here only to check the recipe: on a machine without a GPU, as the CPU platform.
     checking = {variable: str(directory) for variable, (_, directory) in tiny_assets.items()}
-    if not local_accelerator and "VERL_PLATFORM" not in env:
+    if "VERL_PLATFORM" not in os.environ and not has_accelerator():
         checking["VERL_PLATFORM"] = "cpu"
+    with _environment(checking):
+        return check_recipe(recipe, overrides), tiny_assets
+
+
+def check(recipe: Path, overrides: list[str], cluster_args: argparse.Namespace) -> int:
+    """``areal-plugins check``: every startup check and the fit on a declared cluster; nothing starts."""
+    from areal_plugins.run.cluster_fit import Cluster, fit_cluster, missing_here
+    from areal_plugins.run.preflight import RecipeRefusedError
+
+    try:
+        config, _ = checked_recipe(recipe.resolve(), overrides, None)
+        cluster = Cluster(cluster_args.nodes, cluster_args.gpus_per_node, cluster_args.gpu_memory_gib)
+        where = fit_cluster(config, cluster)
+    except RecipeRefusedError as refusal:
+        logger.error("refused: %s", refusal)
+        return REFUSED_EXIT_CODE
+    logger.info(
+        "ok: %s passes verl's and areal_plugins' checks and fits %d node(s) x %d GPU(s)",
+        recipe.name,
+        cluster.nodes,
+        cluster.gpus_per_node,
+    )
+    for line in where:
+        logger.info("  %s", line)
+    missing = missing_here(config)
+    if missing:
+        logger.warning(
+            "not installed on this machine (needed where the run runs): %s; pip install 'areal-plugins[gpu]'",
+            ", ".join(missing),
+        )
+    return 0
+
+
+def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Path | None) -> int:
+    """Run verl's ``main_ppo`` on ``recipe``; return its exit code."""
+    from areal_plugins.run.preflight import RecipeRefusedError, run_platform
+
+    recipe = recipe.resolve()
+    env = with_ray_defaults(dict(os.environ))
     try:  # before anything is built or started: a bad recipe costs seconds, and says what to change
-        with _environment(checking):
-            config = check_recipe(recipe, overrides)
+        config, tiny_assets = checked_recipe(recipe, overrides, tiny_dir)
         platform = run_platform(
-            str(config.trainer.device), local_accelerator, cluster_address(env, overrides), env.get("VERL_PLATFORM")
+            str(config.trainer.device), has_accelerator(), cluster_address(env, overrides), env.get("VERL_PLATFORM")
         )
     except RecipeRefusedError as refusal:
         logger.error("refused: %s", refusal)
@@ -421,6 +458,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(
         commands.add_parser("plan", help="recommend η, the GPU split and the recipe keys for a GPU cluster")
     )
+    preflight = commands.add_parser(
+        "check", help="check a recipe against a declared GPU cluster, on any machine: nothing starts"
+    )
+    preflight.add_argument("recipe", type=Path)
+    preflight.add_argument("overrides", nargs="*", help="Hydra overrides, as for train")
+    preflight.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
+    preflight.add_argument("--gpus-per-node", type=int, required=True)
+    preflight.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100: 80)")
     return parser
 
 
@@ -447,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in written:
             logger.info("wrote %s", path)
         return 0
+    if args.command == "check":
+        return check(args.recipe, args.overrides, args)
     if args.command == "build-tiny":
         ensure_tiny_assets(args.out, force=args.force, workload=args.workload)
         logger.info("tiny model and data in %s", args.out)

@@ -133,3 +133,18 @@ def test_gpu_settings_come_from_verls_rollout_config():
     }
     with pytest.raises(ValueError, match=r"areal\.placement=separate"):
         gpu_settings(rollout, ["0"], hybrid=True)  # would hold the trainer's GPU memory while it trains
+
+
+def test_cpu_and_cuda_builds_live_in_separate_folders(monkeypatch, tmp_path):
+    """Nodes sharing a checkout: a CPU head must not run (or build into) the GPU workers' CUDA environment."""
+    from areal_plugins.rollout.vllm import process
+
+    monkeypatch.delenv(process.PYTHON_ENV, raising=False)
+    dirs = {False: tmp_path / "cpu-env", True: tmp_path / "cuda-env"}
+    monkeypatch.setattr(process, "REPO_ENV_DIRS", dirs)
+    built: list = []
+    monkeypatch.setattr(process, "create_vllm_env", built.append)
+    for gpu in (False, True):
+        monkeypatch.setattr(process, "has_gpu", lambda gpu=gpu: gpu)
+        assert process.ensure_vllm_python() == dirs[gpu] / "bin" / "python"
+    assert built == [dirs[False], dirs[True]]
