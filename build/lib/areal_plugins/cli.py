@@ -8,6 +8,7 @@ prints one progress line per training step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -16,7 +17,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from areal_plugins.run.bounded_log import BoundedLog
 from areal_plugins.run.control import (
@@ -36,7 +39,10 @@ TINY_ASSET_VARIABLES: dict[str, tuple[str | None, Path]] = {
     "AREAL_TINY_CALCULATOR_DIR": ("calculator", Path(".areal/tiny_calculator")),
 }
 STEP_LINE = re.compile(r"step:(\d+) - (.*)")
-ERROR_LINE = re.compile(r"Traceback|\b\w+Error: ")
+#: The last line of a Python traceback (``module.SomeError: message``), behind Ray's ``(Actor pid=1)`` prefix.
+ERROR_LINE = re.compile(r"^(?:\(.*?\)\s*)?((?:[\w.]+\.)?\w+(?:Error|Exception|Exit|Interrupt)\b:?.*)$")
+#: Exit code of a run refused at startup (argparse's for bad usage).
+REFUSED_EXIT_CODE = 2
 #: verl's own milestones worth a progress line while the (slow, ~1.5 min) startup runs.
 MILESTONES = {
     "actor and ref model engine initialized": "trainer workers ready",
@@ -115,6 +121,21 @@ def join_cluster_overrides(address: str | None) -> list[str]:
 def with_ray_defaults(env: dict[str, str]) -> dict[str, str]:
     """``env`` plus our Ray defaults where it does not set them (they reach the Ray head verl starts)."""
     return {**RAY_ENV_DEFAULTS, **env}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` while the recipe is checked here as the run's processes will see it."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def has_accelerator() -> bool:
@@ -212,22 +233,75 @@ def _total_steps(recipe: Path, overrides: list[str]) -> str:
     return _recipe_value(recipe, overrides, "trainer", "total_training_steps") or "?"
 
 
+def checked_recipe(recipe: Path, overrides: list[str], tiny_dir: Path | None) -> tuple[Any, dict[str, tuple]]:
+    """The recipe composed and through every startup check, and the tiny assets it reads (variable -> (workload,
+    folder); not built here). Raises ``RecipeRefusedError``."""
+    from areal_plugins.run.preflight import check_recipe
+
+    recipe_text = "".join(path.read_text() for path in _recipe_files(recipe)) if recipe.is_file() else ""
+    tiny_assets = {
+        variable: (workload, (default_dir if tiny_dir is None else tiny_dir).resolve())
+        for variable, (workload, default_dir) in TINY_ASSET_VARIABLES.items()
+        if f"oc.env:{variable}" in recipe_text
+    }
+    # verl is imported here only to check the recipe: on a machine without a GPU, as the CPU platform.
+    checking = {variable: str(directory) for variable, (_, directory) in tiny_assets.items()}
+    if "VERL_PLATFORM" not in os.environ and not has_accelerator():
+        checking["VERL_PLATFORM"] = "cpu"
+    with _environment(checking):
+        return check_recipe(recipe, overrides), tiny_assets
+
+
+def check(recipe: Path, overrides: list[str], cluster_args: argparse.Namespace) -> int:
+    """``areal-plugins check``: every startup check and the fit on a declared cluster; nothing starts."""
+    from areal_plugins.run.cluster_fit import Cluster, fit_cluster, missing_here
+    from areal_plugins.run.preflight import RecipeRefusedError
+
+    try:
+        config, _ = checked_recipe(recipe.resolve(), overrides, None)
+        cluster = Cluster(cluster_args.nodes, cluster_args.gpus_per_node, cluster_args.gpu_memory_gib)
+        where = fit_cluster(config, cluster)
+    except RecipeRefusedError as refusal:
+        logger.error("refused: %s", refusal)
+        return REFUSED_EXIT_CODE
+    logger.info(
+        "ok: %s passes verl's and areal_plugins' checks and fits %d node(s) x %d GPU(s)",
+        recipe.name,
+        cluster.nodes,
+        cluster.gpus_per_node,
+    )
+    for line in where:
+        logger.info("  %s", line)
+    missing = missing_here(config)
+    if missing:
+        logger.warning(
+            "not installed on this machine (needed where the run runs): %s; pip install 'areal-plugins[gpu]'",
+            ", ".join(missing),
+        )
+    return 0
+
+
 def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Path | None) -> int:
     """Run verl's ``main_ppo`` on ``recipe``; return its exit code."""
-    from areal_plugins._compat import check_verl_version
+    from areal_plugins.run.preflight import RecipeRefusedError, run_platform
 
-    check_verl_version()
     recipe = recipe.resolve()
-    if not recipe.exists():
-        raise SystemExit(f"recipe {recipe} does not exist; shipped recipes are in recipes/")
+    env = with_ray_defaults(dict(os.environ))
+    try:  # before anything is built or started: a bad recipe costs seconds, and says what to change
+        config, tiny_assets = checked_recipe(recipe, overrides, tiny_dir)
+        platform = run_platform(
+            str(config.trainer.device), has_accelerator(), cluster_address(env, overrides), env.get("VERL_PLATFORM")
+        )
+    except RecipeRefusedError as refusal:
+        logger.error("refused: %s", refusal)
+        return REFUSED_EXIT_CODE
+    if platform is not None and "VERL_PLATFORM" not in env:
+        env["VERL_PLATFORM"] = platform
+        logger.info("trainer.device=%s: verl runs on the CPU platform in every process (VERL_PLATFORM=cpu)", platform)
+    for variable, (workload, chosen) in tiny_assets.items():
+        env[variable] = str(ensure_tiny_assets(chosen, workload=workload).resolve())
     run_dir = (run_dir or Path("runs") / f"{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = with_ray_defaults(dict(os.environ))
-    recipe_text = "".join(path.read_text() for path in _recipe_files(recipe))
-    for variable, (workload, default_dir) in TINY_ASSET_VARIABLES.items():
-        if f"oc.env:{variable}" in recipe_text:
-            chosen = default_dir if tiny_dir is None else tiny_dir
-            env[variable] = str(ensure_tiny_assets(chosen, workload=workload).resolve())
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():  # verl's file logger truncates: keep the earlier run's metrics beside it
         kept = run_dir / f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
@@ -235,9 +309,6 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
         logger.info("run directory exists (resuming?): earlier metrics kept as %s", kept.name)
     env["VERL_FILE_LOGGER_PATH"] = str(metrics)
     env["AREAL_RUN_DIR"] = str(run_dir)
-    if "VERL_PLATFORM" not in env and not has_accelerator():
-        env["VERL_PLATFORM"] = "cpu"
-        logger.info("no accelerator found: running verl on the CPU platform (VERL_PLATFORM=cpu)")
     command = [
         sys.executable,
         "-m",
@@ -268,14 +339,16 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
         stopper = RunStopper(process, stop_request=stop_request if saves_checkpoints else None)
         stopper.install()
         assert process.stdout is not None
+        last_error = None  # the cause shown when verl fails; the traceback stays in train.log
         for line in process.stdout:
             log_file.write(line)
             match = STEP_LINE.search(line)
+            error = ERROR_LINE.match(line.strip())
             if match:
                 for message in _format_progress(int(match.group(1)), total, match.group(2)).splitlines():
                     logger.info(message)
-            elif ERROR_LINE.search(line):
-                logger.warning(line.rstrip())
+            elif error:
+                last_error = error.group(1)
             else:
                 for needle, message in MILESTONES.items():
                     if needle in line:
@@ -294,7 +367,10 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
         logger.error("stopped by %s after %.0f s; resume from the last checkpoint with the same command", name, elapsed)
         return 128 + stopper.signal_received
     if code != 0:
-        logger.error("verl exited with code %d after %.0f s; see %s", code, elapsed, run_dir / "train.log")
+        cause = f": {last_error}" if last_error else ""
+        logger.error(
+            "verl stopped (exit code %d) after %.0f s%s (traceback in %s)", code, elapsed, cause, log_file.path
+        )
     else:
         logger.info("done in %.0f s", elapsed)
         _report(run_dir)
@@ -350,8 +426,8 @@ def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
                       help="achieved share of BF16 FLOPs while training (default: fitted to the paper)")  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s areal-plugins: %(message)s", datefmt="%H:%M:%S")
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (docs/reference/cli.md is generated from it)."""
     parser = argparse.ArgumentParser(prog="areal-plugins", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build-tiny", help="build the tiny Qwen2 model and the addition data")
@@ -382,6 +458,20 @@ def main(argv: list[str] | None = None) -> int:
     add_plan_arguments(
         commands.add_parser("plan", help="recommend η, the GPU split and the recipe keys for a GPU cluster")
     )
+    preflight = commands.add_parser(
+        "check", help="check a recipe against a declared GPU cluster, on any machine: nothing starts"
+    )
+    preflight.add_argument("recipe", type=Path)
+    preflight.add_argument("overrides", nargs="*", help="Hydra overrides, as for train")
+    preflight.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
+    preflight.add_argument("--gpus-per-node", type=int, required=True)
+    preflight.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100: 80)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s areal-plugins: %(message)s", datefmt="%H:%M:%S")
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return _run_tool("bench.py", rest)
@@ -402,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in written:
             logger.info("wrote %s", path)
         return 0
+    if args.command == "check":
+        return check(args.recipe, args.overrides, args)
     if args.command == "build-tiny":
         ensure_tiny_assets(args.out, force=args.force, workload=args.workload)
         logger.info("tiny model and data in %s", args.out)

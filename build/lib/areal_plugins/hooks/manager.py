@@ -26,7 +26,14 @@ _manager: pluggy.PluginManager | None = None
 
 
 class PluginError(RuntimeError):
-    """A plugin failed: it raised inside a hook, or it does not match the hook specs."""
+    """A plugin failed: it raised inside a hook, or it does not match the hook specs.
+
+    ``plugin`` names the plugin that raised inside a hook (None when no single plugin is to blame).
+    """
+
+    def __init__(self, message: str, plugin: str | None = None) -> None:
+        super().__init__(message)
+        self.plugin = plugin
 
 
 #: A plugin module that sets this attribute true is loaded only when ``areal.plugins.include`` names it
@@ -138,7 +145,7 @@ def call_hook(name: str, manager: pluggy.PluginManager | None = None, **kwargs: 
         return caller(**kwargs)
     except Exception as error:
         culprit = _plugin_that_raised(caller, error)
-        raise PluginError(f"plugin {culprit!r} raised in hook {name}: {error!r}") from error
+        raise PluginError(f"plugin {culprit!r} raised in hook {name}: {error!r}", plugin=culprit) from error
 
 
 def _plugin_that_raised(caller: Any, error: BaseException) -> str:

@@ -40,9 +40,11 @@ def m2po_mask(log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Te
     if values.numel() == 0:
         return dropped
     ascending, order = torch.sort(values)
-    means = torch.cumsum(ascending, 0) / torch.arange(1, values.numel() + 1, dtype=ascending.dtype)
+    means = torch.cumsum(ascending, 0) / torch.arange(
+        1, values.numel() + 1, dtype=ascending.dtype, device=values.device
+    )
     keep = int((means <= tau).sum())
-    dropped_in_trust = torch.ones(values.numel(), dtype=torch.bool)
+    dropped_in_trust = torch.ones(values.numel(), dtype=torch.bool, device=values.device)
     dropped_in_trust[order[:keep]] = False
     dropped[trust] = dropped_in_trust
     return dropped

@@ -9,8 +9,8 @@ applies each patch whose feature is enabled. Three exist: the CPU platform's (se
 ``VERL_PLATFORM=cpu``, applied at plugin load in every process), the routing of ``areal.enable`` in
 any recipe (applied at plugin load in verl's ``main_ppo`` driver only) and FFD micro-batching
 (selected by ``areal.micro_batch.max_tokens``; the trainer applies it in its worker processes with
-:func:`apply_in_workers`, since only the driver sees the recipe). ``areal.enable: false`` on a GPU
-machine patches nothing.
+:func:`apply_in_workers`, since only the driver sees the recipe). With ``areal.enable: false`` on a GPU
+machine only the routing wrapper is installed, in the driver, and it passes verl's config through unchanged.
 """
 
 from __future__ import annotations

@@ -470,10 +470,12 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         )
 
     def _trainer_stall_report(self, idle: float) -> str:
+        guard_span = self._stall_guard.longest_span_s if self._stall_guard is not None else 0.0
         return (
             f"areal watchdog: the trainer has been computing step {self.global_steps} for {idle:.0f} s without "
-            f"finishing it (areal.watchdog_s = {self.areal.watchdog_s:.0f}, with time left to stop within it): a "
-            "trainer worker (old log-probs, update, weight sync) is "
+            f"finishing it (limit: areal.watchdog_s = {self.areal.watchdog_s:.0f} with time left to stop within it, "
+            f"or 3x the longest step computed so far, {guard_span:.0f} s): a trainer worker (old log-probs, "
+            "update, weight sync) is "
             "stuck. Stopping the run; resume from the last checkpoint (trainer.resume_mode=auto), and raise "
             "areal.watchdog_s if one step legitimately takes this long"
         )
@@ -561,6 +563,15 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
 
     def on_step_begin(self) -> None:
         self._step_started = time.time()
+
+    def _get_n_gpus_for_throughput(self) -> int:
+        """verl's ``perf/throughput`` is per device: in ``separate`` the engines' pool counts too (as in verl's
+        ``separate_async``), else 6 generating and 2 training GPUs would report 4x the real rate."""
+        trainer_gpus = int(self.resource_pool_manager.get_n_gpus())
+        if self.areal.placement != "separate":
+            return trainer_gpus
+        rollout = self.config.actor_rollout_ref.rollout
+        return trainer_gpus + int(rollout.nnodes) * int(rollout.n_gpus_per_node)
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> Any:
         now = time.time()

@@ -35,13 +35,22 @@ class Watchdog:
             raise TimeoutError(report(now - self._since))
 
 
+#: A compute span may take this many times the longest one the run has measured before the guard calls the
+#: trainer hung: a step's compute grows with response lengths over a run; a hang does not end at all.
+SPAN_FACTOR = 3.0
+
+
 class StallGuard:
-    """Stops the run when the trainer stays away from its batch wait for ``limit_s`` (a hung trainer worker).
+    """Stops the run when the trainer stays away from its batch wait too long (a hung trainer worker).
 
     The wait beats it on every look; between two waits the trainer computes (old log-probs, update, weight
     sync). A worker that hangs there never returns, so nothing in the trainer's own thread can notice:
     this thread logs the report and stops the run through ``stop`` (by default: KeyboardInterrupt in the
     trainer's thread, then, if that does not end it within ``grace_s``, the process).
+
+    The limit is the run's own: ``limit_s`` (from ``areal.watchdog_s``) until a span is measured, then
+    :data:`SPAN_FACTOR` x the longest compute span measured so far, if that is longer. The span before the
+    first beat (the trainer's setup) is not a step and is not measured.
     """
 
     def __init__(
@@ -60,22 +69,31 @@ class StallGuard:
         self.interval_s = interval_s
         self.clock = clock
         self.fired: str | None = None
+        self.longest_span_s = 0.0
         self._last_beat = clock()
+        self._beaten = False
         self._paused = False
         self._done = threading.Event()
 
+    @property
+    def current_limit_s(self) -> float:
+        return max(self.limit_s, SPAN_FACTOR * self.longest_span_s)
+
     def beat(self) -> None:
-        self._last_beat = self.clock()
+        now = self.clock()
+        if self._beaten and not self._paused:
+            self.longest_span_s = max(self.longest_span_s, now - self._last_beat)
+        self._last_beat, self._beaten = now, True
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        """Not judged inside (validation: as long as the validation set takes to generate)."""
+        """Not judged inside (validation: as long as the validation set takes to generate), nor measured."""
         self._paused = True
         try:
             yield
         finally:
             self._paused = False
-            self.beat()
+            self._last_beat = self.clock()
 
     def look(self) -> bool:
         """One look; True once it has stopped the run."""
@@ -85,7 +103,7 @@ class StallGuard:
         # A dead actor the trainer is blocked on: no need to wait for the limit. While the trainer is in its
         # wait (beating every second) its own check raises in its thread, the cleaner stop: not looked here.
         found = self.probe() if idle > self.interval_s else None
-        if found is not None or (not self._paused and idle > self.limit_s):
+        if found is not None or (not self._paused and idle > self.current_limit_s):
             self.fired = found if found is not None else self.report(idle)
             logger.error(self.fired)
             self.stop(self.fired)

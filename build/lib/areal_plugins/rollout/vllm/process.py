@@ -41,7 +41,12 @@ BREAKS_VLLM_ON_CPU = ("torchvision", "torchaudio", "torchcodec")
 PYTHON_ENV = "AREAL_VLLM_PYTHON"
 EXTENSION_MODULE = "areal_vllm_worker_extension"
 EXTENSION_CLASS = f"{EXTENSION_MODULE}.ArealWorkerExtension"
-REPO_ENV_DIR = Path(__file__).resolve().parents[3] / ".venv-vllm"
+#: Where the environment is built: one folder per build (CPU or CUDA), so that nodes sharing a checkout
+#: (a CPU head, GPU workers) never run each other's build.
+REPO_ENV_DIRS = {
+    False: Path(__file__).resolve().parents[3] / ".venv-vllm",
+    True: Path(__file__).resolve().parents[3] / ".venv-vllm-cuda",
+}
 
 
 class VLLMServerError(RuntimeError):
@@ -82,7 +87,7 @@ def ensure_vllm_python(env_dir: Path | None = None) -> Path:
         if not Path(configured).exists():
             raise VLLMServerError(f"{PYTHON_ENV}={configured} does not exist; unset it or point it at a python")
         return Path(configured)
-    env_dir = env_dir or REPO_ENV_DIR
+    env_dir = env_dir or REPO_ENV_DIRS[has_gpu()]
     python = env_dir / "bin" / "python"
     if python.exists():
         return python
