@@ -275,7 +275,8 @@ def check(recipe: Path, overrides: list[str], cluster_args: argparse.Namespace) 
     missing = missing_here(config)
     if missing:
         logger.warning(
-            "not installed on this machine (needed where the run runs): %s; pip install 'areal-plugins[gpu]'",
+            "not installed on this machine (needed where the run runs): %s; install the gpu extra "
+            "(pip install -e '.[gpu]' in a clone; docs/guides/gpus.md)",
             ", ".join(missing),
         )
     return 0
