@@ -57,17 +57,17 @@ def refused(caplog, *argv: str) -> str:
 
 def test_a_pool_that_does_not_fit_the_nodes(caplog):
     line = refused(caplog, str(SEPARATE_GPU), "--nodes", "1", "--gpus-per-node", "4")
-    assert "does not fit the cluster (1 nodes x 4 GPUs)" in line
+    assert "finds no node with room on the cluster (1 nodes x 4 GPUs)" in line
 
 
 def test_a_two_node_recipe_on_one_node(caplog):
     line = refused(caplog, str(REPO / "recipes/gpu/grpo_1.5b_two_nodes.yaml"), "--nodes", "1", "--gpus-per-node", "8")
-    assert "does not fit" in line
+    assert "finds no node with room" in line
 
 
 def test_a_pool_wider_than_a_node(caplog):
     line = refused(caplog, str(SEPARATE_GPU), "trainer.n_gpus_per_node=16", "--nodes", "4", "--gpus-per-node", "8")
-    assert "asks for 16 GPUs per node; the cluster's nodes have 8" in line
+    assert "trainer.n_gpus_per_node=16, but the cluster's nodes have 8 GPUs" in line
 
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_engines(caplog):
@@ -75,17 +75,17 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_engines(caplog):
         caplog, str(SEPARATE_GPU), "actor_rollout_ref.rollout.tensor_model_parallel_size=3", "--nodes", "1",
         "--gpus-per-node", "8",
     )  # fmt: skip
-    assert "tensor_model_parallel_size=3 must divide the engines' 4 GPUs" in line
+    assert "spans tensor x data x pipeline parallel = 3 GPUs, which must divide the engines' 4 GPUs" in line
 
 
 def test_a_32b_model_on_one_gpu_per_engine_leaves_no_room(caplog):
     """R1-Distill-Qwen-32B (the planner's shape): ~61 GiB of bf16 weights per GPU at TP 1; at
-    gpu_memory_utilization 0.7 of 80 GiB (56 GiB) they do not fit."""
+    gpu_memory_utilization 0.7 of an H100's 79.6 GiB (55.7 GiB) they do not fit."""
     line = refused(
         caplog, str(SEPARATE_GPU), "actor_rollout_ref.model.path=deepseek-ai/DeepSeek-R1-Distill-Qwen-32B",
         "actor_rollout_ref.rollout.gpu_memory_utilization=0.7", "--nodes", "1", "--gpus-per-node", "8",
     )  # fmt: skip
-    assert "over its budget of 56.0 GiB" in line and "tensor_model_parallel_size" in line
+    assert "over vLLM's share of 55.7 GiB" in line and "tensor_model_parallel_size" in line
 
 
 def hand_counted_model(folder: Path) -> Path:
@@ -99,33 +99,58 @@ def hand_counted_model(folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize(("bucket_mb", "fits"), [(128, True), (256, False)])
-def test_engine_memory_against_a_hand_count(tmp_path, bucket_mb, fits):
-    """Budget 0.85 x 1 GiB = 0.85 GiB. Weights 0.35064 GiB + 2 buckets: 2 x 128 MiB = 0.25 GiB fits (0.60 GiB);
-    2 x 256 MiB = 0.5 GiB does not (0.85064 GiB > 0.85 GiB)."""
+@pytest.mark.parametrize(("max_model_len", "fits"), [(17000, True), (17100, False)])
+def test_weights_and_one_sequence_must_fit_vllms_share(tmp_path, max_model_len, fits):
+    """vLLM's share: 0.25 x 4 GiB = 1,073,741,824 bytes; minus the weights (376,504,320) leaves 697,237,504 for
+    the KV cache. KV per token: 2 (K, V) x 10 layers x 8 heads x 128 x 2 bytes = 40,960 bytes, so one sequence
+    fits up to 17,022 tokens: 17,000 fits, 17,100 does not."""
     model = hand_counted_model(tmp_path / "model")
     config = check_recipe(
         SEPARATE_GPU,
-        [f"actor_rollout_ref.model.path={model}", "data.max_response_length=1024",
-         f"actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes={bucket_mb}"],
+        [f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.rollout.max_model_len={max_model_len}",
+         "actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "areal.placement=colocated",
+         "actor_rollout_ref.rollout.gpu_memory_utilization=0.25"],
     )  # fmt: skip
-    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=1.0)
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=4.0)
     if fits:
         lines = fit_cluster(config, cluster)
-        assert any("weights 0.4 GiB + buckets 0.2 GiB of 0.8 GiB" in line for line in lines), lines
+        assert any("weights 0.4 GiB + KV cache 0.6 GiB (1.0 sequences of 17000 tokens" in line for line in lines)
     else:
-        with pytest.raises(RecipeRefusedError, match=r"0\.4 GiB of weights .* \+ 0\.5 GiB of transfer buckets"):
+        with pytest.raises(RecipeRefusedError, match=r"one sequence of 17100 tokens, over vLLM's share of 1\.0 GiB"):
             fit_cluster(config, cluster)
 
 
-def test_the_kv_cache_must_hold_one_longest_sequence(tmp_path):
-    """KV cache per token by hand: 2 (K, V) x 10 layers x 8 heads x 128 x 2 bytes = 40,960 bytes; one sequence of
-    1024 + 8192 tokens needs 377,487,360 bytes = 0.35 GiB, more than the 0.85 - 0.35064 - 0.25 = 0.249 GiB left."""
+@pytest.mark.parametrize(("bucket_mb", "fits"), [(1024, True), (1025, False)])
+def test_transfer_buckets_come_on_top_of_vllms_share(tmp_path, bucket_mb, fits):
+    """A 10 GiB GPU at gpu_memory_utilization 0.5: vLLM's 5 GiB + ~2 GiB of CUDA context + 3 buckets on the
+    engine's side. 3 x 1024 MiB = 3 GiB fills it exactly; 3 x 1025 MiB is 3 MiB too many."""
     model = hand_counted_model(tmp_path / "model")
     config = check_recipe(
         SEPARATE_GPU,
-        [f"actor_rollout_ref.model.path={model}",
-         "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=128"],
+        [f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
+         f"actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes={bucket_mb}"],
     )  # fmt: skip
-    with pytest.raises(RecipeRefusedError, match=r"0\.2 GiB left .* one sequence of 9216 tokens needs \(0\.4 GiB\)"):
-        fit_cluster(config, Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=1.0))
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=10.0)
+    if fits:
+        lines = fit_cluster(config, cluster)
+        assert any("+ 3.0 GiB of transfer buckets; 0.0 GiB spare" in line for line in lines), lines
+        assert "trainer GPU: + 2.0 GiB of transfer buckets during a weight sync" in lines
+    else:
+        with pytest.raises(RecipeRefusedError, match=r"3 transfer buckets of 1\.0 GiB .* = 10\.0 GiB, more than"):
+            fit_cluster(config, cluster)
+
+
+def test_tensor_parallel_beyond_the_kv_heads_replicates_them(tmp_path):
+    """8 KV heads at TP 16 (two nodes of 8 engine GPUs): each GPU still holds one whole head, not half of one."""
+    model = hand_counted_model(tmp_path / "model")
+    config = check_recipe(
+        SEPARATE_GPU,
+        [f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.tensor_model_parallel_size=16",
+         "actor_rollout_ref.rollout.nnodes=2", "actor_rollout_ref.rollout.n_gpus_per_node=8",
+         "actor_rollout_ref.rollout.max_model_len=1000"],
+    )  # fmt: skip
+    lines = fit_cluster(config, Cluster(nodes=3, gpus_per_node=8, gpu_memory_gib=80.0))
+    # one head per GPU: 2 x 10 x 1 x 128 x 2 = 5,120 bytes a token; vLLM's 0.85 x 80 GiB = 73,014,444,032 bytes
+    # less 376,504,320 / 16 bytes of weights leaves 72,990,912,512: 14,256.0 sequences of 1,000 tokens (half a head
+    # per GPU would claim twice as many).
+    assert any("(14256.0 sequences of 1000 tokens" in line for line in lines), lines

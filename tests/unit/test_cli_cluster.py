@@ -63,3 +63,44 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
             names.add(constants.get(token, token.strip('"')))
     assert names == {"AREAL_RUN_DIR", "AREAL_VLLM_PYTHON", "VERL_PLATFORM"}  # found by grep, listed by hand
     assert names <= set(cli.JOB_ENV_VARS)
+
+
+def test_joining_nulls_only_the_sizes_the_recipe_has():
+    """verl's own ray_init node has no num_gpus or object_store_memory: nulling them would be an unknown key."""
+    assert cli.join_cluster_overrides("10.0.0.1:6379", ["num_cpus", "runtime_env"]) == [
+        "ray_kwargs.ray_init.num_cpus=null"
+    ]
+    assert cli.join_cluster_overrides("10.0.0.1:6379", ["runtime_env"]) == []
+
+
+def test_the_gpu_recipes_join_a_cluster_with_overrides_hydra_accepts(monkeypatch, tmp_path):
+    """The overrides train passes to main_ppo when joining a cluster compose with a GPU recipe."""
+    from pathlib import Path
+
+    from areal_plugins.run.preflight import check_recipe
+
+    monkeypatch.setenv("AREAL_DATA_DIR", str(tmp_path))
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "gpu" / "grpo_1.5b_two_nodes.yaml"
+    config = check_recipe(recipe, [])
+    check_recipe(recipe, cli.join_cluster_overrides("head:6379", config.ray_kwargs.ray_init.keys()))
+
+
+def test_overrides_after_the_options_are_overrides(caplog, monkeypatch, tmp_path):
+    """``check RECIPE --nodes 1 --gpus-per-node 8 KEY=VALUE``: the late override is applied (here: refused)."""
+    import logging
+    from pathlib import Path
+
+    monkeypatch.setenv("AREAL_DATA_DIR", str(tmp_path))
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "gpu" / "grpo_1.5b_separate.yaml"
+    argv = [
+        "check",
+        str(recipe),
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=48",
+    ]
+    with caplog.at_level(logging.INFO):
+        assert cli.main(argv) == 2
+    assert any("ppo_mini_batch_size=48 must divide data.train_batch_size=128" in r.getMessage() for r in caplog.records)
