@@ -55,16 +55,33 @@ def server(random_model_dir, tmp_path_factory, loop):
     loop.run_until_complete(rollout.shutdown())
 
 
-def forward_logprobs(model_dir, state_dict, prompt, response):
-    """The trainer's view: log-probs of ``response`` after ``prompt`` under ``state_dict`` (HF, float32)."""
+def forward_logprobs(model_dir, state_dict, prompt, response, temperature=1.0):
+    """The trainer's view: log-probs of ``response`` after ``prompt`` under ``state_dict`` (HF, float32), of the
+    logits divided by ``temperature`` as verl's actor computes them."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.load_state_dict(state_dict)
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def test_behaviour_logprobs_are_taken_after_temperature(server, random_model_dir, loop):
+    """At temperature 0.7 the engine's log-probs are those of logits / 0.7, the distribution it sampled from
+    and the one the trainer recomputes; raw log-probs would bias every behaviour weight w = π_prox/π_behav.
+    (First in the module: the server still serves the weights of ``random_model_dir``.)"""
+    from transformers import AutoModelForCausalLM
+
+    weights = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32).state_dict()
+    params = {"max_tokens": 24, "temperature": 0.7, "logprobs": True}
+    out = loop.run_until_complete(server.generate(PROMPTS[0], params, "temperature"))
+    served = torch.tensor(out.log_probs)
+    at_temperature = forward_logprobs(random_model_dir, weights, PROMPTS[0], out.token_ids, temperature=0.7)
+    raw = forward_logprobs(random_model_dir, weights, PROMPTS[0], out.token_ids)
+    assert torch.allclose(served, at_temperature, atol=2e-3), (served - at_temperature).abs().max()
+    assert (served - raw).abs().mean() > 10 * (served - at_temperature).abs().mean()
 
 
 def test_interrupt_update_resume_with_two_versions_and_matching_logprobs(server, random_model_dir, loop):

@@ -148,3 +148,33 @@ def test_cpu_and_cuda_builds_live_in_separate_folders(monkeypatch, tmp_path):
         monkeypatch.setattr(process, "has_gpu", lambda gpu=gpu: gpu)
         assert process.ensure_vllm_python() == dirs[gpu] / "bin" / "python"
     assert built == [dirs[False], dirs[True]]
+
+
+def test_a_restart_leaves_the_event_loop_free_while_the_new_server_loads(tmp_path):
+    """The server actor's loop also answers the step's statistics call: a restart must not block it while the
+    new server loads (here a stand-in that takes 1.5 s to answer /health; the loop ticks every 0.05 s)."""
+    import asyncio
+
+    script = tmp_path / "slow_server.py"
+    script.write_text("import time\ntime.sleep(1.5)\n" + STAND_IN_SERVER)
+    launcher = tmp_path / "python"
+    launcher.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {script} "$@"\n')
+    launcher.chmod(0o755)
+    server = VLLMServer("model", tmp_path / "server.log", python=launcher)
+
+    async def scenario() -> int:
+        ticks = 0
+        restarting = asyncio.create_task(server.restart_async())
+        while not restarting.done():
+            ticks += 1
+            await asyncio.sleep(0.05)
+        await restarting
+        return ticks
+
+    try:
+        server.start(timeout_s=30)
+        ticks = asyncio.run(scenario())
+        assert server.healthy() and server.restarts == 1
+        assert ticks >= 10, f"the loop ran {ticks} times during a restart of >= 1.5 s"
+    finally:
+        server.stop()
