@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,14 @@ RAY_ENV_DEFAULTS = {"RAY_task_events_max_num_task_in_gcs": "10000"}
 
 #: What processes of the run read from their environment. They travel in the Ray job's ``runtime_env``, so
 #: workers on every node of an existing cluster see them, not only processes started from this shell.
-JOB_ENV_VARS = ("AREAL_RUN_DIR", "AREAL_TINY_DIR", "VERL_PLATFORM", "VERL_FILE_LOGGER_PATH", "AREAL_VLLM_PYTHON")
+JOB_ENV_VARS = (
+    "AREAL_RUN_DIR",
+    "AREAL_TINY_DIR",
+    "AREAL_DATA_DIR",  # the GPU recipes' data folder, resolved in verl's TaskRunner actor (on any node)
+    "VERL_PLATFORM",
+    "VERL_FILE_LOGGER_PATH",
+    "AREAL_VLLM_PYTHON",
+)
 #: ``ray.init`` refuses these when it joins a running cluster: they size a cluster Ray would start.
 LOCAL_CLUSTER_SIZES = ("num_cpus", "num_gpus", "object_store_memory")
 
@@ -105,17 +112,22 @@ def running_local_cluster() -> str | None:
     return address if address and services.find_gcs_addresses() else None
 
 
-def join_cluster_overrides(address: str | None) -> list[str]:
-    """Joining ``address``: the recipe's local-cluster sizes are dropped (ray.init would refuse them)."""
-    if address is None:
+def join_cluster_overrides(address: str | None, ray_init_keys: Iterable[str] = LOCAL_CLUSTER_SIZES) -> list[str]:
+    """Joining ``address``: the recipe's local-cluster sizes are dropped (ray.init would refuse them).
+
+    Only the sizes the composed ``ray_kwargs.ray_init`` has: verl's own node has none of them, so nulling one the
+    recipe did not add would be refused by Hydra as an unknown key.
+    """
+    present = [key for key in LOCAL_CLUSTER_SIZES if key in set(ray_init_keys)]
+    if address is None or not present:
         return []
     logger.info(
         "joining the Ray cluster at %s: the recipe's ray_kwargs.ray_init.{%s} size a cluster Ray would start "
         "and are dropped; the cluster's own resources apply",
         address,
-        ",".join(LOCAL_CLUSTER_SIZES),
+        ",".join(present),
     )
-    return [f"ray_kwargs.ray_init.{key}=null" for key in LOCAL_CLUSTER_SIZES]
+    return [f"ray_kwargs.ray_init.{key}=null" for key in present]
 
 
 def with_ray_defaults(env: dict[str, str]) -> dict[str, str]:
@@ -275,7 +287,8 @@ def check(recipe: Path, overrides: list[str], cluster_args: argparse.Namespace) 
     missing = missing_here(config)
     if missing:
         logger.warning(
-            "not installed on this machine (needed where the run runs): %s; pip install 'areal-plugins[gpu]'",
+            "not installed on this machine (needed where the run runs): %s; install the gpu extra "
+            "(pip install -e '.[gpu]' in a clone; docs/guides/gpus.md)",
             ", ".join(missing),
         )
     return 0
@@ -289,9 +302,8 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
     env = with_ray_defaults(dict(os.environ))
     try:  # before anything is built or started: a bad recipe costs seconds, and says what to change
         config, tiny_assets = checked_recipe(recipe, overrides, tiny_dir)
-        platform = run_platform(
-            str(config.trainer.device), has_accelerator(), cluster_address(env, overrides), env.get("VERL_PLATFORM")
-        )
+        address = cluster_address(env, overrides)
+        platform = run_platform(str(config.trainer.device), has_accelerator(), address, env.get("VERL_PLATFORM"))
     except RecipeRefusedError as refusal:
         logger.error("refused: %s", refusal)
         return REFUSED_EXIT_CODE
@@ -316,7 +328,7 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
         f"--config-path={recipe.parent}",
         f"--config-name={recipe.stem}",
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
-        *join_cluster_overrides(cluster_address(env, overrides)),
+        *join_cluster_overrides(address, config.ray_kwargs.ray_init.keys()),
         *job_env_overrides(env),
         *overrides,
     ]
@@ -465,7 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
     preflight.add_argument("overrides", nargs="*", help="Hydra overrides, as for train")
     preflight.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
     preflight.add_argument("--gpus-per-node", type=int, required=True)
-    preflight.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H100: 80)")
+    preflight.add_argument(
+        "--gpu-memory-gib", type=float, default=79.6, help="memory of one GPU, GiB (H100 80 GB: 79.6)"
+    )
     return parser
 
 
@@ -475,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return _run_tool("bench.py", rest)
+    if args.command in ("train", "check"):  # overrides after the options: argparse leaves them over
+        late = [arg for arg in rest if "=" in arg and not arg.startswith("-")]
+        args.overrides += late
+        rest = [arg for arg in rest if arg not in late]
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "plan":

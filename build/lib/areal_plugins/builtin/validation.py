@@ -24,6 +24,7 @@ def areal_validate_config(config: Any) -> None:
                 f"({config.data.train_batch_size}, got {actor.ppo_mini_batch_size}) and "
                 f"actor_rollout_ref.actor.ppo_epochs=1 (got {actor.ppo_epochs}), or use areal.loss.prox_logp=recompute"
             )
+    _check_mini_batches(config)
     if actor.loss_agg_mode != "token-mean" and areal.loss.decoupled:
         raise ArealConfigError(
             "the decoupled objective is a global token mean: set actor_rollout_ref.actor.loss_agg_mode=token-mean "
@@ -99,3 +100,26 @@ def _check_agent_loop_manager(class_path: str | None) -> None:
         raise ArealConfigError(f"{hint}; {class_path!r} cannot be imported: {error}") from error
     if not (isinstance(manager, type) and issubclass(manager, ArealAgentLoopManager)):
         raise ArealConfigError(f"{hint}; the recipe sets {class_path!r}, which does not extend it")
+
+
+def _check_mini_batches(config: Any) -> None:
+    """Mini-batches that split the batch evenly over the trainer's ranks: verl checks this only with fixed
+    micro-batches, and ``areal.micro_batch.max_tokens`` turns on its token-budget ones, where a mini-batch larger
+    than a rank's share fails at the first update instead."""
+    actor = config.actor_rollout_ref.actor
+    batch, mini = int(config.data.train_batch_size), int(actor.ppo_mini_batch_size)
+    if mini < 1 or batch % mini:
+        raise ArealConfigError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={batch} "
+            f"(prompt groups): set it to a divisor of {batch}, e.g. {batch} for one optimizer step per batch"
+        )
+    sequence_parallel = int(actor.get("ulysses_sequence_parallel_size", 1) or 1)
+    ranks = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node) // sequence_parallel
+    responses = mini * int(config.actor_rollout_ref.rollout.n)
+    if ranks > 0 and responses % ranks:
+        raise ArealConfigError(
+            f"a mini-batch of {mini} prompts x {config.actor_rollout_ref.rollout.n} responses = {responses} sequences "
+            f"does not split over the trainer's {ranks} data-parallel ranks (trainer.nnodes x trainer.n_gpus_per_node"
+            " / ulysses_sequence_parallel_size): change actor_rollout_ref.actor.ppo_mini_batch_size or the trainer's "
+            "GPUs"
+        )

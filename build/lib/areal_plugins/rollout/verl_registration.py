@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from typing import Any
 
 import ray
@@ -157,6 +158,23 @@ def _replica_class() -> type:
     return ArealRolloutReplica
 
 
+def process_rank() -> int:
+    """This worker's global rank: ``RANK`` as verl's worker sets it (verl's own adapter reads it there).
+
+    ``torch.distributed`` is not a source: verl's ``CheckpointEngineWorker`` builds the adapter before its
+    process group exists, where every rank would read 0 and each of a TP group's ranks would act as the leader.
+    """
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def replica_position(rank: int, rollout_world: int, replica_rank: int = -1) -> tuple[int, bool]:
+    """``(replica, leads it)`` of global ``rank`` with ``rollout_world`` ranks per replica (-1: derived)."""
+    replica = rank // rollout_world if replica_rank == -1 else replica_rank
+    return replica, rank % rollout_world == 0
+
+
 def _adapter_class() -> type:
     from verl.workers.rollout.base import BaseRollout
 
@@ -169,15 +187,14 @@ def _adapter_class() -> type:
 
         def __init__(self, config: Any, model_config: Any, device_mesh: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(config, model_config, device_mesh)
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             rollout_world = (
                 self.config.tensor_model_parallel_size
                 * self.config.data_parallel_size
                 * self.config.pipeline_model_parallel_size
             )
-            replica_rank = kwargs.get("replica_rank", -1)
-            self.replica_rank = rank // rollout_world if replica_rank == -1 else replica_rank
-            self.is_leader_rank = rank % rollout_world == 0
+            self.replica_rank, self.is_leader_rank = replica_position(
+                process_rank(), rollout_world, kwargs.get("replica_rank", -1)
+            )
             self.server_cls = server_class(self.config.name)
             self._server: Any = None
 

@@ -30,13 +30,19 @@ class Generation:
     finish_reason: str | None = None
 
 
+#: Seconds to open a connection to the local server (it is up, or the call fails fast and the server is checked).
+CONNECT_TIMEOUT_S = 30.0
+
+
 class VLLMClient:
     """Talks to the server at ``url`` (one aiohttp session per event loop)."""
 
     def __init__(self, url: str, model: str, timeout_s: float = 600.0) -> None:
         self.url = url
         self.model = model
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # A silence of timeout_s fails a call, not its length: a long chain of thought streams for longer than any
+        # total a 2.4M-parameter model suggests, and cutting it costs a re-prefill of everything generated.
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S, sock_read=timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
     async def session(self) -> aiohttp.ClientSession:

@@ -12,6 +12,7 @@ stops with its owner even when the owner is killed with SIGKILL; :meth:`VLLMServ
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import os
@@ -197,6 +198,10 @@ class VLLMServer:
             EXTENSION_CLASS,
             "--max-logprobs",
             "1",
+            # The log-probs of the distribution sampled from (after temperature), as verl's actor recomputes
+            # them: vLLM's default, raw log-probs, biases every behaviour weight at temperature != 1.
+            "--logprobs-mode",
+            "processed_logprobs",
             *self.extra_args,
         ]
 
@@ -233,14 +238,29 @@ class VLLMServer:
         A port taken between the probe and vLLM's bind costs one more attempt on another port."""
         for attempt in range(1, PORT_ATTEMPTS + 1):
             try:
-                self._start_once(timeout_s)
+                self._spawn()
+                self._wait_ready(time.monotonic(), timeout_s)
                 return
             except VLLMServerError as error:
                 if attempt == PORT_ATTEMPTS or "address already in use" not in str(error).lower():
                     raise
                 logger.warning("port %d was taken before vLLM bound it; starting again on another", self.port)
 
-    def _start_once(self, timeout_s: float) -> None:
+    async def start_async(self, timeout_s: float = 600.0) -> None:
+        """:meth:`start` for an event loop: the process starts in the calling thread (its parent-death signal
+        follows the thread that started it), the wait for ``/health`` runs in a worker thread, so the loop
+        goes on serving other calls (statistics, aborts) while a new server loads."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                self._spawn()
+                await asyncio.to_thread(self._wait_ready, time.monotonic(), timeout_s)
+                return
+            except VLLMServerError as error:
+                if attempt == PORT_ATTEMPTS or "address already in use" not in str(error).lower():
+                    raise
+                logger.warning("port %d was taken before vLLM bound it; starting again on another", self.port)
+
+    def _spawn(self) -> None:
         if self.python is None:
             self.python = ensure_vllm_python()
         self.port = free_port()
@@ -256,11 +276,14 @@ class VLLMServer:
             self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=new_group_dying_with_parent
         )
         log.close()
-        started = time.monotonic()
+
+    def _wait_ready(self, started: float, timeout_s: float) -> None:
+        process = self.process
+        assert process is not None
         while True:
-            if self.process.poll() is not None:
+            if process.poll() is not None:
                 raise VLLMServerError(
-                    f"the vLLM server exited with code {self.process.returncode} while starting; "
+                    f"the vLLM server exited with code {process.returncode} while starting; "
                     f"last lines of {self.log_path}:\n{self.log_tail()}"
                 )
             if self.healthy():
@@ -307,6 +330,13 @@ class VLLMServer:
         self.restarts += 1
         logger.warning("restarting the vLLM server (restart %d); log: %s", self.restarts, self.log_path)
         self.start()
+
+    async def restart_async(self) -> None:
+        """:meth:`restart` that leaves the event loop free while the old server stops and the new one loads."""
+        await asyncio.to_thread(self.stop, 2.0)
+        self.restarts += 1
+        logger.warning("restarting the vLLM server (restart %d); log: %s", self.restarts, self.log_path)
+        await self.start_async()
 
     def log_tail(self, lines: int = 30) -> str:
         try:

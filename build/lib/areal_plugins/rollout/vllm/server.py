@@ -251,9 +251,8 @@ class VLLMRolloutServer(RolloutServer):
             if self.server.alive() and self.server.healthy():
                 raise RuntimeError(f"vLLM request failed while the server is up: {error!r}") from error
             logger.warning("vLLM server of replica %d is gone (%r); restarting it", self.replica_rank, error)
-            # In this thread, not a worker thread: the server's parent-death signal follows the
-            # thread that started it. Every request waits for the new server anyway.
-            self.server.restart()
+            # Requests wait for the new server; statistics and abort calls on this loop do not.
+            await self.server.restart_async()
             self.client = VLLMClient(self.server.url, self.server.model_path)
             if self.version > 0:  # the fresh server starts from the original weights
                 report = await self.client.reload_weights(str(self.weights_dir), self.version)
