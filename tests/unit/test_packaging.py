@@ -7,6 +7,7 @@ a wheel and an editable install must both import it as ``areal_plugins.patches``
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -49,7 +50,15 @@ def test_the_installed_package_imports_patches_from_the_top_level_folder():
 
 
 def test_a_wheel_holds_the_patches_under_the_package_and_imports_them(tmp_path):
-    """Build the wheel (no network: setuptools is already here), unpack it first on sys.path, import from it."""
+    """Build the wheel (no network: setuptools is already here), unpack it first on sys.path, import from it.
+
+    Built from a copy of the sources: setuptools writes ``build/`` and ``*.egg-info`` beside the project."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    for folder in ("areal_plugins", "patches"):
+        shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
         [
             sys.executable,
@@ -61,7 +70,7 @@ def test_a_wheel_holds_the_patches_under_the_package_and_imports_them(tmp_path):
             "-q",
             "-w",
             str(tmp_path),
-            str(REPO),
+            str(source),
         ],
         check=True,
         capture_output=True,

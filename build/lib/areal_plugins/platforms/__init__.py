@@ -1,1 +1,0 @@
-"""Device platforms verl lacks, registered with ``verl.plugin.platform.PlatformRegistry`` (CPU today)."""

@@ -1,1 +1,0 @@
-"""``areal_cpu``: a continuous-batching engine on ``transformers`` in a Ray actor (zero setup, CPU)."""
