@@ -245,7 +245,9 @@ def _total_steps(recipe: Path, overrides: list[str]) -> str:
     return _recipe_value(recipe, overrides, "trainer", "total_training_steps") or "?"
 
 
-def checked_recipe(recipe: Path, overrides: list[str], tiny_dir: Path | None) -> tuple[Any, dict[str, tuple]]:
+def checked_recipe(
+    recipe: Path, overrides: list[str], tiny_dir: Path | None, local_accelerator: bool
+) -> tuple[Any, dict[str, tuple]]:
     """The recipe composed and through every startup check, and the tiny assets it reads (variable -> (workload,
     folder); not built here). Raises ``RecipeRefusedError``."""
     from areal_plugins.run.preflight import check_recipe
@@ -258,7 +260,7 @@ def checked_recipe(recipe: Path, overrides: list[str], tiny_dir: Path | None) ->
     }
     # verl is imported here only to check the recipe: on a machine without a GPU, as the CPU platform.
     checking = {variable: str(directory) for variable, (_, directory) in tiny_assets.items()}
-    if "VERL_PLATFORM" not in os.environ and not has_accelerator():
+    if "VERL_PLATFORM" not in os.environ and not local_accelerator:
         checking["VERL_PLATFORM"] = "cpu"
     with _environment(checking):
         return check_recipe(recipe, overrides), tiny_assets
@@ -270,7 +272,7 @@ def check(recipe: Path, overrides: list[str], cluster_args: argparse.Namespace) 
     from areal_plugins.run.preflight import RecipeRefusedError
 
     try:
-        config, _ = checked_recipe(recipe.resolve(), overrides, None)
+        config, _ = checked_recipe(recipe.resolve(), overrides, None, has_accelerator())
         cluster = Cluster(cluster_args.nodes, cluster_args.gpus_per_node, cluster_args.gpu_memory_gib)
         where = fit_cluster(config, cluster)
     except RecipeRefusedError as refusal:
@@ -301,9 +303,10 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
     recipe = recipe.resolve()
     env = with_ray_defaults(dict(os.environ))
     try:  # before anything is built or started: a bad recipe costs seconds, and says what to change
-        config, tiny_assets = checked_recipe(recipe, overrides, tiny_dir)
+        local_accelerator = has_accelerator()
+        config, tiny_assets = checked_recipe(recipe, overrides, tiny_dir, local_accelerator)
         address = cluster_address(env, overrides)
-        platform = run_platform(str(config.trainer.device), has_accelerator(), address, env.get("VERL_PLATFORM"))
+        platform = run_platform(str(config.trainer.device), local_accelerator, address, env.get("VERL_PLATFORM"))
     except RecipeRefusedError as refusal:
         logger.error("refused: %s", refusal)
         return REFUSED_EXIT_CODE

@@ -1,5 +1,6 @@
 """The documentation site: generated reference pages are current, the strict build catches a broken link or a
-page left out, and the README stays a five-minute read that links into the site."""
+page left out (the site itself is built by tools/test.sh), and the README stays a five-minute read that links
+into the site."""
 
 from __future__ import annotations
 
@@ -60,11 +61,6 @@ def site_copy(tmp_path):
     shutil.copy(REPO / "mkdocs.yml", copy / "mkdocs.yml")
     shutil.copytree(REPO / "docs", copy / "docs")
     return copy
-
-
-def test_the_site_builds_strictly(site_copy, tmp_path):
-    result = _build(site_copy, tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_a_broken_link_fails_the_build(site_copy, tmp_path):

@@ -242,9 +242,7 @@ class VLLMServer:
                 self._wait_ready(time.monotonic(), timeout_s)
                 return
             except VLLMServerError as error:
-                if attempt == PORT_ATTEMPTS or "address already in use" not in str(error).lower():
-                    raise
-                logger.warning("port %d was taken before vLLM bound it; starting again on another", self.port)
+                self._retry_on_a_taken_port(error, attempt)
 
     async def start_async(self, timeout_s: float = 600.0) -> None:
         """:meth:`start` for an event loop: the process starts in the calling thread (its parent-death signal
@@ -256,9 +254,13 @@ class VLLMServer:
                 await asyncio.to_thread(self._wait_ready, time.monotonic(), timeout_s)
                 return
             except VLLMServerError as error:
-                if attempt == PORT_ATTEMPTS or "address already in use" not in str(error).lower():
-                    raise
-                logger.warning("port %d was taken before vLLM bound it; starting again on another", self.port)
+                self._retry_on_a_taken_port(error, attempt)
+
+    def _retry_on_a_taken_port(self, error: VLLMServerError, attempt: int) -> None:
+        """Re-raise ``error`` unless it is a port lost between the probe and vLLM's bind with attempts left."""
+        if attempt == PORT_ATTEMPTS or "address already in use" not in str(error).lower():
+            raise error
+        logger.warning("port %d was taken before vLLM bound it; starting again on another", self.port)
 
     def _spawn(self) -> None:
         if self.python is None:
