@@ -19,7 +19,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from areal_plugins.patches import ffd_micro_batches, gloo_backend, route_areal_node
+from areal_plugins.patches import gloo_backend, micro_batch_partitioner, route_areal_node
 
 
 def _cpu_platform(config: Any) -> bool:
@@ -41,7 +41,7 @@ def _verl_driver(config: Any) -> bool:
     return config is None and ("verl.trainer.main_ppo" in command or Path(sys.argv[0]).name == "main_ppo.py")
 
 
-def _ffd_micro_batches(config: Any) -> bool:
+def _token_budget_micro_batches(config: Any) -> bool:
     node = None if config is None else config.get("areal")
     if node is None:
         return False
@@ -55,7 +55,7 @@ def _ffd_micro_batches(config: Any) -> bool:
 PATCHES: tuple[tuple[str, Callable[[Any], bool], ModuleType], ...] = (
     ("cpu platform (VERL_PLATFORM=cpu)", _cpu_platform, gloo_backend),
     ("areal.enable in any recipe (verl's main_ppo driver)", _verl_driver, route_areal_node),
-    ("areal.micro_batch.max_tokens", _ffd_micro_batches, ffd_micro_batches),
+    ("areal.micro_batch.max_tokens", _token_budget_micro_batches, micro_batch_partitioner),
 )
 
 
@@ -92,14 +92,3 @@ def _apply_by_name(names: list[str]) -> None:
 
     for name in names:
         importlib.import_module(name).apply()
-
-
-def applied_patches() -> list[str]:
-    """Names of the patches applied in this process."""
-    return [patch.__name__ for _, _, patch in PATCHES if patch.is_applied()]
-
-
-def revert_all() -> None:
-    """Revert every applied patch, in reverse order."""
-    for _, _, patch in reversed(PATCHES):
-        patch.revert()

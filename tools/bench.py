@@ -46,6 +46,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_plugins.run.records import read_jsonl
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 #: verl 0.9.1's sync ReplayBuffer poll interval (not a config key).
@@ -134,12 +136,6 @@ def configs(
                         suffix += f"-mb{tokens}"
                     out.append(Config(f"async-{placement}-eta{eta}{suffix}", recipe, overrides, eta, placement))
     return out
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def measure(run_dir: Path, warmup_steps: int = 1) -> dict:

@@ -57,7 +57,7 @@ def routed_settings(config: ArealConfig) -> dict[str, tuple[bool, Any, Any]]:
         # is the ablation (standard PPO against the behaviour policy, as a naive async system does)
         # and what the loglinear loss needs.
         "bypass_mode": (on and (not config.loss.decoupled or loglinear), True, False),
-        # FFD packs within verl's token-budget micro-batching (patches/ffd_micro_batches.py); the
+        # FFD packs within verl's token-budget micro-batching (patches/micro_batch_partitioner.py); the
         # proximal recompute and the reference follow the actor's values (verl's own interpolation).
         "use_dynamic_bsz": (ffd, True, False),
         "ppo_max_token_len_per_gpu": (ffd, config.micro_batch.max_tokens, 16384),

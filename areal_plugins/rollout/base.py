@@ -35,6 +35,12 @@ class RolloutServer(abc.ABC):
 
     #: ``actor_rollout_ref.rollout.name`` of this backend.
     backend_name: ClassVar[str]
+    #: What ``areal_async`` may rely on (names of ``rollout.capabilities.CAPABILITIES``); the abstract methods
+    #: that keep them are ``CONTRACT_METHODS``. A backend whose engine cannot keep one narrows this set,
+    #: and a recipe using it is refused at startup unless it waives what is missing.
+    capabilities: ClassVar[frozenset[str]] = frozenset(
+        {"abort_keeps_partial", "resume", "weight_update", "version_stamps", "weight_checksum", "progress_stats"}
+    )
     #: Whether :meth:`sleep` can release the engine's memory (``free_cache_engine: true`` needs it;
     #: a backend without it is refused at startup with that setting).
     releases_memory_on_sleep: ClassVar[bool]

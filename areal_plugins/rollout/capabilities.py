@@ -1,7 +1,9 @@
 """What ``areal_async`` needs from a rollout backend, what each backend provides, and the startup check.
 
-Every guarantee of the async trainer rests on one of these. Our backends (``areal_cpu``, ``areal_vllm``)
-provide all of them through the server contract (:mod:`areal_plugins.rollout.base`). verl 0.9.1's own
+Every guarantee of the async trainer rests on one of these. Our backends declare what they provide on their
+server class (:attr:`RolloutServer.capabilities <areal_plugins.rollout.base.RolloutServer.capabilities>`):
+each capability is kept by abstract methods of the server contract (:data:`CONTRACT_METHODS`), so a class
+that declares one cannot be built without them. verl 0.9.1's own
 ``vllm`` and ``sglang`` servers provide what their code shows (read in ``vllm_async_server.py`` and
 ``async_sglang_server.py``); what they lack is refused at startup unless the recipe waives it by name
 (``areal.waive_capabilities``), and a waived capability is named in the startup warning.
@@ -20,6 +22,16 @@ CAPABILITIES = {
     "progress_stats": "the engine counts generated tokens, so the watchdog judges progress by tokens",
 }
 
+#: The abstract methods of :class:`~areal_plugins.rollout.base.RolloutServer` that keep each capability.
+CONTRACT_METHODS = {
+    "abort_keeps_partial": ("_abort_in_flight", "abort_request"),
+    "resume": ("_resume_engine",),
+    "weight_update": ("update_weights",),
+    "version_stamps": ("_generate", "served_version"),
+    "weight_checksum": ("verify_weights",),
+    "progress_stats": ("get_stats",),
+}
+
 #: verl's own servers. vllm: an abort returns the partial output with its log-probs (finish_reason
 #: "abort"), and our client stamps each chunk with the version it ran under; nothing reports a checksum
 #: of the loaded weights or counts tokens. sglang: its abort may return partial tokens without their
@@ -31,11 +43,12 @@ VERL_BACKENDS = {
 
 
 def provided_capabilities(backend: str) -> frozenset[str]:
-    """What ``backend`` provides: everything for ours, the table above for verl's, nothing for others."""
-    from areal_plugins.rollout.verl_registration import BACKENDS
+    """What ``backend`` provides: its server class's declaration for ours, the table above for verl's, nothing
+    for others."""
+    from areal_plugins.rollout.verl_registration import BACKENDS, server_class
 
     if backend in BACKENDS:
-        return frozenset(CAPABILITIES)
+        return server_class(backend).capabilities
     return VERL_BACKENDS.get(backend, frozenset())
 
 

@@ -6,22 +6,16 @@ Reads what a run writes: verl's ``metrics.jsonl``, and for async runs our ``area
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from areal_plugins.run.records import read_jsonl
 from areal_plugins.run.report import plot_run
 
 #: Timeline colours: trainer computing / waiting for samples / loading weights; rollout generating.
 COLOURS = {"train": "#4c72b0", "wait": "#dd8452", "update": "#c44e52", "generate": "#55a868"}
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def plot_all(run_dir: Path) -> list[Path]:

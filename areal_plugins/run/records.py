@@ -47,6 +47,13 @@ def append_record(name: str, record: dict[str, Any], directory: Path | None = No
     return True
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file written by a run (none when it does not exist)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def record_exists(name: str, directory: Path | None = None) -> bool:
     """Whether the run directory holds ``name`` (asked of the sink from another node)."""
     directory = directory if directory is not None else run_dir()

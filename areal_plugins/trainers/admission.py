@@ -268,6 +268,21 @@ class AdmissionLoop:
         return "progress"
 
 
+def require_single_prompt_fetches(data_config: Any) -> None:
+    """Refuse to start unless verl fetches prompts one at a time (``data.gen_batch_size == 1``).
+
+    The admission loop submits whatever room the staleness bound leaves (any count); verl 0.9.1 fetches
+    prompts in ``gen_batch_size`` chunks and raises on a count that is not a multiple. Its
+    ``_init_dataloader`` forces 1 outside sync mode; a verl that stopped doing so would fail mid-run.
+    """
+    fetch = data_config.get("gen_batch_size", None)
+    if fetch != 1:
+        raise RuntimeError(
+            f"areal_async submits prompts one at a time, but verl set data.gen_batch_size={fetch} "
+            "(verl 0.9.1 forces 1 outside its sync mode): this verl version is not supported by areal_async"
+        )
+
+
 def reward_report(extra: dict[str, Any]) -> dict[str, float]:
     """The reward service's report on one trajectory (``areal_reward_*`` of verl's reward_extra_info)."""
     info = extra.get("reward_extra_info") or {}

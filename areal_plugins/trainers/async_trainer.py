@@ -42,6 +42,7 @@ from areal_plugins.run.control import STOP_REQUEST_FILE
 from areal_plugins.run.record_sink import start_record_sink
 from areal_plugins.run.records import RunRecorder, record_exists
 from areal_plugins.trainers.actor_liveness import ActorLiveness
+from areal_plugins.trainers.admission import require_single_prompt_fetches
 from areal_plugins.trainers.hooked import HookedTrainerMixin
 from areal_plugins.trainers.llm_client import InterruptibleLLMClient
 from areal_plugins.trainers.step_metrics import consumed_metrics, rollout_rates
@@ -141,6 +142,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
 
     def _setup(self) -> None:
         super()._setup()
+        require_single_prompt_fetches(self.config.data)  # set by verl's _init_dataloader, read by admission
         if self.areal.placement == "separate":
             self._setup_standalone_rollout()
         from areal_plugins.trainers.placement_report import record_ray_placement
@@ -260,7 +262,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         The admission loop is held between polls, so no prompt is drawn from the dataloader without
         being registered in TransferQueue (it would be lost) or registered after the dataloader
         state was saved (it would be drawn twice). verl's TransferQueue checkpoint holds the accepted
-        groups and the prompts in flight; ``areal_state.json`` holds our counters for the audit.
+        groups and the prompts in flight; ``areal_state.json`` holds the counters a resume restores (and the
+        controller's, for the audit in ``areal_restored.jsonl``).
         """
         if self.manager is None:
             super()._save_checkpoint()
@@ -272,7 +275,6 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 "consumed_groups": self._consumed_groups,
                 "submissions": self._submissions,
                 "controller": self.manager.controller.state_dict(),
-                "buffered_groups": len(self.sample_buffer),
             }
             path = os.path.join(self._checkpoint_folder(self.global_steps), ASYNC_STATE_FILE)
             with open(path, "w") as handle:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from areal_plugins.run.records import read_jsonl  # the tests import it from here
+
 REPO = Path(__file__).resolve().parents[2]
 TINY_DIR = REPO / ".areal" / "tiny"  # shared with the demo: built once per machine
 CALCULATOR_DIR = REPO / ".areal" / "tiny_calculator"  # likewise, for the multi-turn recipe
@@ -39,24 +41,53 @@ def run_cli(*args: str, timeout: int = 900, env: dict[str, str] | None = None, c
 
 def start_cli(*args: str, env: dict[str, str] | None = None):
     """Start ``areal-plugins`` in the background, in a process group of its own (the driver, verl and the
-    Ray processes it starts), for tests that signal or kill it mid-run."""
-    return subprocess.Popen(
+    Ray processes it starts), for tests that signal or kill it mid-run. Its terminal output goes to a file:
+    :func:`cli_output` reads it for a failure message."""
+    import tempfile
+
+    output = tempfile.NamedTemporaryFile(prefix="areal-cli-", suffix=".out", delete=False)
+    process = subprocess.Popen(
         [sys.executable, "-m", "areal_plugins.cli", *args],
         cwd=REPO,
         env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=output,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    process.output_path = Path(output.name)  # type: ignore[attr-defined]
+    output.close()
+    return process
+
+
+def cli_output(process, last: int = 3000) -> str:
+    """The end of what a run started by :func:`start_cli` printed (its error line, when it failed)."""
+    return process.output_path.read_text(errors="replace")[-last:]
+
+
+def run_processes(cli) -> list:
+    """Every process of the run started by ``cli``: its descendants (verl's driver, Ray's head processes and the
+    workers they spawned) and whatever left the tree but kept its process group (``start_cli`` gives it one)."""
+    import os
+
+    import psutil
+
+    members = {p.pid: p for p in psutil.Process(cli.pid).children(recursive=True)}
+    for process in psutil.process_iter():
+        try:
+            if process.pid not in members and os.getpgid(process.pid) == cli.pid:
+                members[process.pid] = process
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return list(members.values())
 
 
 def kill_tree(process) -> None:
-    """SIGKILL a run started by :func:`start_cli` and every process under it (verl, Ray, engines): a crash."""
+    """SIGKILL a run started by :func:`start_cli` and every process of it (verl, Ray, engines): a crash.
+    Other processes on the machine (another Ray cluster included) are left alone."""
     import psutil
 
     try:
-        tree = psutil.Process(process.pid)
-        members = [*tree.children(recursive=True), tree]
+        members = [*run_processes(process), psutil.Process(process.pid)]
     except psutil.NoSuchProcess:
         members = []
     for member in members:
@@ -115,10 +146,14 @@ def consumed_by_step(run_dir: Path) -> dict[int, Counter]:
     return by_step
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    import json
-
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+def assert_within_staleness_bound(samples: list[dict], steps: list[dict], eta: int) -> None:
+    """``areal.on_stale: wait`` (the default) bounds staleness by count at admission, not per sample
+    (docs/design.md): a group older than η when taken is trained and counted (``areal/over_stale_trained``,
+    cumulative). So every sample beyond η belongs to a counted group, and no sample is from the future."""
+    staleness = [s["trainer_version"] - s["head_version"] for s in samples]
+    assert staleness and min(staleness) >= 0
+    over = {s["group"] for s, age in zip(samples, staleness, strict=True) if age > eta}
+    assert len(over) == (steps[-1]["areal/over_stale_trained"] if steps else 0), "an over-stale group went uncounted"
 
 
 # ---------------------------------------------------------------- runs shared by several test modules
@@ -195,3 +230,38 @@ def observed_run(tiny_dir, tmp_path_factory):
         env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_LOG=str(log), AREAL_EXAMPLE_OBSERVER_MIN_REWARD="0.5"),
     )
     return steps, read_jsonl(log), tmp_path / "run"
+
+
+#: What GPU users run: bf16 mixed precision and packed sequences (the multi-turn pair runs with both on).
+GPU_NUMERICS = (
+    "actor_rollout_ref.model.use_remove_padding=true",
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+)
+
+
+@pytest.fixture(scope="session")
+def distinct_sums(tmp_path_factory) -> Path:
+    """Calculator problems without repeats, so GRPO groups are identified by their prompt."""
+    import pandas as pd
+
+    from areal_plugins.tiny.calculator import calculator_row
+    from areal_plugins.tiny.task import AdditionProblem
+
+    problems = [AdditionProblem(a, b) for a in range(10, 90, 11) for b in range(12, 99, 7)]
+    path = tmp_path_factory.mktemp("sums") / "train.parquet"
+    pd.DataFrame([calculator_row(p, "train", i) for i, p in enumerate(problems)]).to_parquet(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tool_runs(calculator_dir, distinct_sums, tmp_path_factory) -> tuple[Path, Path, Path]:
+    """Synchronous verl and ours at η = 0 on the calculator recipe (verl's tool_agent loop), both in bf16
+    with packed sequences; ours with the episodes recorded. Multi-turn and GPU numerics share one pair:
+    every verl start costs minutes of CI."""
+    recipe = "grpo_cpu_async_calculator.yaml"
+    sync = run_with_dump(recipe, calculator_dir, tmp_path_factory, distinct_sums, "areal.enable=false", *GPU_NUMERICS)
+    episodes = tmp_path_factory.mktemp("episodes") / "episodes.jsonl"
+    env = with_example_plugin(AREAL_EXAMPLE_OBSERVER_EPISODES=str(episodes))
+    overrides = ("areal.max_staleness=0", *GPU_NUMERICS)
+    eta0 = run_with_dump(recipe, calculator_dir, tmp_path_factory, distinct_sums, *overrides, env=env)
+    return sync, eta0, episodes

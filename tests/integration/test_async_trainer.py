@@ -11,6 +11,7 @@ import pytest
 
 from tests.integration.conftest import (
     SYNC_STEPS,
+    assert_within_staleness_bound,
     consumed_by_step,
     read_jsonl,
     run_with_dump,
@@ -42,15 +43,13 @@ def async_run(tiny_dir, long_response_model, tmp_path_factory) -> Path:
     return run_dir
 
 
-def test_no_consumed_sample_is_older_than_eta(async_run):
+def test_no_consumed_sample_is_older_than_eta_unless_counted(async_run):
     samples = read_jsonl(async_run / "areal_samples.jsonl")
     assert len(samples) == STEPS * BATCH * 8
-    for sample in samples:
-        staleness = sample["trainer_version"] - sample["head_version"]
-        assert 0 <= staleness <= ETA, sample
-        assert sample["tail_version"] <= sample["trainer_version"]
+    assert_within_staleness_bound(samples, read_jsonl(async_run / "areal_steps.jsonl"), ETA)
+    assert all(sample["tail_version"] <= sample["trainer_version"] for sample in samples)
     # η = 1 with admission ahead of training: some samples are one version old.
-    assert {s["trainer_version"] - s["head_version"] for s in samples} == {0, 1}
+    assert {0, 1} <= {s["trainer_version"] - s["head_version"] for s in samples}
 
 
 def test_interrupted_trajectories_carry_two_versions(async_run):

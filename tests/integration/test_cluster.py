@@ -17,11 +17,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import EXAMPLE_PLUGIN_DIR, kill_tree, read_jsonl, run_cli, start_cli, train_args
+from tests.integration.conftest import (
+    EXAMPLE_PLUGIN_DIR,
+    assert_within_staleness_bound,
+    cli_output,
+    kill_tree,
+    read_jsonl,
+    run_cli,
+    start_cli,
+    train_args,
+)
 
 pytestmark = pytest.mark.integration
 STEPS = 6
 LOST_AFTER_CHECKPOINT = 2
+MAX_STALENESS = 2  # the separate recipe's η
 
 
 class PluginInstalled:
@@ -83,7 +93,7 @@ def lost_node_run(cluster, tiny_dir, tmp_path_factory):
     try:
         deadline = time.monotonic() + 600
         while not (marker.exists() and marker.read_text().strip() == str(LOST_AFTER_CHECKPOINT)):
-            assert process.poll() is None, f"the run ended before its step-{LOST_AFTER_CHECKPOINT} checkpoint"
+            assert process.poll() is None, f"stopped before its checkpoint:\n{cli_output(process)}"
             assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
             time.sleep(0.2)
         engines_node = actors_by_class(run_dir)["CPURolloutServer"]["node_id"]
@@ -170,3 +180,16 @@ def test_the_resumed_run_on_a_replacement_node_loses_no_prompt(lost_node_run):
     steps = [s["step"] for s in read_jsonl(run_dir / "areal_steps.jsonl")]
     assert steps[-(STEPS - resumed_from) :] == list(range(resumed_from + 1, STEPS + 1))
     assert json.loads((run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text()) == STEPS
+
+
+def test_after_resume_each_group_is_trained_once_and_none_beyond_the_bound_uncounted(lost_node_run):
+    run_dir, before = lost_node_run["run_dir"], lost_node_run["before"]
+    resumed_from = lost_node_run["last_checkpoint"]
+    trained_before = {s["group"] for s in before["areal_samples.jsonl"] if s["step"] <= resumed_from}
+    after = read_jsonl(run_dir / "areal_samples.jsonl")
+    assert after and not {s["group"] for s in after} & trained_before, "a group trained before was trained again"
+    steps_of: dict[str, set[int]] = {}
+    for sample in after:
+        steps_of.setdefault(sample["group"], set()).add(sample["step"])
+    assert all(len(steps) == 1 for steps in steps_of.values())  # all of a group's trajectories in one step
+    assert_within_staleness_bound(after, read_jsonl(run_dir / "areal_steps.jsonl"), MAX_STALENESS)

@@ -1,4 +1,4 @@
-"""Faults inside a real run: a trainer worker that raises stops the run with its own error, checkpoint intact."""
+"""Faults inside a real run: a trainer worker that raises stops the run with its own error, checkpoints kept."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.integration.conftest import run_cli, train_args, train_tiny, with_exa
 pytestmark = pytest.mark.integration
 
 
-def test_a_trainer_worker_error_stops_the_run_and_the_last_checkpoint_resumes(tiny_dir, tmp_path):
+def test_a_trainer_worker_error_stops_the_run_with_its_own_error_and_every_finished_step_saved(tiny_dir, tmp_path):
     run_dir, observer_log = tmp_path / "run", tmp_path / "observer.jsonl"
     plugin_env = with_example_plugin(
         AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER="2",  # the trainer workers' loss fails at its 3rd call
@@ -37,9 +37,9 @@ def test_a_trainer_worker_error_stops_the_run_and_the_last_checkpoint_resumes(ti
     assert any(json.loads(line)["event"] == "reward" for line in observer_log.read_text().splitlines())
     latest = int((run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
     assert latest >= 1 and latest == max(completed)  # every completed step was saved, the failed one not
-    # The checkpoint is whole: the same run resumes from it (without the failing loss) and trains on.
-    steps = train_tiny("grpo_cpu_async.yaml", run_dir, tiny_dir, latest + 1, "trainer.save_freq=1", fixed_micro_batches)
-    assert [s["areal/trainer_version"] for s in steps] == [float(latest)]
+    # That a checkpoint saved before a failure resumes is test_cluster.py's (a lost node) and, in the full
+    # tier, test_resume.py's (SIGKILL): a third resume here would cost CI another verl start.
+    assert (run_dir / "checkpoints" / f"global_step_{latest}" / "areal_state.json").exists()
 
 
 def test_a_failed_rollout_group_is_reissued_and_trained_not_lost(tiny_dir, tmp_path):
@@ -89,7 +89,7 @@ def test_a_killed_cpu_rollout_server_stops_the_run_naming_it_instead_of_spinning
 
     import psutil
 
-    from tests.integration.conftest import kill_tree, read_jsonl, start_cli
+    from tests.integration.conftest import cli_output, kill_tree, read_jsonl, start_cli
 
     run_dir = tmp_path / "run"
     watchdog_s = 120
@@ -97,7 +97,7 @@ def test_a_killed_cpu_rollout_server_stops_the_run_naming_it_instead_of_spinning
     try:
         deadline = time.monotonic() + 600
         while len(read_jsonl(run_dir / "areal_steps.jsonl")) < 1:
-            assert process.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 1"
+            assert process.poll() is None and time.monotonic() < deadline, f"no step 1:\n{cli_output(process)}"
             time.sleep(0.5)
         servers = [
             p for p in psutil.process_iter(["cmdline"]) if "CPURolloutServer" in " ".join(p.info["cmdline"] or [])
@@ -125,17 +125,18 @@ def test_ctrl_c_checkpoints_and_stops_the_run_within_seconds_leaving_no_process(
 
     import psutil
 
-    from tests.integration.conftest import kill_tree, read_jsonl, start_cli
+    from tests.integration.conftest import cli_output, kill_tree, read_jsonl, run_processes, start_cli
 
-    before = set(psutil.pids())
     run_dir = tmp_path / "run"
     # Checkpoints every 5 steps: the stop checkpoints the last finished step on its way out.
     cli = start_cli(*train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 20, "trainer.save_freq=5"))
     try:
         deadline = time.monotonic() + 600
         while len(read_jsonl(run_dir / "areal_steps.jsonl")) < 1:
-            assert cli.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 1"
+            assert cli.poll() is None and time.monotonic() < deadline, f"no step 1:\n{cli_output(cli)}"
             time.sleep(0.5)
+        processes = run_processes(cli)  # this run's, not other processes on the machine
+        assert len(processes) >= 5, [p.name() for p in processes]  # driver, Ray's head, trainer, engine, ...
         os.killpg(cli.pid, signal.SIGINT)  # what Ctrl-C delivers to the foreground process group
         interrupted = time.monotonic()
         code = cli.wait(timeout=120)
@@ -151,11 +152,10 @@ def test_ctrl_c_checkpoints_and_stops_the_run_within_seconds_leaving_no_process(
     assert f"stopped on request (Ctrl-C or SIGTERM) after step {trained}" in (run_dir / "train.log").read_text()
     time.sleep(3)
     left = []
-    for pid in set(psutil.pids()) - before:  # every process started since, still alive: Ray's, verl's, engines
+    for process in processes:  # is_running() also compares the start time: a reused pid is not this process
         try:
-            process = psutil.Process(pid)
-            if process.status() != psutil.STATUS_ZOMBIE and pid != os.getpid():
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
                 left.append(" ".join(process.cmdline())[:120])
         except psutil.NoSuchProcess:
             continue
-    assert not [c for c in left if "ray" in c or "verl" in c or "areal" in c or "python" in c], left
+    assert not left, left

@@ -2,40 +2,37 @@
 
 verl 0.9.1 falls back to pure-torch unpad/pad without flash-attention, transformers builds block-causal
 masks from packed position ids, and torch computes bf16 on CPU: η = 0 must still train synchronous verl's
-samples to synchronous verl's losses, within what bf16 allows.
+samples to synchronous verl's losses, within what bf16 allows. The pair is the multi-turn one (``tool_runs``
+in conftest.py: verl's tool_agent loop, calculator tool), so packing also meets masked tool observations.
 
 Tolerances. Both runs recompute log-probs with the bf16 trainer; synchronous verl's loss uses those alone,
 ours also weights each token by w = π_prox/π_behav, where π_behav comes from the engine in fp32. bf16 keeps
 8 bits of mantissa (relative precision 2^-8 ≈ 0.4%): the trainer's log-probs differ from the engine's by
-~0.005 per token (measured: verl's ``rollout_corr/log_ppl_abs_diff`` 0.0046-0.0054), so w = 1 ± ~0.5% per
-token (max 1.025 measured). The loss, a token mean of A·w with group-normalised advantages |A| ≲ 2.5, moves
-by about mean|A|·|w - 1| ≈ 1e-3 (measured 1.1e-3 and 7e-5 over two steps): tolerance 5e-3 absolute. The
-gradient norm moves by the same relative amount as w (measured 0.6% and 0.3%): tolerance 2%. In fp32 the
-same comparison holds to 1e-3 relative (``test_async_trainer.py``).
+~0.005 per token (docs/results/bf16.md), so w = 1 ± ~0.5% per token (max measured: 1.03 single-turn, 1.08
+with this pair's longer multi-turn responses). The loss, a token mean of A·w with group-normalised
+advantages |A| ≲ 2.5, moves by about mean|A|·|w - 1| ≈ 1e-3: tolerance 5e-3 absolute.
+
+The gradient norm has no such bound: the gradient is a sum in which advantages of both signs cancel, so a
+0.5% change per term can move its norm by more. Step 1 trains the same weights in both runs: measured 0.3%
+and 0.6% (single-turn, this machine), 2.1% (single-turn, CI's machine: bf16 kernels differ by CPU
+instruction set), 1.9% (this pair): tolerance 5%. From step 2 on the runs train slightly different weights
+(Adam's first update is ~lr·sign(g), which flips wherever bf16 noise decides a sign): measured 3.4% (this
+pair), tolerance 10%. Both still catch a loss scaled by a wrong count (x2 for two micro-batches). In fp32
+the same comparison holds to 1e-3 relative (``test_async_trainer.py``).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.integration.conftest import SYNC_STEPS, consumed_by_step, read_jsonl, run_with_dump
+from tests.integration.conftest import SYNC_STEPS, consumed_by_step, read_jsonl
 
 pytestmark = pytest.mark.integration
 
-GPU_NUMERICS = (
-    "actor_rollout_ref.model.use_remove_padding=true",
-    "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
-)
-
 
 @pytest.fixture(scope="module")
-def bf16_packed_pair(tiny_dir, distinct_prompts, tmp_path_factory) -> tuple[Path, Path]:
-    sync = run_with_dump("grpo_cpu_sync.yaml", tiny_dir, tmp_path_factory, distinct_prompts, *GPU_NUMERICS)
-    eta0 = run_with_dump(
-        "grpo_cpu_async.yaml", tiny_dir, tmp_path_factory, distinct_prompts, "areal.max_staleness=0", *GPU_NUMERICS
-    )
+def bf16_packed_pair(tool_runs):
+    sync, eta0, _ = tool_runs
     return sync, eta0
 
 
@@ -54,7 +51,8 @@ def test_bf16_packed_eta0_losses_match_synchronous_verl(bf16_packed_pair):
         a, b = a["data"], b["data"]
         assert a["critic/score/mean"] == b["critic/score/mean"]
         assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], abs=5e-3)
-        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=2e-2)
+        tolerance = 0.05 if a["training/global_step"] == 1 else 0.10  # same weights at step 1 only
+        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=tolerance)
 
 
 def test_bf16_noise_alone_keeps_the_behaviour_weights_near_one_and_uncapped(bf16_packed_pair):
@@ -63,7 +61,7 @@ def test_bf16_noise_alone_keeps_the_behaviour_weights_near_one_and_uncapped(bf16
     for row in read_jsonl(eta0 / "metrics.jsonl"):
         data = row["data"]
         assert data["actor/areal/behav_imp_weight_mean"] == pytest.approx(1.0, abs=0.01)
-        assert 1.0 < data["actor/areal/behav_imp_weight_max"] < 1.1
+        assert 1.0 < data["actor/areal/behav_imp_weight_max"] < 1.25  # the cap is 5
         assert data["actor/areal/behav_imp_weight_capped_frac"] == 0.0
 
 

@@ -15,7 +15,6 @@ from tests.integration.conftest import (
     SYNC_STEPS,
     consumed_by_step,
     read_jsonl,
-    run_with_dump,
     train_tiny,
     with_example_plugin,
 )
@@ -26,31 +25,7 @@ BATCH, GROUP = 16, 8
 
 
 # ---------------------------------------------------------------- verl's tool_agent loop, calculator tool
-
-
-@pytest.fixture(scope="module")
-def distinct_sums(tmp_path_factory) -> Path:
-    """Calculator problems without repeats, so GRPO groups are identified by their prompt."""
-    import pandas as pd
-
-    from areal_plugins.tiny.calculator import calculator_row
-    from areal_plugins.tiny.task import AdditionProblem
-
-    problems = [AdditionProblem(a, b) for a in range(10, 90, 11) for b in range(12, 99, 7)]
-    path = tmp_path_factory.mktemp("sums") / "train.parquet"
-    pd.DataFrame([calculator_row(p, "train", i) for i, p in enumerate(problems)]).to_parquet(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tool_runs(calculator_dir, distinct_sums, tmp_path_factory) -> tuple[Path, Path, Path]:
-    """Synchronous verl and ours at η = 0 on the calculator recipe; ours with the episodes recorded."""
-    recipe = "grpo_cpu_async_calculator.yaml"
-    sync = run_with_dump(recipe, calculator_dir, tmp_path_factory, distinct_sums, "areal.enable=false")
-    episodes = tmp_path_factory.mktemp("episodes") / "episodes.jsonl"
-    env = with_example_plugin(AREAL_EXAMPLE_OBSERVER_EPISODES=str(episodes))
-    eta0 = run_with_dump(recipe, calculator_dir, tmp_path_factory, distinct_sums, "areal.max_staleness=0", env=env)
-    return sync, eta0, episodes
+# The pair (``tool_runs``, in conftest.py) runs in bf16 with packed sequences, as on GPUs.
 
 
 def test_eta0_multi_turn_trains_the_episodes_and_losses_of_synchronous_verl(tool_runs):
@@ -63,7 +38,7 @@ def test_eta0_multi_turn_trains_the_episodes_and_losses_of_synchronous_verl(tool
     for a, b in zip(read_jsonl(sync / "metrics.jsonl"), read_jsonl(eta0 / "metrics.jsonl"), strict=True):
         a, b = a["data"], b["data"]
         assert a["critic/score/mean"] == b["critic/score/mean"]
-        assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-3, abs=1e-5)
+    # The losses, within what bf16 allows: test_gpu_numerics.py (the pair runs in bf16, packed).
 
 
 def test_every_generated_token_is_trained_with_its_version_and_the_tools_answer_is_not(tool_runs, calculator_dir):

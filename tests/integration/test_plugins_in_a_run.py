@@ -41,7 +41,7 @@ def test_the_plugin_is_loaded_in_the_worker_processes_too(observed_run):
     assert loss_pids and reward_pids and not loss_pids & reward_pids
 
 
-def test_ffd_micro_batches_and_reward_service_metrics(observed_run):
+def test_micro_batch_partitioner_and_reward_service_metrics(observed_run):
     steps, _, run_dir = observed_run
     packs = read_jsonl(run_dir / "micro_batches.jsonl")
     # verl's actor split its batches through our packing, every sequence once; the CPU recipes pad each

@@ -336,3 +336,15 @@ def test_a_group_past_eta_at_consumption_is_generated_again_not_trained_or_dropp
     assert [g.group_id for g in taken] == ["p0"] and taken[0].head_versions == [2] and stale == []
     assert loop.reissued_stale_groups == 1
     check_accounting(loop, submitted)
+
+
+def test_startup_is_refused_unless_verl_fetches_prompts_one_at_a_time():
+    """Admission submits any count; verl 0.9.1 fetches in gen_batch_size chunks and forces 1 outside sync mode."""
+    from omegaconf import OmegaConf
+
+    from areal_plugins.trainers.admission import require_single_prompt_fetches
+
+    require_single_prompt_fetches(OmegaConf.create({"gen_batch_size": 1}))
+    for fetch in (None, 16):
+        with pytest.raises(RuntimeError, match=rf"data.gen_batch_size={fetch}.*not supported"):
+            require_single_prompt_fetches(OmegaConf.create({"gen_batch_size": fetch}))

@@ -14,9 +14,36 @@ def tiny_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("AREAL_TINY_DIR", str(tmp_path))
 
 
-@pytest.mark.parametrize("backend", ["areal_cpu", "areal_vllm"])
-def test_our_backends_provide_everything(backend):
-    assert check_backend_capabilities(backend) == []
+def test_every_capability_is_kept_by_abstract_methods_of_the_server_contract():
+    """A server class that declares a capability cannot be instantiated without the methods that keep it."""
+    from areal_plugins.rollout.base import RolloutServer
+    from areal_plugins.rollout.capabilities import CONTRACT_METHODS
+
+    assert set(CONTRACT_METHODS) == set(CAPABILITIES) == set(RolloutServer.capabilities)
+    for capability, methods in CONTRACT_METHODS.items():
+        for method in methods:
+            assert method in RolloutServer.__abstractmethods__, f"{capability}: {method} is not abstract"
+
+
+def test_a_backend_that_narrows_its_capabilities_is_refused_naming_what_it_dropped(monkeypatch):
+    import sys
+    import types
+
+    from areal_plugins.rollout import verl_registration
+    from areal_plugins.rollout.cpu.server import CPURolloutServer
+
+    class NoChecksumServer(CPURolloutServer):
+        capabilities = CPURolloutServer.capabilities - {"weight_checksum"}
+
+    module = types.ModuleType("no_checksum_backend")
+    module.NoChecksumServer = NoChecksumServer
+    monkeypatch.setitem(sys.modules, "no_checksum_backend", module)
+    monkeypatch.setitem(verl_registration.BACKENDS, "no_checksum", "no_checksum_backend:NoChecksumServer")
+    with pytest.raises(ArealConfigError) as refused:
+        check_backend_capabilities("no_checksum")
+    assert "- weight_checksum:" in str(refused.value) and "progress_stats" not in str(refused.value)
+    assert check_backend_capabilities("no_checksum", ["weight_checksum"]) == ["weight_checksum"]
+    assert check_backend_capabilities("areal_cpu") == check_backend_capabilities("areal_vllm") == []
 
 
 def test_verls_vllm_is_refused_naming_what_it_lacks_and_the_way_out():

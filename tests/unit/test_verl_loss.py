@@ -46,12 +46,11 @@ def reference_token_mean(old, new, behav, adv, mask, cap=None, mode="mask"):
 
 
 def verl_truncated_weights(old, behav, mask, threshold):
-    """What verl's rollout correction hands the loss for ``threshold`` (its documented semantics)."""
-    w = torch.exp(old - behav) * mask
-    if isinstance(threshold, str):
-        lower, upper = (float(x) for x in threshold.split("_"))
-        return torch.where((w >= lower) & (w <= upper), w, torch.zeros_like(w))
-    return w.clamp(max=threshold)
+    """What verl's rollout correction hands the loss for ``threshold``: verl's own function, as routed."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+
+    weights, _ = compute_rollout_correction_weights(old - behav, mask.to(old.dtype), "token", threshold)
+    return weights
 
 
 def test_micro_batches_sum_to_the_global_token_mean():

@@ -142,7 +142,7 @@ def _record(lengths: list[int], groups: list[list[int]], capacity: int, strategy
     append_record(LOG_NAME, line)
 
 
-PATCH = AttributePatch("ffd_micro_batches", TARGETS, _make_replacement, SUPPORTED_VERL)
+PATCH = AttributePatch("micro_batch_partitioner", TARGETS, _make_replacement, SUPPORTED_VERL)
 apply = PATCH.apply
 revert = PATCH.revert
 is_applied = PATCH.is_applied

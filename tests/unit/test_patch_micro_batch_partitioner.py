@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from areal_plugins.patches import ffd_micro_batches
+from areal_plugins.patches import micro_batch_partitioner
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine import utils as engine_utils
@@ -16,9 +16,9 @@ from areal_plugins import patches
 
 @pytest.fixture
 def patched():
-    ffd_micro_batches.apply()
+    micro_batch_partitioner.apply()
     yield
-    ffd_micro_batches.revert()
+    micro_batch_partitioner.revert()
 
 
 def padded_batch(lengths, width=10):
@@ -58,28 +58,28 @@ def test_verl_would_partition_differently(patched):
     data = padded_batch([4, 4, 3, 3, 3, 3])
     _, ffd_indices = engine_utils.prepare_micro_batches(data)
     assert ffd_indices == [[0, 1], [2, 3, 4], [5]]
-    original = ffd_micro_batches.PATCH.original("verl.workers.engine.utils", "rearrange_micro_batches")
+    original = micro_batch_partitioner.PATCH.original("verl.workers.engine.utils", "rearrange_micro_batches")
     _, verl_indices = original(padded_batch([4, 4, 3, 3, 3, 3]), max_token_len=10)
     assert len(verl_indices) == 2 and all(sorted(g)[0] in (0, 1) and len(g) == 3 for g in verl_indices)
 
 
 def test_revert_restores_verls_partitioner():
     before = engine_utils.rearrange_micro_batches
-    ffd_micro_batches.apply()
+    micro_batch_partitioner.apply()
     assert engine_utils.rearrange_micro_batches is not before
-    ffd_micro_batches.revert()
+    micro_batch_partitioner.revert()
     assert engine_utils.rearrange_micro_batches is before
 
 
 def test_apply_is_idempotent():
     before = engine_utils.rearrange_micro_batches
     try:
-        ffd_micro_batches.apply()
+        micro_batch_partitioner.apply()
         first = engine_utils.rearrange_micro_batches
-        ffd_micro_batches.apply()
+        micro_batch_partitioner.apply()
         assert engine_utils.rearrange_micro_batches is first  # not a patch of the patch
     finally:
-        ffd_micro_batches.revert()
+        micro_batch_partitioner.revert()
     assert engine_utils.rearrange_micro_batches is before
 
 
@@ -88,8 +88,8 @@ def test_refused_on_unsupported_verl():
 
     before = engine_utils.rearrange_micro_batches
     with pytest.raises(UnsupportedVerlVersionError, match=r"verl 0\.10\.0 is installed"):
-        ffd_micro_batches.apply(verl_version="0.10.0")
-    assert not ffd_micro_batches.is_applied() and engine_utils.rearrange_micro_batches is before
+        micro_batch_partitioner.apply(verl_version="0.10.0")
+    assert not micro_batch_partitioner.is_applied() and engine_utils.rearrange_micro_batches is before
 
 
 def test_a_patch_that_fails_on_its_second_target_changes_nothing():
@@ -125,11 +125,11 @@ def test_grouped_samples_keep_verls_partitioner(patched):
 
 
 def test_enabled_only_by_the_setting():
-    assert ffd_micro_batches not in patches.enabled_patches({"areal": {"enable": True}})
+    assert micro_batch_partitioner not in patches.enabled_patches({"areal": {"enable": True}})
     on = {"areal": {"enable": True, "micro_batch": {"max_tokens": 512}}}
-    assert ffd_micro_batches in patches.enabled_patches(on)
+    assert micro_batch_partitioner in patches.enabled_patches(on)
     off = {"areal": {"enable": False, "micro_batch": {"max_tokens": 512}}}
-    assert ffd_micro_batches not in patches.enabled_patches(off)
+    assert micro_batch_partitioner not in patches.enabled_patches(off)
 
 
 def _agree(rank, port, lengths, results):
@@ -137,7 +137,7 @@ def _agree(rank, port, lengths, results):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        results[rank] = ffd_micro_batches.ffd_partition_agreed(lengths[rank], 10, 1, dp_group=dist.group.WORLD)
+        results[rank] = micro_batch_partitioner.ffd_partition_agreed(lengths[rank], 10, 1, dp_group=dist.group.WORLD)
     finally:
         dist.destroy_process_group()
 
