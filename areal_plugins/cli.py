@@ -338,7 +338,10 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
     (run_dir / "command.txt").write_text(" ".join(command) + "\n")
     stop_request = run_dir / STOP_REQUEST_FILE
     stop_request.unlink(missing_ok=True)  # a request left by an earlier (stopped) run of this directory
-    saves_checkpoints = float(_recipe_value(recipe, overrides, "trainer", "save_freq") or -1) > 0
+    # Only the areal_async trainer reads the stop request (between two steps); verl's own trainers and
+    # areal.mode=sync get SIGTERM at once.
+    stops_between_steps = bool(config.areal.enable) and config.areal.mode == "async"
+    saves_checkpoints = float(config.trainer.save_freq or -1) > 0 and stops_between_steps
     total = _total_steps(recipe, overrides)
     logger.info("run directory %s (full log: train.log, metrics: metrics.jsonl)", run_dir)
     started = time.monotonic()

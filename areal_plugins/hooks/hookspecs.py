@@ -3,6 +3,11 @@
 Specs only: implementations live in ``areal_plugins/builtin/`` (``trylast`` defaults) and in
 third-party plugins registered through the ``areal_plugins`` entry-point group. Every hook here is
 listed with its exact signature in ``docs/hooks.md`` (a test enforces it).
+
+``config`` means one thing per hook, by where the hook runs: the whole composed recipe (an OmegaConf
+``DictConfig``) on the driver; the ``{"areal": ...}`` mapping a reward worker receives; None in a trainer
+worker, which has no recipe. The objects the rollout hooks return are typed by the Protocols of
+:mod:`areal_plugins.hooks.contracts`.
 """
 
 from __future__ import annotations
@@ -12,9 +17,12 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
+
+    from omegaconf import DictConfig
 
     from areal_plugins.core.trajectory import Trajectory
+    from areal_plugins.hooks.contracts import RolloutManager, SampleBuffer
 
 PROJECT_NAME = "areal_plugins"
 
@@ -25,7 +33,7 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 
 
 @hookspec
-def areal_validate_config(config: Any) -> None:
+def areal_validate_config(config: DictConfig) -> None:
     """Check the ``areal:`` settings before anything starts; raise ``ValueError`` to refuse them.
 
     The return value is ignored; raise with a message naming the YAML path to change.
@@ -40,11 +48,11 @@ def areal_validate_config(config: Any) -> None:
 
 
 @hookspec(firstresult=True)
-def areal_make_sample_buffer(config: Any) -> Any:
+def areal_make_sample_buffer(config: DictConfig) -> SampleBuffer | None:
     """Create the buffer that holds finished, accepted rollout groups until the trainer takes them.
 
-    Return the buffer (an object with ``put(group)``, ``take(count, trainer_version, timeout)`` and
-    ``__len__``, like :class:`areal_plugins.core.buffer.SampleBuffer`), or None to let the next
+    Return the buffer (the :class:`~areal_plugins.hooks.contracts.SampleBuffer` contract, checked at
+    startup; ``areal_plugins.testing.check_sample_buffer`` checks its behaviour), or None to let the next
     implementation decide.
 
     :param config: the composed recipe (``config.areal`` holds our settings).
@@ -57,18 +65,17 @@ def areal_make_sample_buffer(config: Any) -> Any:
 
 @hookspec(firstresult=True)
 def areal_make_rollout_manager(
-    config: Any,
-    buffer: Any,
+    config: DictConfig,
+    buffer: SampleBuffer,
     submit_prompts: Callable[[int], int],
-    accept_trajectory: Callable[[Any], bool],
+    accept_trajectory: Callable[[Trajectory], bool],
     reissue_prompts: Callable[[list[str]], None],
-) -> Any:
+) -> RolloutManager | None:
     """Create the manager that admits rollouts within the staleness bound and fills ``buffer``.
 
-    Return the manager (an object with ``start()``, ``stop()``, ``pause()``, ``resume(version)``,
-    ``check_alive()`` and a ``controller`` holding ``running``/``accepted``/``rejected``, like
-    :class:`areal_plugins.trainers.admission.AdmissionLoop`; ``areal.on_stale: reissue`` also needs
-    ``reissue_stale(groups)``), or None to defer.
+    Return the manager (the :class:`~areal_plugins.hooks.contracts.RolloutManager` contract, its
+    ``controller`` the :class:`~areal_plugins.hooks.contracts.AdmissionCounters` one; both checked at
+    startup), or None to defer.
 
     :param config: the composed recipe.
     :param buffer: what ``areal_make_sample_buffer`` returned.
@@ -86,7 +93,7 @@ def areal_make_rollout_manager(
 
 
 @hookspec(firstresult=True)
-def areal_make_reward_fn(config: Any) -> Callable[..., float] | None:
+def areal_make_reward_fn(config: Mapping[str, Any]) -> Callable[..., float] | None:
     """Return the reward function ``(data_source, solution_str, ground_truth, extra_info) -> float``.
 
     Return None to let the next implementation decide.
@@ -102,7 +109,7 @@ def areal_make_reward_fn(config: Any) -> Callable[..., float] | None:
 
 
 @hookspec(firstresult=True)
-def areal_make_policy_loss(config: Any) -> Callable[..., Any] | None:
+def areal_make_policy_loss(config: None) -> Callable[..., Any] | None:
     """Return the policy loss the trainer optimises, or None to let the next implementation decide.
 
     The function takes the arguments of :func:`areal_plugins.core.losses.decoupled_ppo_loss`
@@ -151,8 +158,11 @@ def areal_before_weight_update(version: int) -> None:
 
     :param version: the version about to be loaded.
 
-    Called from: verl's TaskRunner in the async trainer, after admission paused and before the
-    engines are interrupted.
+    Called from: verl's TaskRunner in the async trainer, after the step trained and admission paused,
+    before the weights are sent. Where the engines stand then depends on the placement: ``colocated``
+    engines were already interrupted and put to sleep when sampling ended (they share the trainer's
+    devices); ``separate`` engines are still generating, and verl's checkpoint engine interrupts them
+    as the transfer starts.
     Default: none.
     """
 

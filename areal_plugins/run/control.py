@@ -1,10 +1,14 @@
 """Stopping a run the CLI started: Ctrl-C and SIGTERM stop it within seconds and leave no process behind.
 
-verl's ``main_ppo`` runs in a process group of its own. The first SIGINT or SIGTERM the CLI receives
-sends SIGTERM to that group and, if it is still there after :data:`GRACE_S`, SIGKILL; a second one
-sends SIGKILL at once. Whatever the run started and left behind (Ray's daemons and workers, engine
-servers) carries the run directory in its environment (``AREAL_RUN_DIR``, inherited from verl's
-driver) and is killed after the driver is gone.
+verl's ``main_ppo`` runs in a process group of its own. On the first SIGINT or SIGTERM the CLI receives:
+when the run is ``areal_async`` with checkpoints on (``trainer.save_freq > 0``), it writes
+:data:`STOP_REQUEST_FILE` into the run directory, which the trainer reads between two steps (it
+checkpoints the last finished step and stops), and sends SIGTERM only if verl is still running after
+:data:`STOP_WAIT_S`; otherwise (verl's own trainers, ``areal.mode: sync``, no checkpoints) it sends
+SIGTERM at once. SIGKILL follows SIGTERM after :data:`GRACE_S`; a second signal sends SIGKILL at once.
+Whatever the run started and left behind (Ray's daemons and workers, engine servers) carries the run
+directory in its environment (``AREAL_RUN_DIR``, inherited from verl's driver) and is killed after the
+driver is gone.
 """
 
 from __future__ import annotations

@@ -79,6 +79,7 @@ class AdmissionLoop:
         self.failed_groups = 0
         self.reissued_groups = 0
         self.reissued_stale_groups = 0
+        self.dropped_stale_groups = 0
         self.failure_limit = failure_limit
         self.reissue = reissue
         self.attempts_per_group = attempts_per_group
@@ -151,6 +152,16 @@ class AdmissionLoop:
             self.reissue(uids)
             self._handled.difference_update(uids)
             self.reissued_stale_groups += len(uids)
+
+    def drop_stale(self, groups: list[BufferedGroup]) -> None:
+        """Reject accepted groups that are past η at consumption (``areal.on_stale: drop``): their prompt and
+        trajectories leave TransferQueue and their slots are freed, counted in ``dropped_stale_groups``."""
+        with self._poll_lock:
+            keys = [key for group in groups for key in (group.group_id, *group.keys)]
+            if keys:
+                self.store.kv_clear(keys=keys, partition_id=PARTITION)
+            self.controller.on_drop_accepted(len(groups))
+            self.dropped_stale_groups += len(groups)
 
     def check_alive(self) -> None:
         """Raise the admission thread's error in the trainer thread, where verl reports it."""

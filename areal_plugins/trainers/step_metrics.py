@@ -1,11 +1,14 @@
-"""Per-step metrics of the async trainer (namespaced ``areal/``), computed from consumed groups."""
+"""Per-step metrics of the async trainer (namespaced ``areal/``), and the records written from them."""
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Any
 
 from areal_plugins.core.buffer import BufferedGroup
+
+logger = logging.getLogger(__name__)
 
 
 def consumed_metrics(groups: list[BufferedGroup], trainer_version: int) -> dict[str, float]:
@@ -82,3 +85,64 @@ def rollout_rates(before: dict[str, Any] | None, after: dict[str, Any] | None, w
         "areal/gen_tokens_per_s": tokens / wall_s,
         "areal/engine_restarts": float(after.get("restarts", 0)),  # since the run started
     }
+
+
+#: The rollout manager's counters since the start, logged every step as ``areal/<name>``.
+MANAGER_COUNTERS = (
+    "rejected_trajectories",
+    "failed_groups",
+    "reissued_groups",
+    "reissued_stale_groups",
+    "dropped_stale_groups",
+)
+
+
+def admission_metrics(manager: Any, buffer: Any) -> dict[str, float]:
+    """Where admission stands after a step took its batch (the contracts of hooks/contracts.py)."""
+    controller = manager.controller
+    metrics = {
+        "areal/buffer_size": float(len(buffer)),
+        "areal/running": float(controller.running),
+        "areal/accepted": float(controller.accepted),
+        "areal/rejected": float(controller.rejected),
+        "areal/over_stale_trained": float(buffer.over_stale_kept),
+    }
+    return metrics | {f"areal/{name}": float(getattr(manager, name)) for name in MANAGER_COUNTERS}
+
+
+def write_step_line(
+    recorder: Any, metrics: dict, step: int, step_s: float, wait_s: float, started: float, now: float
+) -> None:
+    """Our record of step ``step`` (``areal_steps.jsonl``) and the trainer's span on the timeline; ``step_s``:
+    the step's time, ``wait_s``: of it, the time spent waiting for samples."""
+    if step_s > 0:
+        metrics["areal/trainer_idle_ratio"] = min(1.0, wait_s / step_s)
+        metrics["areal/train_tokens_per_s"] = metrics.get("areal/consumed_response_tokens", 0.0) / step_s
+    recorder.write("timeline.jsonl", {"who": "trainer", "what": "step", "start": started, "end": now, "step": step})
+    recorder.write(
+        "areal_steps.jsonl", {"step": step, "time": now} | {k: v for k, v in metrics.items() if k.startswith("areal/")}
+    )
+
+
+def write_accounting(recorder: Any, manager: Any, buffer: Any, submitted: int, counts: Any, version: int) -> None:
+    """Where every submitted rollout group ended up (``areal_accounting.jsonl``), at the end of a run."""
+    record = {
+        "submitted": submitted,
+        **manager.controller.state_dict(),
+        "consumed": counts.consumed_groups,
+        "buffered": len(buffer),
+        **{name: getattr(manager, name) for name in MANAGER_COUNTERS},
+        "version": version,
+    }
+    recorder.write("areal_accounting.jsonl", record)
+    logger.info("areal_async accounting: %s", record)
+
+
+def write_samples(recorder: Any, groups: list[BufferedGroup], step: int, trainer_version: int) -> None:
+    """One ``areal_samples.jsonl`` line per trajectory step ``step`` trains, with its versions."""
+    for group in groups:
+        for key, info in zip(group.keys, group.info, strict=True):
+            recorder.write(
+                "areal_samples.jsonl",
+                {"step": step, "trainer_version": trainer_version, "group": group.group_id, "key": key} | info,
+            )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from areal_plugins import hookimpl
 
@@ -59,8 +60,13 @@ def areal_accept_trajectory(trajectory):
 
 
 @hookimpl
+def areal_before_weight_update(version):
+    _record("before_weight_update", version=version, time=time.time())
+
+
+@hookimpl
 def areal_on_weights_updated(version):
-    _record("weights_updated", version=version)
+    _record("weights_updated", version=version, time=time.time())
 
 
 @hookimpl

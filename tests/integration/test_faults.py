@@ -43,12 +43,13 @@ def test_a_trainer_worker_error_stops_the_run_with_its_own_error_and_every_finis
 
 
 def test_a_failed_rollout_group_is_reissued_and_trained_not_lost(tiny_dir, tmp_path):
-    """A group whose agent loop raises is sent again from the prompt verl keeps, not dropped as rejected."""
+    """A group whose agent loop raises is sent again from the prompt verl keeps, not dropped as rejected; the
+    run's sample buffer is a third party's (the plugin guide's conformance-kit example)."""
     import os
 
     from tests.integration.conftest import read_jsonl
 
-    run_dir, markers = tmp_path / "run", tmp_path / "failed_prompts"
+    run_dir, markers, takes = tmp_path / "run", tmp_path / "failed_prompts", tmp_path / "fifo_takes.jsonl"
     loops = tmp_path / "agent_loops.yaml"
     loops.write_text(
         "- name: fail_first_attempt\n"
@@ -67,8 +68,12 @@ def test_a_failed_rollout_group_is_reissued_and_trained_not_lost(tiny_dir, tmp_p
         "areal.max_staleness=0",
         f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
         "actor_rollout_ref.rollout.agent.default_agent_loop=fail_first_attempt",
-        env=with_example_plugin(),
+        # The sample buffer of a third party, written from the plugin guide alone (docs_only_fifo_buffer.py).
+        "areal.plugins.include=[fifo_buffer]",
+        env=with_example_plugin(AREAL_FIFO_BUFFER_LOG=str(takes)),
     )
+    # Every trained group went through the guide's buffer: the driver used it for both steps.
+    assert [(t["version"], len(t["groups"])) for t in read_jsonl(takes)] == [(0, 16), (1, 16)]
     failed = sorted(os.listdir(markers))  # the agent loop's own record of the prompts it failed once
     assert len(failed) == 3
     assert "deliberate failure of the first attempt" in (run_dir / "train.log").read_text()

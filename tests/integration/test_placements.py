@@ -27,6 +27,20 @@ def test_colocated_engines_sleep_with_weights_released_and_wake_with_the_new_one
         assert woken and woken[-1]["time"] > before[1]["time"]
 
 
+def test_the_weight_update_hooks_fire_where_the_hook_docs_say(observed_run):
+    """hookspecs.py: colocated engines are asleep when areal_before_weight_update fires (they slept when sampling
+    ended), the weights load after it, and areal_on_weights_updated follows the engine's load of that version."""
+    _, hooks, run_dir = observed_run
+    engine = [e for e in read_jsonl(run_dir / "replica_events.jsonl") if e["replica"] == 0]
+    before = {e["version"]: e["time"] for e in hooks if e["event"] == "before_weight_update"}
+    after = {e["version"]: e["time"] for e in hooks if e["event"] == "weights_updated"}
+    assert sorted(before) == list(range(1, OBSERVED_STEPS + 1))  # not for the initial sync (version 0)
+    for version, fired in before.items():
+        loaded = next(e["time"] for e in engine if e["event"] == "update" and e["version"] == version)
+        slept = max(e["time"] for e in engine if e["event"] == "sleep" and e["time"] < loaded)
+        assert slept < fired < loaded < after[version], (version, slept, fired, loaded, after[version])
+
+
 SEPARATE_STEPS = 3
 
 

@@ -120,11 +120,12 @@ def test_a_dead_actor_is_named_by_its_role_in_the_run(class_name, expected):
 
 def test_a_rollout_server_found_dead_by_the_statistics_look_is_named_with_its_node(monkeypatch):
     # The step's look at the engines' statistics may see a lost node first: the run's error must still name it.
-    import threading
-
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
-    from areal_plugins.trainers.async_trainer import ArealAsyncTrainer, RolloutServerDiedError
+    from areal_plugins.run.records import RunRecorder
+    from areal_plugins.trainers.async_trainer import ArealAsyncTrainer
+    from areal_plugins.trainers.engine_stats import EngineStats, RolloutServerDiedError
+    from areal_plugins.trainers.supervision import Supervisor
 
     cluster = Cluster([actor("s1", "CPURolloutServer")])
     liveness = ActorLiveness(cluster)
@@ -136,8 +137,9 @@ def test_a_rollout_server_found_dead_by_the_statistics_look_is_named_with_its_no
 
     monkeypatch.setattr(PPOTrainer, "fit", fit)
     trainer = object.__new__(ArealAsyncTrainer)
-    trainer._actor_liveness, trainer._monitor_stop, trainer._stall_guard, trainer.manager = (
-        liveness, threading.Event(), None, None
-    )  # fmt: skip
+    trainer.manager = None
+    trainer.engine_stats = EngineStats("areal_cpu", lambda: None, RunRecorder())
+    trainer.supervisor = Supervisor(trainer, 60.0, trainer.engine_stats, RunRecorder(), lambda: None)
+    trainer.supervisor.liveness = liveness
     with pytest.raises(RunActorDiedError, match=r"rollout server CPURolloutServer \(pid 42, node abababab\) died"):
         trainer.fit(None)

@@ -88,8 +88,10 @@ def test_settings_is_a_leaf():
     assert import_graph()["areal_plugins.config.settings"] == set(), "settings.py must import nothing of the package"
 
 
-def test_hook_specs_import_only_the_core_for_types():
-    assert import_graph()["areal_plugins.hooks.hookspecs"] <= {"areal_plugins.core.trajectory"}
+def test_hook_specs_import_only_the_core_and_the_contracts_for_types():
+    graph = import_graph()
+    assert graph["areal_plugins.hooks.hookspecs"] <= {"areal_plugins.core.trajectory", "areal_plugins.hooks.contracts"}
+    assert graph["areal_plugins.hooks.contracts"] <= {"areal_plugins.core.buffer"}
 
 
 def test_the_core_imports_neither_verl_nor_ray():

@@ -1,0 +1,146 @@
+"""What the async trainer requires of the objects the rollout hooks return, as ``typing.Protocol``s.
+
+``areal_make_sample_buffer`` returns a :class:`SampleBuffer`; ``areal_make_rollout_manager`` returns a
+:class:`RolloutManager`, whose ``controller`` is a :class:`AdmissionCounters`. These are the whole contract:
+the trainer calls nothing else on them, and checks at startup that an object returned by a plugin has every
+member (:func:`missing_members`), naming what is missing. ``areal_plugins.testing`` checks behaviour too
+(the conformance kit, docs/guides/plugins.md). The defaults: :class:`areal_plugins.core.buffer.SampleBuffer`,
+:class:`areal_plugins.trainers.admission.AdmissionLoop` and
+:class:`areal_plugins.core.staleness.StalenessController`.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from areal_plugins.core.buffer import BufferedGroup
+
+
+@runtime_checkable
+class SampleBuffer(Protocol):
+    """Finished, accepted rollout groups, held until the trainer takes them."""
+
+    #: Groups handed out by :meth:`take` although older than η (``on_stale: wait``), since the start.
+    over_stale_kept: int
+
+    def put(self, group: BufferedGroup) -> None:
+        """Hold ``group`` (called from the admission thread; the buffer must be thread-safe)."""
+
+    def take(
+        self, count: int, trainer_version: int, timeout: float | None = None
+    ) -> tuple[list[BufferedGroup], list[BufferedGroup]]:
+        """Wait up to ``timeout`` s for ``count`` groups; return ``(taken, stale)``.
+
+        ``taken``: exactly ``count`` groups, or none when the timeout passed first (then nothing is removed).
+        ``stale``: groups removed because they are past η at ``trainer_version`` and the buffer does not keep
+        such groups; the trainer hands them to the manager (dropped or generated again). Return as soon as
+        there are stale groups, so that their slots are freed without waiting.
+        """
+        ...
+
+    def __len__(self) -> int:
+        """Groups held now."""
+        ...
+
+
+@runtime_checkable
+class AdmissionCounters(Protocol):
+    """The staleness bound's counts of rollout groups (docs/design.md, Admission)."""
+
+    @property
+    def running(self) -> int:
+        """Groups submitted and not yet settled."""
+        ...
+
+    @property
+    def accepted(self) -> int:
+        """Groups accepted since the start (trained, buffered or about to be)."""
+        ...
+
+    @property
+    def rejected(self) -> int:
+        """Groups rejected since the start (filtered out, failed for good, dropped as stale)."""
+        ...
+
+    def on_submit(self, count: int = 1) -> None:
+        """``count`` groups were submitted (the trainer calls it for the groups a resume restored)."""
+
+    def recover(self, version: int) -> None:
+        """Restart the counts for a run resumed at ``version``: ``version`` batches accepted, nothing running."""
+
+    def state_dict(self) -> dict[str, int]:
+        """The counts, for checkpoints and the accounting record (at least running, accepted, rejected)."""
+        ...
+
+
+@runtime_checkable
+class RolloutManager(Protocol):
+    """Admits rollouts within the staleness bound, settles finished groups and fills the buffer."""
+
+    controller: AdmissionCounters
+    #: ``time.monotonic()`` of the last group that finished (the watchdog's sign of progress).
+    last_progress: float
+    #: Counters since the start, logged every step (``areal/<name>``).
+    failed_groups: int
+    reissued_groups: int
+    reissued_stale_groups: int
+    dropped_stale_groups: int
+    rejected_trajectories: int
+
+    def start(self) -> None:
+        """Start admitting (a thread of the manager's own); the trainer calls it once."""
+
+    def stop(self) -> None:
+        """Stop admitting and settling; nothing is admitted after it returns."""
+
+    def pause(self) -> None:
+        """Submit nothing until :meth:`resume` (weights are about to change); finished groups may be settled."""
+
+    def resume(self, version: int) -> None:
+        """Engines serve ``version`` now: submit again, within the bound at that version."""
+
+    def suspend_polling(self) -> None:
+        """Like :meth:`pause`, and do not look at TransferQueue either until :meth:`resume` (colocated engines
+        sleep while the trainer computes; polling would take its devices' time)."""
+
+    def quiesce(self) -> AbstractContextManager[None]:
+        """Hold the manager between two polls for the ``with`` block: a checkpoint is taken inside it."""
+        ...
+
+    def check_alive(self) -> None:
+        """Raise, in the trainer's thread, the error that stopped the manager's thread, if any."""
+
+    def drop_stale(self, groups: list[BufferedGroup]) -> None:
+        """Reject accepted groups past η (``on_stale: drop``): free their slots and TransferQueue entries."""
+
+    def reissue_stale(self, groups: list[BufferedGroup]) -> None:
+        """Generate accepted groups past η again from their prompts (``on_stale: reissue``), same slots."""
+
+
+def contract_members(contract: type) -> list[str]:
+    """The members a Protocol above declares: its annotated attributes, then its methods and properties."""
+    names = list(getattr(contract, "__annotations__", {}))
+    for name, value in vars(contract).items():
+        public = not name.startswith("_") or name == "__len__"
+        if public and name not in names and (callable(value) or isinstance(value, property)):
+            names.append(name)
+    return names
+
+
+def missing_members(obj: object, contract: type) -> list[str]:
+    """The members of ``contract`` that ``obj`` lacks, in declaration order."""
+    return [name for name in contract_members(contract) if not hasattr(obj, name)]
+
+
+def require_contract(obj: object, contract: type, hook: str) -> None:
+    """Refuse, at startup, an object a hook returned that lacks members of ``contract``."""
+    missing = missing_members(obj, contract)
+    if missing:
+        kind = type(obj)
+        raise TypeError(
+            f"{hook} returned a {kind.__module__}.{kind.__qualname__}, which lacks {', '.join(missing)} of the "
+            f"{contract.__name__} contract (areal_plugins.hooks.contracts; docs/guides/plugins.md): add them, "
+            "or let the default implementation answer (return None)"
+        )

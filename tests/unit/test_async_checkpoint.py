@@ -1,0 +1,65 @@
+"""Our part of a checkpoint: the saved counters, the refusals of a checkpoint that cannot resume, and the
+checkpoint a requested stop takes."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from areal_plugins.core.staleness import StalenessController
+from areal_plugins.run.records import RunRecorder
+from areal_plugins.trainers.async_checkpoint import (
+    DrawCounts,
+    checkpoint_before_stopping,
+    checkpoint_folder,
+    restore_async_state,
+    save_async_state,
+)
+
+
+def trainer_config(tmp_path, save_freq=2, resume_mode="auto", resume_from_path=None):
+    return SimpleNamespace(
+        default_local_dir=str(tmp_path), save_freq=save_freq, resume_mode=resume_mode, resume_from_path=resume_from_path
+    )
+
+
+def test_the_saved_counters_are_the_ones_given(tmp_path):
+    controller = StalenessController(max_staleness=1, batch_size=4, max_concurrent=100)
+    controller.on_submit(6)
+    controller.on_accept(4)
+    save_async_state(str(tmp_path), 3, DrawCounts(consumed_groups=12, submissions=7), controller)
+    saved = json.loads((tmp_path / "areal_state.json").read_text())
+    assert saved == {
+        "version": 3,
+        "consumed_groups": 12,
+        "submissions": 7,
+        "controller": {"running": 2, "accepted": 4, "rejected": 0},
+    }
+
+
+def test_a_checkpoint_without_our_state_or_of_another_version_is_refused_saying_what_to_do(tmp_path):
+    controller = StalenessController(max_staleness=1, batch_size=4, max_concurrent=100)
+    with pytest.raises(RuntimeError, match=r"lacks .*trainer\.resume_mode=disable"):
+        restore_async_state(str(tmp_path), 2, controller, RunRecorder())
+    (tmp_path / "areal_state.json").write_text(json.dumps({"version": 1}))
+    with pytest.raises(RuntimeError, match="is for version 1, the weights are version 2"):
+        restore_async_state(str(tmp_path), 2, controller, RunRecorder())
+
+
+def test_the_folder_is_verls_or_the_resume_path(tmp_path):
+    assert checkpoint_folder(trainer_config(tmp_path), 4, 0) == str(tmp_path / "global_step_4")
+    given = trainer_config(tmp_path, resume_mode="resume_path", resume_from_path="/ckpt/global_step_4")
+    assert checkpoint_folder(given, 4, 4) == "/ckpt/global_step_4"  # the step resumed from
+    assert checkpoint_folder(given, 5, 4) == str(tmp_path / "global_step_5")  # later steps: verl's folder
+
+
+def test_a_requested_stop_checkpoints_the_last_finished_step_once(tmp_path):
+    saved: list[int] = []
+    assert checkpoint_before_stopping(trainer_config(tmp_path), 3, saved.append) == "; a checkpoint of step 3 was saved"
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    assert checkpoint_before_stopping(trainer_config(tmp_path), 3, saved.append) == "; step 3 was already checkpointed"
+    assert checkpoint_before_stopping(trainer_config(tmp_path, save_freq=-1), 4, saved.append) == ""
+    assert checkpoint_before_stopping(trainer_config(tmp_path), 0, saved.append) == ""  # nothing trained yet
+    assert saved == [3]
