@@ -2,7 +2,8 @@
 
 math-verify bounds its own time with ``signal.alarm``, which only works in a process's main thread
 (docs/design.md, Rewards); verl calls reward functions from threads and async actors. So each call runs in the
-main thread of a worker process, the caller waits at most ``timeout_s``, and:
+main thread of a worker process, the caller waits at most ``timeout_s`` (from when the worker is ready: its
+start is not the function's time), and:
 
 - the function raises -> reward 0, counted in ``failures``, logged;
 - it does not answer in time -> the worker is killed and replaced, the call retried up to ``retries``
@@ -26,8 +27,16 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+#: Most seconds a new worker process may take to start (spawn, import the reward function's module) before
+#: it counts as crashed; not part of ``timeout_s``, which bounds the reward function alone.
+STARTUP_S = 120.0
+READY = ("ready", None)
+
+
 def _serve(connection: Any, fn: Callable[..., float]) -> None:
-    """Worker process: score requests until the pipe closes."""
+    """Worker process: say it is ready (the function is unpickled, its module imported), then score requests
+    until the pipe closes."""
+    connection.send(READY)
     while True:
         try:
             args = connection.recv()
@@ -45,6 +54,16 @@ class _Worker:
         self.process = context.Process(target=_serve, args=(child, fn), daemon=True)
         self.process.start()
         child.close()
+        self.ready = False
+
+    def wait_ready(self) -> bool:
+        """Wait (up to :data:`STARTUP_S`) for the worker to start; False if it died or never said so."""
+        if not self.ready:
+            try:
+                self.ready = self.connection.poll(STARTUP_S) and self.connection.recv() == READY
+            except (EOFError, OSError):
+                return False
+        return self.ready
 
     def stop(self) -> None:
         self.process.kill()
@@ -141,6 +160,8 @@ class RewardService:
                 self.latency_s_max = max(self.latency_s_max, elapsed)
 
     def _wait(self, worker: _Worker) -> tuple[str, Any]:
+        if not worker.wait_ready():  # starting a worker on a busy machine is not the reward timing out
+            return ("crashes", None)
         try:
             if worker.connection.poll(self.timeout_s):
                 return worker.connection.recv()

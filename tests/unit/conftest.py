@@ -22,3 +22,14 @@ def tokenizer(tmp_path_factory):
     out = tmp_path_factory.mktemp("tok")
     write_tokenizer(out, 4096)
     return AutoTokenizer.from_pretrained(out)
+
+
+def wait_until(condition, timeout_s: float = 10.0, what: str = "the condition") -> None:
+    """Poll ``condition`` until it holds: a readiness signal instead of a fixed sleep (a busy 2-core box
+    may take far longer than a sleep assumes). Fails naming ``what`` after ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        time.sleep(0.01)

@@ -15,6 +15,7 @@ from areal_plugins.hooks.hookimpl import hookimpl
 from areal_plugins.hooks.manager import call_hook
 from areal_plugins.testing import plugin_registered
 from areal_plugins.trainers.admission import AdmissionLoop, MissingRolloutFieldError, RolloutsFailingError
+from tests.unit.conftest import wait_until
 
 
 def as_batch(values: list) -> object:
@@ -170,18 +171,16 @@ def test_a_suspended_loop_does_not_look_at_the_store_until_resumed():
     loop, submitted = make_loop(store, eta=0, batch=1)
     loop.start()
     try:
-        time.sleep(0.1)
-        assert looks and submitted == ["p0"]
+        wait_until(lambda: looks and submitted == ["p0"], what="the first poll")
         loop.suspend_polling()  # colocated engines asleep: nothing can finish
-        time.sleep(0.05)  # a poll already under way ends
-        before = len(looks)
+        with loop.quiesce():  # a poll already under way ends
+            before = len(looks)
         store.finish("p0", [1.0], [[0]])
-        time.sleep(0.2)
+        time.sleep(0.2)  # 20 poll intervals: time to look, had it not been suspended
         assert len(looks) == before and len(loop.buffer) == 0
         loop.resume(version=1)
-        time.sleep(0.1)
+        wait_until(lambda: len(loop.buffer) == 1 and submitted == ["p0", "p1"], what="collecting after resume")
         assert len(looks) > before
-        assert len(loop.buffer) == 1 and submitted == ["p0", "p1"]  # collected and admitting again
     finally:
         loop.stop()
 

@@ -97,3 +97,15 @@ def test_rollout_rates_between_two_engine_snapshots():
         {"areal/rollout_idle_ratio": 0.4, "areal/gen_tokens_per_s": 60.0, "areal/engine_restarts": 2.0}
     )
     assert rollout_rates(None, after, 5.0) == {}
+
+
+def test_a_worker_that_starts_slowly_is_not_a_reward_that_timed_out():
+    """The time limit bounds the reward function, not the worker's start (spawn, imports: 2 s here)."""
+    from tests.unit import slow_import_reward
+
+    service = RewardService(slow_import_reward.score, num_workers=1, timeout_s=1.0, retries=0)
+    try:
+        assert service.score("d", "7", "7", None) == 1.0
+        assert service.stats()["areal/reward_timeouts"] == 0
+    finally:
+        service.close()

@@ -8,10 +8,23 @@ import subprocess
 import sys
 import time
 
-from areal_plugins.run.control import RunStopper, kill_run_leftovers, new_group_dying_with_parent
+import psutil
 
-#: A child that ignores SIGTERM (as a busy verl driver may for a while) and would sleep for a minute.
-STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+from areal_plugins.run.control import RunStopper, kill_run_leftovers, new_group_dying_with_parent
+from tests.unit.conftest import wait_until
+
+#: A child that ignores SIGTERM (as a busy verl driver may for a while) and would sleep for a minute; it
+#: creates the file ``{ready}`` once its handler is installed.
+STUBBORN = (
+    "import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "pathlib.Path({ready!r}).touch(); time.sleep(60)"
+)
+
+
+def start_stubborn(ready) -> subprocess.Popen:
+    child = start(STUBBORN.format(ready=str(ready)))
+    wait_until(ready.exists, what="the child's SIGTERM handler")
+    return child
 
 
 def start(code: str, **env: str) -> subprocess.Popen:
@@ -28,13 +41,11 @@ def test_first_signal_terminates_the_group():
     assert stopper.signal_received == signal.SIGINT
 
 
-def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_or_by_a_second_signal():
-    child = start(STUBBORN)
-    time.sleep(0.5)  # let it install its handler
+def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_or_by_a_second_signal(tmp_path):
+    child = start_stubborn(tmp_path / "first")
     RunStopper(child, grace_s=0.5)._on_signal(signal.SIGTERM, None)
     assert child.wait(timeout=10) == -signal.SIGKILL  # the grace timer
-    child = start(STUBBORN)
-    time.sleep(0.5)
+    child = start_stubborn(tmp_path / "second")
     stopper = RunStopper(child, grace_s=30)
     stopper._on_signal(signal.SIGINT, None)
     stopper._on_signal(signal.SIGINT, None)  # Ctrl-C again
@@ -45,7 +56,8 @@ def test_leftovers_are_the_processes_carrying_the_run_directory(tmp_path):
     ours = start("import time; time.sleep(60)", AREAL_RUN_DIR=str(tmp_path))
     other = start("import time; time.sleep(60)", AREAL_RUN_DIR=str(tmp_path / "another_run"))
     try:
-        time.sleep(0.5)
+        for child in (ours, other):  # its environment is readable once it runs python
+            wait_until(lambda c=child: "AREAL_RUN_DIR" in psutil.Process(c.pid).environ(), what="the child's start")
         assert kill_run_leftovers(tmp_path) == 1
         assert ours.wait(timeout=10) == -signal.SIGKILL
         assert other.poll() is None  # another run's process is left alone
