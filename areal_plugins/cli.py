@@ -296,6 +296,18 @@ def check(recipe: Path, overrides: list[str], cluster_args: argparse.Namespace) 
     return 0
 
 
+def stops_with_a_checkpoint(config: Any) -> bool:
+    """Whether Ctrl-C asks the trainer to checkpoint and stop between two steps: only the areal_async trainer
+    reads that request, and only a recipe that checkpoints has something to save. Others get SIGTERM at once
+    (verl's own trainers, ``areal.mode: sync``; a plain verl recipe has no ``areal`` node)."""
+    from omegaconf import OmegaConf
+
+    async_trainer = bool(OmegaConf.select(config, "areal.enable", default=False)) and (
+        OmegaConf.select(config, "areal.mode", default="async") == "async"
+    )
+    return async_trainer and float(OmegaConf.select(config, "trainer.save_freq", default=-1) or -1) > 0
+
+
 def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Path | None) -> int:
     """Run verl's ``main_ppo`` on ``recipe``; return its exit code."""
     from areal_plugins.run.preflight import RecipeRefusedError, run_platform
@@ -338,10 +350,7 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
     (run_dir / "command.txt").write_text(" ".join(command) + "\n")
     stop_request = run_dir / STOP_REQUEST_FILE
     stop_request.unlink(missing_ok=True)  # a request left by an earlier (stopped) run of this directory
-    # Only the areal_async trainer reads the stop request (between two steps); verl's own trainers and
-    # areal.mode=sync get SIGTERM at once.
-    stops_between_steps = bool(config.areal.enable) and config.areal.mode == "async"
-    saves_checkpoints = float(config.trainer.save_freq or -1) > 0 and stops_between_steps
+    saves_checkpoints = stops_with_a_checkpoint(config)
     total = _total_steps(recipe, overrides)
     logger.info("run directory %s (full log: train.log, metrics: metrics.jsonl)", run_dir)
     started = time.monotonic()

@@ -157,10 +157,10 @@ class AdmissionLoop:
         """Reject accepted groups that are past η at consumption (``areal.on_stale: drop``): their prompt and
         trajectories leave TransferQueue and their slots are freed, counted in ``dropped_stale_groups``."""
         with self._poll_lock:
+            self.controller.on_drop_accepted(len(groups))  # first: it refuses more groups than were accepted
             keys = [key for group in groups for key in (group.group_id, *group.keys)]
             if keys:
                 self.store.kv_clear(keys=keys, partition_id=PARTITION)
-            self.controller.on_drop_accepted(len(groups))
             self.dropped_stale_groups += len(groups)
 
     def check_alive(self) -> None:

@@ -35,11 +35,16 @@ class DrawCounts:
     submissions: int = 0
 
 
-def checkpoint_folder(trainer_config: Any, step: int, resumed_version: int) -> str:
-    """The folder verl saves step ``step`` to (or resumed ``resumed_version`` from, under ``resume_path``)."""
-    if trainer_config.resume_mode == "resume_path" and step == resumed_version and trainer_config.resume_from_path:
-        return str(trainer_config.resume_from_path)
+def checkpoint_folder(trainer_config: Any, step: int) -> str:
+    """The folder verl saves step ``step`` to (always under ``default_local_dir``)."""
     return os.path.join(trainer_config.default_local_dir, f"global_step_{step}")
+
+
+def resume_folder(trainer_config: Any, version: int) -> str:
+    """The folder verl resumed ``version`` from: ``resume_from_path`` under ``resume_mode: resume_path``."""
+    if trainer_config.resume_mode == "resume_path" and trainer_config.resume_from_path:
+        return str(trainer_config.resume_from_path)
+    return checkpoint_folder(trainer_config, version)
 
 
 def save_async_state(folder: str, version: int, counts: DrawCounts, controller: Any) -> None:

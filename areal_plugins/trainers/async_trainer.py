@@ -47,6 +47,7 @@ from areal_plugins.trainers.async_checkpoint import (
     checkpoint_before_stopping,
     checkpoint_folder,
     restore_async_state,
+    resume_folder,
     save_async_state,
 )
 from areal_plugins.trainers.engine_stats import EngineStats, RolloutServerDiedError
@@ -190,6 +191,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     def on_train_begin(self) -> None:
         # Built here, not in __init__: the plugin set is configured in init() (areal.plugins).
         self.sample_buffer = call_hook("areal_make_sample_buffer", config=self.config)
+        require_contract(self.sample_buffer, SampleBufferContract, "areal_make_sample_buffer")
         self.manager = call_hook(
             "areal_make_rollout_manager",
             config=self.config,
@@ -198,11 +200,10 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             accept_trajectory=accept_trajectory,
             reissue_prompts=self._reissue_prompts,
         )
-        require_contract(self.sample_buffer, SampleBufferContract, "areal_make_sample_buffer")
         require_contract(self.manager, RolloutManagerContract, "areal_make_rollout_manager")
         require_contract(self.manager.controller, AdmissionCounters, "areal_make_rollout_manager (its controller)")
         if self.version > 0:
-            folder = checkpoint_folder(self.config.trainer, self.version, self.version)
+            folder = resume_folder(self.config.trainer, self.version)
             self.counts = restore_async_state(folder, self.version, self.manager.controller, self.recorder)
         self.manager.resume(self.version)
         self.manager.start()
@@ -333,7 +334,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             return
         with self.manager.quiesce():
             super()._save_checkpoint()
-            folder = checkpoint_folder(self.config.trainer, self.global_steps, self.version)
+            folder = checkpoint_folder(self.config.trainer, self.global_steps)
             save_async_state(folder, self.global_steps, self.counts, self.manager.controller)
 
     def _stop_on_request(self) -> None:

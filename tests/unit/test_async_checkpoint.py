@@ -15,6 +15,7 @@ from areal_plugins.trainers.async_checkpoint import (
     checkpoint_before_stopping,
     checkpoint_folder,
     restore_async_state,
+    resume_folder,
     save_async_state,
 )
 
@@ -48,11 +49,12 @@ def test_a_checkpoint_without_our_state_or_of_another_version_is_refused_saying_
         restore_async_state(str(tmp_path), 2, controller, RunRecorder())
 
 
-def test_the_folder_is_verls_or_the_resume_path(tmp_path):
-    assert checkpoint_folder(trainer_config(tmp_path), 4, 0) == str(tmp_path / "global_step_4")
+def test_saves_go_where_verl_saves_and_a_resume_reads_where_verl_resumed_from(tmp_path):
     given = trainer_config(tmp_path, resume_mode="resume_path", resume_from_path="/ckpt/global_step_4")
-    assert checkpoint_folder(given, 4, 4) == "/ckpt/global_step_4"  # the step resumed from
-    assert checkpoint_folder(given, 5, 4) == str(tmp_path / "global_step_5")  # later steps: verl's folder
+    assert resume_folder(given, 4) == "/ckpt/global_step_4"
+    assert resume_folder(trainer_config(tmp_path), 4) == str(tmp_path / "global_step_4")
+    # A save, even of the step resumed from (a stop right after the resume): verl writes default_local_dir.
+    assert checkpoint_folder(given, 4) == str(tmp_path / "global_step_4")
 
 
 def test_a_requested_stop_checkpoints_the_last_finished_step_once(tmp_path):

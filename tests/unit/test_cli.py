@@ -45,3 +45,19 @@ def test_ray_task_event_cap_is_a_default_the_user_can_override():
     cap = "RAY_task_events_max_num_task_in_gcs"
     assert with_ray_defaults({"PATH": "/bin"}) == {"PATH": "/bin", cap: "10000"}
     assert with_ray_defaults({cap: "-1"})[cap] == "-1"  # the user's own setting (here: unlimited) wins
+
+
+def test_ctrl_c_asks_for_a_checkpointed_stop_only_where_the_trainer_reads_the_request():
+    from omegaconf import OmegaConf
+
+    from areal_plugins.cli import stops_with_a_checkpoint
+
+    def config(**areal):
+        return OmegaConf.create({"trainer": {"save_freq": 5}, **({"areal": areal} if areal else {})})
+
+    assert stops_with_a_checkpoint(config(enable=True, mode="async"))
+    assert not stops_with_a_checkpoint(config())  # a plain verl recipe: no areal node
+    assert not stops_with_a_checkpoint(config(enable=False, mode="async"))  # verl's own trainers
+    assert not stops_with_a_checkpoint(config(enable=True, mode="sync"))
+    no_checkpoints = OmegaConf.create({"trainer": {"save_freq": -1}, "areal": {"enable": True, "mode": "async"}})
+    assert not stops_with_a_checkpoint(no_checkpoints)
