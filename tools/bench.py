@@ -519,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, key, value)
     if not 1 <= args.warmup_steps < args.steps:
         parser.error(f"--warmup-steps must be at least 1 and below --steps ({args.steps}), got {args.warmup_steps}")
-    from areal_plugins.cli import ensure_tiny_assets
+    from areal_plugins.run.launch import ensure_tiny_assets
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")  # build progress
 

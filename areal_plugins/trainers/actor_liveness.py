@@ -58,8 +58,11 @@ def list_job_actors(*filters: tuple[str, str, str], **options: Any) -> list[Any]
     import ray
     from ray.util.state import list_actors
 
-    job = ray.get_runtime_context().get_job_id()
-    return list_actors(filters=[("job_id", "=", job), *filters], detail=True, limit=10_000, **options)
+    context = ray.get_runtime_context()
+    # This job's cluster by its address: without one, Ray's state API guesses, and refuses when another run
+    # on the same machine has a Ray instance of its own ("Found multiple active Ray instances").
+    options.setdefault("address", context.gcs_address)
+    return list_actors(filters=[("job_id", "=", context.get_job_id()), *filters], detail=True, limit=10_000, **options)
 
 
 def _list_job_actors() -> list[Any]:

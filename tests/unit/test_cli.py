@@ -4,19 +4,20 @@ from pathlib import Path
 
 import pytest
 
-from areal_plugins.cli import _format_progress, _parse_metrics, _recipe_files, _total_steps, with_ray_defaults
+from areal_plugins.run.cluster_env import with_ray_defaults
+from areal_plugins.run.progress import format_progress, parse_metrics, recipe_files, total_steps
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
 def test_parses_verl_console_metrics():
     fields = "critic/score/mean:0.25 - val-core/x/acc/mean@1:np.float64(0.5) - num_turns/min:np.int32(2) - a:b"
-    assert _parse_metrics(fields) == {"critic/score/mean": 0.25, "val-core/x/acc/mean@1": 0.5, "num_turns/min": 2.0}
+    assert parse_metrics(fields) == {"critic/score/mean": 0.25, "val-core/x/acc/mean@1": 0.5, "num_turns/min": 2.0}
 
 
 def test_progress_line_shows_training_and_validation():
     fields = "critic/score/mean:0.25 - timing_s/step:11.04 - val-core/x/acc/mean@1:np.float64(0.5)"
-    assert _format_progress(15, "30", fields).splitlines() == [
+    assert format_progress(15, "30", fields).splitlines() == [
         "step 15/30  reward=0.25  step_s=11",
         "validation after step 15: x/acc/mean@1=0.5",
     ]
@@ -24,15 +25,15 @@ def test_progress_line_shows_training_and_validation():
 
 def test_total_steps_from_overrides_or_the_shared_recipe_body():
     recipe = RECIPES / "grpo_cpu_async.yaml"
-    assert [p.name for p in _recipe_files(recipe)] == ["grpo_cpu_async.yaml", "_cpu_grpo_tiny.yaml"]
-    assert _total_steps(recipe, ["trainer.total_training_steps=7"]) == "7"
-    assert _total_steps(recipe, []) == "30"  # set in _cpu_grpo_tiny.yaml
+    assert [p.name for p in recipe_files(recipe)] == ["grpo_cpu_async.yaml", "_cpu_grpo_tiny.yaml"]
+    assert total_steps(recipe, ["trainer.total_training_steps=7"]) == "7"
+    assert total_steps(recipe, []) == "30"  # set in _cpu_grpo_tiny.yaml
 
 
 def test_training_takes_any_built_workload_and_a_build_refuses_a_directory_of_another(tmp_path):
     import json
 
-    from areal_plugins.cli import ensure_tiny_assets
+    from areal_plugins.run.launch import ensure_tiny_assets
 
     (tmp_path / "BUILT.json").write_text(json.dumps({"workload": "longtail"}))
     assert ensure_tiny_assets(tmp_path) == tmp_path  # train --tiny-dir: use what is there
@@ -50,7 +51,7 @@ def test_ray_task_event_cap_is_a_default_the_user_can_override():
 def test_ctrl_c_asks_for_a_checkpointed_stop_only_where_the_trainer_reads_the_request():
     from omegaconf import OmegaConf
 
-    from areal_plugins.cli import stops_with_a_checkpoint
+    from areal_plugins.run.launch import stops_with_a_checkpoint
 
     def config(**areal):
         return OmegaConf.create({"trainer": {"save_freq": 5}, **({"areal": areal} if areal else {})})

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from areal_plugins import cli
+from areal_plugins.run import cluster_env
 
 
 def test_the_run_settings_travel_in_the_jobs_runtime_env():
     env = {"AREAL_RUN_DIR": "/runs/a", "VERL_PLATFORM": "cpu", "HOME": "/root", "AREAL_VLLM_PYTHON": ""}
-    assert cli.job_env_overrides(env) == [
+    assert cluster_env.job_env_overrides(env) == [
         "++ray_kwargs.ray_init.runtime_env.env_vars.AREAL_RUN_DIR='/runs/a'",
         "++ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM='cpu'",
     ]
@@ -17,7 +18,7 @@ def test_the_run_settings_travel_in_the_jobs_runtime_env():
 
 def test_a_path_that_cannot_be_quoted_is_refused():
     with pytest.raises(SystemExit, match="rename it"):
-        cli.job_env_overrides({"AREAL_RUN_DIR": "/runs/it's"})
+        cluster_env.job_env_overrides({"AREAL_RUN_DIR": "/runs/it's"})
 
 
 @pytest.mark.parametrize(
@@ -31,13 +32,13 @@ def test_a_path_that_cannot_be_quoted_is_refused():
     ],
 )
 def test_the_cluster_a_run_joins(env, overrides, expected, monkeypatch):
-    monkeypatch.setattr(cli, "running_local_cluster", lambda: None)
-    assert cli.cluster_address(env, overrides) == expected
+    monkeypatch.setattr(cluster_env, "running_local_cluster", lambda: None)
+    assert cluster_env.cluster_address(env, overrides) == expected
 
 
 def test_joining_a_cluster_drops_the_sizes_of_a_cluster_ray_would_start():
-    assert cli.join_cluster_overrides(None) == []
-    assert cli.join_cluster_overrides("10.0.0.1:6379") == [
+    assert cluster_env.join_cluster_overrides(None) == []
+    assert cluster_env.join_cluster_overrides("10.0.0.1:6379") == [
         "ray_kwargs.ray_init.num_cpus=null",
         "ray_kwargs.ray_init.num_gpus=null",
         "ray_kwargs.ray_init.object_store_memory=null",
@@ -57,22 +58,22 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
     read = re.compile(r"os\.environ(?:\.get\(|\[)\s*([A-Z_]+|\"[A-Z_]+\")")
     names = set()
     for path in package.rglob("*.py"):
-        if path.name == "cli.py":
-            continue
+        if path.relative_to(package).as_posix() in ("cli.py", "run/launch.py", "run/cluster_env.py"):
+            continue  # the CLI's own process
         for token in read.findall(path.read_text()):
             names.add(constants.get(token, token.strip('"')))
     # RANK: verl's worker sets it in every worker process itself (our rollout adapter reads it, as verl's does).
     set_by_verl = {"RANK"}
     assert names == {"AREAL_RUN_DIR", "AREAL_VLLM_PYTHON", "VERL_PLATFORM", "RANK"}  # found by grep, listed by hand
-    assert names - set_by_verl <= set(cli.JOB_ENV_VARS)
+    assert names - set_by_verl <= set(cluster_env.JOB_ENV_VARS)
 
 
 def test_joining_nulls_only_the_sizes_the_recipe_has():
     """verl's own ray_init node has no num_gpus or object_store_memory: nulling them would be an unknown key."""
-    assert cli.join_cluster_overrides("10.0.0.1:6379", ["num_cpus", "runtime_env"]) == [
+    assert cluster_env.join_cluster_overrides("10.0.0.1:6379", ["num_cpus", "runtime_env"]) == [
         "ray_kwargs.ray_init.num_cpus=null"
     ]
-    assert cli.join_cluster_overrides("10.0.0.1:6379", ["runtime_env"]) == []
+    assert cluster_env.join_cluster_overrides("10.0.0.1:6379", ["runtime_env"]) == []
 
 
 def test_the_gpu_recipes_join_a_cluster_with_overrides_hydra_accepts(monkeypatch, tmp_path):
@@ -84,7 +85,7 @@ def test_the_gpu_recipes_join_a_cluster_with_overrides_hydra_accepts(monkeypatch
     monkeypatch.setenv("AREAL_DATA_DIR", str(tmp_path))
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "gpu" / "grpo_1.5b_two_nodes.yaml"
     config = check_recipe(recipe, [])
-    check_recipe(recipe, cli.join_cluster_overrides("head:6379", config.ray_kwargs.ray_init.keys()))
+    check_recipe(recipe, cluster_env.join_cluster_overrides("head:6379", config.ray_kwargs.ray_init.keys()))
 
 
 def test_overrides_after_the_options_are_overrides(caplog, monkeypatch, tmp_path):

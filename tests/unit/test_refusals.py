@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from areal_plugins import cli
+from areal_plugins.run import launch, progress
 from areal_plugins.run.preflight import RecipeRefusedError, check_recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,7 +25,7 @@ def tiny_dirs(monkeypatch, tmp_path):
     monkeypatch.setenv("AREAL_TINY_DIR", str(tmp_path))
     monkeypatch.setenv("AREAL_TINY_CALCULATOR_DIR", str(tmp_path))
     monkeypatch.delenv("VERL_PLATFORM", raising=False)  # as on a user's machine: the recipe decides
-    monkeypatch.setattr(cli, "cluster_address", lambda env, overrides: None)  # whatever Ray runs on this box
+    monkeypatch.setattr(launch, "cluster_address", lambda env, overrides: None)  # whatever Ray runs on this box
 
 
 def refusal_of(caplog, recipe: Path, *overrides: str) -> str:
@@ -34,8 +35,8 @@ def refusal_of(caplog, recipe: Path, *overrides: str) -> str:
         raise AssertionError("a refused recipe must not build assets or start verl")
 
     with pytest.MonkeyPatch.context() as patch, caplog.at_level(logging.INFO):
-        patch.setattr(cli, "ensure_tiny_assets", nothing_may_start)
-        patch.setattr(cli, "BoundedLog", nothing_may_start)  # the run log, opened just before verl starts
+        patch.setattr(launch, "ensure_tiny_assets", nothing_may_start)
+        patch.setattr(launch, "BoundedLog", nothing_may_start)  # the run log, opened just before verl starts
         code = cli.main(["train", str(recipe), *overrides, "--tiny-dir", os.environ["AREAL_TINY_DIR"]])
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert code == 2
@@ -146,7 +147,7 @@ def test_the_terminal_shows_one_line_for_a_misspelled_key(tmp_path):
     ],
 )
 def test_the_cause_of_a_failed_run_is_read_from_the_traceback_tail(line, cause):
-    match = cli.ERROR_LINE.match(line)
+    match = progress.ERROR_LINE.match(line)
     assert (match.group(1) if match else None) == cause
 
 

@@ -1,0 +1,260 @@
+"""``areal-plugins train``: check the recipe, prepare the run's folder and environment, run verl's ``main_ppo``
+in a process group of its own, print its progress and stop it cleanly (docs/guides/own_recipe.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from areal_plugins.run.bounded_log import BoundedLog
+from areal_plugins.run.cluster_env import (
+    cluster_address,
+    has_accelerator,
+    job_env_overrides,
+    join_cluster_overrides,
+    with_ray_defaults,
+)
+from areal_plugins.run.control import (
+    STOP_REQUEST_FILE,
+    RunStopper,
+    kill_run_leftovers,
+    new_group_dying_with_parent,
+)
+from areal_plugins.run.progress import (
+    ERROR_LINE,
+    MILESTONES,
+    STEP_LINE,
+    format_progress,
+    recipe_files,
+    total_steps,
+)
+
+logger = logging.getLogger("areal_plugins.cli")
+
+DEFAULT_TINY_DIR = Path(".areal/tiny")
+
+
+#: Environment variable a recipe reads its tiny assets from -> (workload built there, default directory).
+#: None: whatever workload is built there (addition if none).
+TINY_ASSET_VARIABLES: dict[str, tuple[str | None, Path]] = {
+    "AREAL_TINY_DIR": (None, DEFAULT_TINY_DIR),
+    "AREAL_TINY_CALCULATOR_DIR": ("calculator", Path(".areal/tiny_calculator")),
+}
+
+
+#: Exit code of a run refused at startup (argparse's for bad usage).
+REFUSED_EXIT_CODE = 2
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` while the recipe is checked here as the run's processes will see it."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def ensure_tiny_assets(tiny_dir: Path, force: bool = False, workload: str | None = None) -> Path:
+    """Build the tiny model and data of ``workload`` under ``tiny_dir`` unless already there.
+
+    ``workload=None`` (training): whatever is built there, else the addition workload.
+    """
+    from areal_plugins.tiny.model import WORKLOADS, build_tiny_model
+    from areal_plugins.tiny.task import write_dataset
+
+    stamp = tiny_dir / "BUILT.json"
+    if stamp.exists() and not force:
+        built = json.loads(stamp.read_text()).get("workload", "addition")
+        if workload is not None and built != workload:
+            raise SystemExit(f"{tiny_dir} holds the {built!r} workload, not {workload!r}: pass another directory")
+        return tiny_dir
+    start = time.monotonic()
+    workload = workload or "addition"
+    spec = WORKLOADS[workload]
+    logger.info("building the tiny model and data (%s) in %s (1-3 min on 2 cores)", workload, tiny_dir)
+    metrics = build_tiny_model(tiny_dir / "model", spec)
+    if spec.task == "calculator":
+        from areal_plugins.tiny.calculator import write_calculator_dataset
+
+        write_calculator_dataset(tiny_dir / "data", train_size=4096, test_size=256, seed=spec.seed)
+    else:
+        write_dataset(tiny_dir / "data", train_size=4096, test_size=256, seed=spec.seed)
+    record = {"workload": workload, "spec": spec.__dict__, **metrics, "seconds": time.monotonic() - start}
+    stamp.write_text(json.dumps(record, indent=2))
+    return tiny_dir
+
+
+def checked_recipe(
+    recipe: Path, overrides: list[str], tiny_dir: Path | None, local_accelerator: bool
+) -> tuple[Any, dict[str, tuple]]:
+    """The recipe composed and through every startup check, and the tiny assets it reads (variable -> (workload,
+    folder); not built here). Raises ``RecipeRefusedError``."""
+    from areal_plugins.run.preflight import check_recipe
+
+    recipe_text = "".join(path.read_text() for path in recipe_files(recipe)) if recipe.is_file() else ""
+    tiny_assets = {
+        variable: (workload, (default_dir if tiny_dir is None else tiny_dir).resolve())
+        for variable, (workload, default_dir) in TINY_ASSET_VARIABLES.items()
+        if f"oc.env:{variable}" in recipe_text
+    }
+    # verl is imported here only to check the recipe: on a machine without a GPU, as the CPU platform.
+    checking = {variable: str(directory) for variable, (_, directory) in tiny_assets.items()}
+    if "VERL_PLATFORM" not in os.environ and not local_accelerator:
+        checking["VERL_PLATFORM"] = "cpu"
+    with _environment(checking):
+        return check_recipe(recipe, overrides), tiny_assets
+
+
+def stops_with_a_checkpoint(config: Any) -> bool:
+    """Whether Ctrl-C asks the trainer to checkpoint and stop between two steps: only the areal_async trainer
+    reads that request, and only a recipe that checkpoints has something to save. Others get SIGTERM at once
+    (verl's own trainers, ``areal.mode: sync``; a plain verl recipe has no ``areal`` node)."""
+    from omegaconf import OmegaConf
+
+    async_trainer = bool(OmegaConf.select(config, "areal.enable", default=False)) and (
+        OmegaConf.select(config, "areal.mode", default="async") == "async"
+    )
+    return async_trainer and float(OmegaConf.select(config, "trainer.save_freq", default=-1) or -1) > 0
+
+
+def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Path | None) -> int:
+    """Run verl's ``main_ppo`` on ``recipe``; return its exit code."""
+    from areal_plugins.run.preflight import RecipeRefusedError, run_platform
+
+    recipe = recipe.resolve()
+    env = with_ray_defaults(dict(os.environ))
+    try:  # before anything is built or started: a bad recipe costs seconds, and says what to change
+        local_accelerator = has_accelerator()
+        config, tiny_assets = checked_recipe(recipe, overrides, tiny_dir, local_accelerator)
+        address = cluster_address(env, overrides)
+        platform = run_platform(str(config.trainer.device), local_accelerator, address, env.get("VERL_PLATFORM"))
+    except RecipeRefusedError as refusal:
+        logger.error("refused: %s", refusal)
+        return REFUSED_EXIT_CODE
+    if platform is not None and "VERL_PLATFORM" not in env:
+        env["VERL_PLATFORM"] = platform
+        logger.info("trainer.device=%s: verl runs on the CPU platform in every process (VERL_PLATFORM=cpu)", platform)
+    for variable, (workload, chosen) in tiny_assets.items():
+        env[variable] = str(ensure_tiny_assets(chosen, workload=workload).resolve())
+    run_dir = prepare_run_dir(run_dir or Path("runs") / f"{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}", env)
+    command = [
+        sys.executable,
+        "-m",
+        "verl.trainer.main_ppo",
+        f"--config-path={recipe.parent}",
+        f"--config-name={recipe.stem}",
+        f"trainer.default_local_dir={run_dir / 'checkpoints'}",
+        *join_cluster_overrides(address, config.ray_kwargs.ray_init.keys()),
+        *job_env_overrides(env),
+        *overrides,
+    ]
+    (run_dir / "command.txt").write_text(" ".join(command) + "\n")
+    stop_request = run_dir / STOP_REQUEST_FILE
+    stop_request.unlink(missing_ok=True)  # a request left by an earlier (stopped) run of this directory
+    logger.info("run directory %s (full log: train.log, metrics: metrics.jsonl)", run_dir)
+    started = time.monotonic()
+    with BoundedLog(run_dir / "train.log") as log_file:  # a resumed run continues the log
+        process = subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=new_group_dying_with_parent,
+        )
+        stopper = RunStopper(process, stop_request=stop_request if stops_with_a_checkpoint(config) else None)
+        stopper.install()
+        last_error = follow_output(process, log_file, total_steps(recipe, overrides), started)
+        code = process.wait()
+    if log_file.suppressed_total:
+        logger.warning(
+            "%d repeated log lines were counted, not written (train.log says which)", log_file.suppressed_total
+        )
+    return finish(run_dir, code, stopper.signal_received, last_error, time.monotonic() - started, log_file.path)
+
+
+def prepare_run_dir(run_dir: Path, env: dict[str, str]) -> Path:
+    """Make the run folder (an existing one is resumed: its metrics are kept aside, since verl's file logger
+    truncates) and point the run's records there through ``env``."""
+    run_dir = run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        kept = run_dir / f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+        metrics.rename(kept)
+        logger.info("run directory exists (resuming?): earlier metrics kept as %s", kept.name)
+    env["VERL_FILE_LOGGER_PATH"] = str(metrics)
+    env["AREAL_RUN_DIR"] = str(run_dir)
+    return run_dir
+
+
+def follow_output(process: subprocess.Popen, log_file: BoundedLog, total: str, started: float) -> str | None:
+    """Copy verl's output to ``train.log`` and print a line per step and per startup milestone; return the last
+    error line seen (the cause shown when verl fails; the traceback stays in train.log)."""
+    assert process.stdout is not None
+    last_error = None
+    for line in process.stdout:
+        log_file.write(line)
+        match = STEP_LINE.search(line)
+        error = ERROR_LINE.match(line.strip())
+        if match:
+            for message in format_progress(int(match.group(1)), total, match.group(2)).splitlines():
+                logger.info(message)
+        elif error:
+            last_error = error.group(1)
+        else:
+            for needle, message in MILESTONES.items():
+                if needle in line:
+                    logger.info("%s (%.0f s)", message, time.monotonic() - started)
+    return last_error
+
+
+def finish(
+    run_dir: Path, code: int, signal_received: int | None, last_error: str | None, elapsed: float, log: Path
+) -> int:
+    """Kill what the run left behind, say how it ended (and what it achieved); return the CLI's exit code."""
+    leftovers = kill_run_leftovers(run_dir)  # Ray daemons and engines a killed driver could not stop
+    if leftovers:
+        logger.warning("killed %d processes the run left behind", leftovers)
+    if signal_received is not None:
+        name = signal.Signals(signal_received).name
+        logger.error("stopped by %s after %.0f s; resume from the last checkpoint with the same command", name, elapsed)
+        return 128 + signal_received
+    if code != 0:
+        cause = f": {last_error}" if last_error else ""
+        logger.error("verl stopped (exit code %d) after %.0f s%s (traceback in %s)", code, elapsed, cause, log)
+    else:
+        logger.info("done in %.0f s", elapsed)
+        _report(run_dir)
+    return code
+
+
+def _report(run_dir: Path) -> None:
+    """Log what the run achieved and draw its reward curve."""
+    from areal_plugins.run.plots import plot_all
+    from areal_plugins.run.report import summarize_run
+
+    metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.exists():
+        logger.warning("no metrics were written to %s", metrics_path)
+        return
+    for line in summarize_run(metrics_path):
+        logger.info(line)
+    for picture in plot_all(run_dir):
+        logger.info("picture: %s", picture)
