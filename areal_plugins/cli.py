@@ -3,8 +3,9 @@
 ``train`` (:mod:`areal_plugins.run.launch`) runs verl's own ``main_ppo`` on a recipe in a child process,
 with the environment the machine needs, writes everything to a run directory and prints one progress
 line per step; ``check`` runs every startup check and fits the recipe to a declared cluster
-(:mod:`areal_plugins.run.cluster_fit`); ``build-tiny`` builds the tiny CPU assets; ``plan``, ``bench``,
-``soak``, ``faults`` and ``report`` run tools.
+(:mod:`areal_plugins.run.cluster_fit`); ``build-tiny`` builds the tiny CPU assets; ``plot`` draws a run
+directory's pictures; ``plan`` recommends η and the GPU split for a GPU cluster; ``bench`` runs
+``tools/bench.py``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ no seam; each says why, where upstream stands and when to delete it.
 ``apply_enabled_patches(config)`` is the one entry point: it walks :data:`PATCHES` in order and
 applies each patch whose feature is enabled. Three exist: the CPU platform's (selected by
 ``VERL_PLATFORM=cpu``, applied at plugin load in every process), the routing of ``areal.enable`` in
-any recipe (applied at plugin load in verl's ``main_ppo`` driver only) and FFD micro-batching
+any recipe (applied at plugin load in verl's ``main_ppo`` driver only) and token-budget micro-batching
+(FFD, or runs of like length where verl pads)
 (selected by ``areal.micro_batch.max_tokens``; the trainer applies it in its worker processes with
 :func:`apply_in_workers`, since only the driver sees the recipe). With ``areal.enable: false`` on a GPU
 machine only the routing wrapper is installed, in the driver, and it passes verl's config through unchanged.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: set up .venv, lint, build the docs site, then the unit and integration suites.
-# `tools/test.sh --full` also runs the soak- and benchmark-length tests (marker `full`, ~1 h more).
+# `tools/test.sh --full` also runs the tests that repeat a CI guarantee at more verl starts (marker `full`: SIGKILL
+# of every process and resume, ~4 min more).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MARKERS="integration and not full"

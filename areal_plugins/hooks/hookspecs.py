@@ -57,7 +57,8 @@ def areal_make_sample_buffer(config: DictConfig) -> SampleBuffer | None:
 
     :param config: the composed recipe (``config.areal`` holds our settings).
 
-    Called from: verl's TaskRunner (the driver), when the async trainer is built.
+    Called from: verl's TaskRunner (the driver), when the async trainer starts training
+    (``on_train_begin``), just before ``areal_make_rollout_manager``.
     Default: ``areal_plugins.builtin.async_rollout``: :class:`~areal_plugins.core.buffer.SampleBuffer`,
     oldest head version first, ``areal.on_stale`` applied.
     """

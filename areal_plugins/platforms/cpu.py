@@ -1,9 +1,9 @@
 """A CPU platform for verl, registered through ``verl.plugin.platform.PlatformRegistry``.
 
 verl 0.9.1 registers CUDA, NPU and ROCm only; with none of them present it falls back to CUDA and
-fails. This platform is selected by ``VERL_PLATFORM=cpu`` (our CLI sets it when no accelerator is
-found). Ray still schedules verl's workers on a ``GPU`` resource, so the recipe declares one fake
-GPU per trainer process (``ray_kwargs.ray_init.num_gpus``) — no CUDA code runs.
+fails. This platform is selected by ``VERL_PLATFORM=cpu`` (our CLI sets it when the recipe's
+``trainer.device`` is ``cpu``). Ray still schedules verl's workers on a ``GPU`` resource, so the recipe
+declares one fake GPU per trainer process (``ray_kwargs.ray_init.num_gpus``) — no CUDA code runs.
 """
 
 from __future__ import annotations

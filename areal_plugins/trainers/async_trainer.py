@@ -6,7 +6,8 @@ validation, checkpoints, loggers) is reused as is; what changes:
 
 - generation is fed continuously by an admission loop bounded by the staleness η
   (``StalenessController``), instead of one batch per step;
-- the trainer takes the oldest accepted groups from a :class:`SampleBuffer`;
+- the trainer takes accepted groups from the buffer ``areal_make_sample_buffer`` returns (by default the
+  oldest head version first);
 - a weight update pauses admission, interrupts in-flight requests (they come back as partial
   output and are re-submitted as prompt + partial by :class:`InterruptibleLLMClient`), loads the
   new weights and resumes; per-token versions record which policy produced each token;

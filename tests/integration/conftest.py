@@ -157,7 +157,7 @@ def assert_within_staleness_bound(samples: list[dict], steps: list[dict], eta: i
 
 
 # ---------------------------------------------------------------- runs shared by several test modules
-# Each verl start costs 1-1.5 min on 2 cores: tests that can read the same run directory share one run.
+# Each verl start costs 1.5-2.5 min on 2 cores: tests that can read the same run directory share one run.
 
 #: Steps of the runs compared with synchronous verl (η = 0 and the plain sync checks).
 SYNC_STEPS = 2
