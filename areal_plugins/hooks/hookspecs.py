@@ -202,7 +202,8 @@ def areal_after_train_step(step: int, metrics: dict[str, Any]) -> None:
 def areal_on_shutdown(reason: str) -> None:
     """Observe the end of a run. Return value ignored.
 
-    :param reason: ``"completed"``, ``"error"`` or ``"interrupted"``.
+    :param reason: ``"completed"``, ``"error"`` or ``"interrupted"`` (Ctrl-C or SIGTERM to ``areal-plugins train``,
+        whether the run stopped at once or between two steps).
 
     Called from: verl's TaskRunner, once, as the trainer's ``fit`` returns or raises, after the async trainer
     stopped admitting trajectories: no other hook of the run follows it.

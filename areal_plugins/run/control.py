@@ -22,6 +22,11 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+
+class RunStoppedOnRequestError(RuntimeError):
+    """Ctrl-C or SIGTERM to ``areal-plugins train`` asked the trainer to stop between two steps (it did)."""
+
+
 #: Seconds verl gets to stop after SIGTERM before its process group is killed.
 GRACE_S = 20.0
 #: The file in the run directory that asks the trainer to stop between two steps (with a checkpoint).

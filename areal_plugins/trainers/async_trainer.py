@@ -39,6 +39,7 @@ from areal_plugins.hooks.contracts import RolloutManager as RolloutManagerContra
 from areal_plugins.hooks.contracts import SampleBuffer as SampleBufferContract
 from areal_plugins.hooks.manager import call_hook
 from areal_plugins.rollout.capabilities import check_backend_capabilities
+from areal_plugins.run.control import RunStoppedOnRequestError
 from areal_plugins.run.record_sink import start_record_sink
 from areal_plugins.run.records import RunRecorder
 from areal_plugins.trainers.admission import require_single_prompt_fetches
@@ -75,10 +76,6 @@ WAIT_CHECK_S = 1.0
 def prompt_digest(prompt: Any) -> str:
     """A short content id of a prompt (chat messages or text), to trace prompts across a resume."""
     return hashlib.sha1(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-class RunStoppedOnRequestError(RuntimeError):
-    """Ctrl-C or SIGTERM to ``areal-plugins train`` asked the trainer to stop between two steps."""
 
 
 def accept_trajectory(trajectory: Any) -> bool:

@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from areal_plugins.hooks.manager import call_hook, configure_plugins, selected_plugin_names
+from areal_plugins.run.control import RunStoppedOnRequestError
 from areal_plugins.trainers.length_order import order_batch_by_length, pads_micro_batches
 from areal_plugins.trainers.workers import run_in_workers
 
@@ -90,7 +91,7 @@ class HookedTrainerMixin:
         try:
             super().fit(agent_loop_manager)  # type: ignore[misc]
             reason = "completed"
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, RunStoppedOnRequestError):  # Ctrl-C, at once or between two steps
             reason = "interrupted"
             raise
         finally:

@@ -13,6 +13,7 @@ from areal_plugins.core.trajectory import Trajectory
 from areal_plugins.hooks import hookspecs
 from areal_plugins.hooks.hookimpl import hookimpl
 from areal_plugins.hooks.manager import PluginError, build_plugin_manager, call_hook
+from areal_plugins.run.control import RunStoppedOnRequestError
 from areal_plugins.testing import plugin_registered
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "hooks.md"
@@ -275,7 +276,14 @@ class _VerlFit:
             raise self.error
 
 
-@pytest.mark.parametrize("error, reason", [(None, "completed"), (RuntimeError("step failed"), "error")])
+@pytest.mark.parametrize(
+    "error, reason",
+    [
+        (None, "completed"),
+        (RuntimeError("step failed"), "error"),
+        (RunStoppedOnRequestError("step failed: stopped on request"), "interrupted"),  # Ctrl-C between two steps
+    ],
+)
 def test_shutdown_is_the_last_hook_after_the_rollout_stopped(error, reason):
     # The async trainer admits trajectories from a thread: areal_on_shutdown must come after it stopped,
     # or a plugin sees areal_accept_trajectory after being told the run ended.
