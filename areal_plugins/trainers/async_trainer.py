@@ -44,7 +44,6 @@ from areal_plugins.run.record_sink import start_record_sink
 from areal_plugins.run.records import RunRecorder
 from areal_plugins.trainers.admission import require_single_prompt_fetches
 from areal_plugins.trainers.async_checkpoint import (
-    ASYNC_STATE_FILE,
     DrawCounts,
     checkpoint_before_stopping,
     checkpoint_folder,
@@ -64,8 +63,6 @@ from areal_plugins.trainers.step_metrics import (
     write_step_line,
 )
 from areal_plugins.trainers.supervision import Supervisor
-
-__all__ = ["ASYNC_STATE_FILE", "ArealAsyncTrainer", "RolloutServerDiedError", "RunStoppedOnRequestError"]
 
 logger = logging.getLogger(__name__)
 
