@@ -50,6 +50,7 @@ def test_a_failed_rollout_group_is_reissued_and_trained_not_lost(tiny_dir, tmp_p
     from tests.integration.conftest import read_jsonl
 
     run_dir, markers, takes = tmp_path / "run", tmp_path / "failed_prompts", tmp_path / "fifo_takes.jsonl"
+    submissions = tmp_path / "steady_submissions.jsonl"
     loops = tmp_path / "agent_loops.yaml"
     loops.write_text(
         "- name: fail_first_attempt\n"
@@ -68,9 +69,10 @@ def test_a_failed_rollout_group_is_reissued_and_trained_not_lost(tiny_dir, tmp_p
         "areal.max_staleness=0",
         f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
         "actor_rollout_ref.rollout.agent.default_agent_loop=fail_first_attempt",
-        # The sample buffer of a third party, written from the plugin guide alone (docs_only_fifo_buffer.py).
-        "areal.plugins.include=[fifo_buffer]",
-        env=with_example_plugin(AREAL_FIFO_BUFFER_LOG=str(takes)),
+        # The sample buffer and the rollout manager of a third party, written from the plugin guide alone
+        # (docs_only_fifo_buffer.py, docs_only_steady_manager.py).
+        "areal.plugins.include=[fifo_buffer,steady_manager]",
+        env=with_example_plugin(AREAL_FIFO_BUFFER_LOG=str(takes), AREAL_STEADY_MANAGER_LOG=str(submissions)),
     )
     # Every trained group went through the guide's buffer: the driver used it for both steps.
     assert [(t["version"], len(t["groups"])) for t in read_jsonl(takes)] == [(0, 16), (1, 16)]
@@ -81,6 +83,9 @@ def test_a_failed_rollout_group_is_reissued_and_trained_not_lost(tiny_dir, tmp_p
     assert reissued == failed
     drawn = [uid for line in read_jsonl(run_dir / "areal_submissions.jsonl") for uid in line["uids"]]
     assert all(drawn.count(uid) == 1 for uid in failed)  # sent again, not drawn again from the dataloader
+    # Every prompt was submitted by the guide's manager, never more than 4 at once (its one change).
+    counts = [line["count"] for line in read_jsonl(submissions)]
+    assert sum(counts) == len(drawn) and max(counts) <= 4, counts
     first_step = {sample["group"] for sample in read_jsonl(run_dir / "areal_samples.jsonl") if sample["step"] == 1}
     assert set(failed) <= first_step, "a re-issued prompt was not trained with its batch"
     (accounting,) = read_jsonl(run_dir / "areal_accounting.jsonl")
@@ -155,7 +160,7 @@ def test_ctrl_c_checkpoints_and_stops_the_run_within_seconds_leaving_no_process(
     latest = int((run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
     assert latest == trained >= 1  # not step 5's periodic one: the stop saved the last finished step
     assert f"stopped on request (Ctrl-C or SIGTERM) after step {trained}" in (run_dir / "train.log").read_text()
-    time.sleep(3)
+    psutil.wait_procs(processes, timeout=15)  # the run's own processes exit as the CLI's cleanup reaches them
     left = []
     for process in processes:  # is_running() also compares the start time: a reused pid is not this process
         try:

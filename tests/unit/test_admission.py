@@ -13,66 +13,16 @@ from areal_plugins.core.buffer import SampleBuffer
 from areal_plugins.core.staleness import StalenessController
 from areal_plugins.hooks.hookimpl import hookimpl
 from areal_plugins.hooks.manager import call_hook
-from areal_plugins.testing import plugin_registered
+from areal_plugins.testing import InMemoryTransferQueue, plugin_registered
 from areal_plugins.trainers.admission import AdmissionLoop, MissingRolloutFieldError, RolloutsFailingError
 from tests.unit.conftest import wait_until
-
-
-def as_batch(values: list) -> object:
-    if isinstance(values[0], torch.Tensor):
-        return torch.nested.as_nested_tensor(values, layout=torch.jagged)
-    return values
-
-
-class MemoryStore:
-    """``kv_list`` / ``kv_batch_get`` / ``kv_clear`` over dicts, one partition."""
-
-    def __init__(self) -> None:
-        self.tags: dict[str, dict] = {}
-        self.rows: dict[str, dict] = {}
-
-    def kv_list(self, partition_id: str):
-        return {partition_id: {k: dict(v) for k, v in self.tags.items()}}
-
-    def kv_batch_get(self, keys, partition_id, select_fields):
-        """Tensors as TransferQueue hands them out: one jagged nested tensor per field."""
-        return {
-            name: as_batch([self.rows[k][name] for k in keys])
-            for name in select_fields
-            if all(name in self.rows[k] for k in keys)
-        }
-
-    def kv_clear(self, keys, partition_id):
-        for key in keys:
-            self.tags.pop(key, None)
-            self.rows.pop(key, None)
-
-    # what verl's agent loop does --------------------------------------------------------
-
-    def add_prompt(self, uid: str) -> None:
-        self.tags[uid] = {"is_prompt": True, "status": "running", "global_steps": 1}
-
-    def finish(self, uid: str, rewards: list[float], versions: list[list[int]], status: str = "finished") -> None:
-        for i, (reward, token_versions) in enumerate(zip(rewards, versions, strict=True)):
-            key = f"{uid}_{i}_0"
-            n = len(token_versions)
-            self.tags[key] = {"status": "success", "min_global_steps": min(token_versions)}
-            self.rows[key] = {
-                "prompts": torch.tensor([1, 2, 3]),
-                "responses": torch.arange(n),
-                "response_mask": torch.ones(n, dtype=torch.long),
-                "rollout_log_probs": torch.full((n,), -0.5),
-                "rm_scores": torch.tensor([0.0] * (n - 1) + [reward]),
-                "extra_fields": {"token_versions": token_versions, "num_interrupts": int(len(set(token_versions)) > 1)},
-            }
-        self.tags[uid]["status"] = status
 
 
 def accept_by_hook(trajectory) -> bool:
     return call_hook("areal_accept_trajectory", trajectory=trajectory) is not False
 
 
-def make_loop(store: MemoryStore, eta: int = 1, batch: int = 2):
+def make_loop(store: InMemoryTransferQueue, eta: int = 1, batch: int = 2):
     submitted: list[str] = []
 
     def submit(n: int) -> int:
@@ -93,7 +43,7 @@ def check_accounting(loop: AdmissionLoop, submitted: list[str]) -> None:
 
 
 def test_admits_eta_plus_one_batches_then_waits_for_a_version():
-    store = MemoryStore()
+    store = InMemoryTransferQueue()
     loop, submitted = make_loop(store, eta=1, batch=2)
     loop.poll_once()
     assert submitted == ["p0", "p1", "p2", "p3"]  # (η + 0 + 1) * B = 4 groups at version 0
@@ -118,7 +68,7 @@ class RejectWrongAnswers:
 
 
 def test_rejected_and_failed_groups_free_their_slots():
-    store = MemoryStore()
+    store = InMemoryTransferQueue()
     loop, submitted = make_loop(store, eta=0, batch=2)
     with plugin_registered(RejectWrongAnswers()):
         loop.poll_once()
@@ -134,7 +84,7 @@ def test_rejected_and_failed_groups_free_their_slots():
 
 
 def test_partly_rejected_group_keeps_its_other_members():
-    store = MemoryStore()
+    store = InMemoryTransferQueue()
     loop, _ = make_loop(store, eta=0, batch=1)
     with plugin_registered(RejectWrongAnswers()):
         loop.poll_once()
@@ -147,7 +97,7 @@ def test_partly_rejected_group_keeps_its_other_members():
 
 
 def test_paused_loop_collects_but_does_not_submit():
-    store = MemoryStore()
+    store = InMemoryTransferQueue()
     loop, submitted = make_loop(store, eta=0, batch=1)
     loop.poll_once()
     store.finish("p0", [1.0], [[0]])
@@ -164,7 +114,7 @@ def test_paused_loop_collects_but_does_not_submit():
 def test_a_suspended_loop_does_not_look_at_the_store_until_resumed():
     import time
 
-    store = MemoryStore()
+    store = InMemoryTransferQueue()
     looks = []
     listing = store.kv_list
     store.kv_list = lambda partition_id: looks.append(1) or listing(partition_id)  # type: ignore[method-assign]
@@ -186,7 +136,7 @@ def test_a_suspended_loop_does_not_look_at_the_store_until_resumed():
 
 
 def test_a_trajectory_without_behaviour_logprobs_stops_the_loop_instead_of_inventing_them():
-    store = MemoryStore()
+    store = InMemoryTransferQueue()
     loop, _ = make_loop(store, eta=0, batch=1)
     loop.poll_once()
     store.finish("p0", [1.0], [[0, 0]])
@@ -207,7 +157,7 @@ def test_tensor_rows_reads_every_layout_transfer_queue_may_hand_out():
 
 
 def test_masked_response_tokens_are_not_the_trajectorys_and_the_reward_is_the_rows_sum():
-    store = MemoryStore()
+    store = InMemoryTransferQueue()
     loop, _ = make_loop(store, eta=0, batch=1)
     seen = []
     loop.accept = lambda trajectory: seen.append(trajectory) or True
@@ -224,7 +174,7 @@ def test_masked_response_tokens_are_not_the_trajectorys_and_the_reward_is_the_ro
 
 
 def test_a_trajectory_without_per_token_versions_is_refused():
-    store = MemoryStore()
+    store = InMemoryTransferQueue()
     loop, _ = make_loop(store, eta=0, batch=1)
     loop.poll_once()
     store.finish("p0", [1.0], [[0, 0]])
@@ -234,7 +184,7 @@ def test_a_trajectory_without_per_token_versions_is_refused():
 
 
 def test_failed_groups_in_a_row_stop_the_loop_instead_of_resubmitting_forever():
-    store = MemoryStore()
+    store = InMemoryTransferQueue()
     loop, submitted = make_loop(store, eta=0, batch=2)
     loop.failure_limit = 3
     loop.poll_once()
@@ -255,7 +205,7 @@ def test_failed_groups_in_a_row_stop_the_loop_instead_of_resubmitting_forever():
         loop.poll_once()
 
 
-def make_reissuing_loop(store: MemoryStore, eta: int = 0, batch: int = 2):
+def make_reissuing_loop(store: InMemoryTransferQueue, eta: int = 0, batch: int = 2):
     loop, submitted = make_loop(store, eta=eta, batch=batch)
     reissued: list[list[str]] = []
 
@@ -269,7 +219,7 @@ def make_reissuing_loop(store: MemoryStore, eta: int = 0, batch: int = 2):
 
 
 def test_a_failed_group_is_reissued_with_its_prompt_kept_not_rejected():
-    store = MemoryStore()
+    store = InMemoryTransferQueue()
     loop, submitted, reissued = make_reissuing_loop(store, eta=0, batch=2)
     loop.poll_once()
     store.finish("p0", [1.0], [[0]])
@@ -288,7 +238,7 @@ def test_a_failed_group_is_reissued_with_its_prompt_kept_not_rejected():
 
 
 def test_a_group_that_keeps_failing_is_rejected_after_its_attempts():
-    store = MemoryStore()
+    store = InMemoryTransferQueue()
     loop, submitted, reissued = make_reissuing_loop(store, eta=0, batch=1)
     loop.attempts_per_group = 2
     loop.poll_once()
@@ -304,7 +254,7 @@ def test_a_group_that_keeps_failing_is_rejected_after_its_attempts():
 
 
 def test_reissuing_into_a_dead_engine_still_stops_the_loop():
-    store = MemoryStore()
+    store = InMemoryTransferQueue()
     loop, submitted, reissued = make_reissuing_loop(store, eta=0, batch=2)
     loop.failure_limit = 4
     loop.poll_once()
@@ -317,7 +267,7 @@ def test_reissuing_into_a_dead_engine_still_stops_the_loop():
 
 
 def test_a_group_past_eta_at_consumption_is_generated_again_not_trained_or_dropped():
-    store = MemoryStore()
+    store = InMemoryTransferQueue()
     loop, submitted, reissued = make_reissuing_loop(store, eta=1, batch=1)
     loop.buffer = SampleBuffer(max_staleness=1, on_stale="reissue")
     loop.poll_once()  # (η + 0 + 1) * 1 = 2 groups: p0, p1

@@ -1,66 +1,15 @@
-"""For plugin authors: fixtures that register a plugin for one test, and the conformance kit.
-
-The kit checks an implementation of a contract of :mod:`areal_plugins.hooks.contracts` by its behaviour:
-:func:`check_sample_buffer`.
-
-Use in a ``conftest.py``::
-
-    pytest_plugins = ["areal_plugins.testing"]
-
-    def test_my_filter(areal_plugin_manager, registered_plugin):
-        with registered_plugin(MyPlugin()):
-            ...
-"""
+"""The conformance kit's checks of a sample buffer (the ``SampleBuffer`` contract)."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
-import pluggy
-import pytest
+from areal_plugins.testing.violations import ContractViolationError, rule
 
-from areal_plugins.hooks.manager import check_plugins, get_plugin_manager
-
-
-@contextmanager
-def plugin_registered(
-    plugin: Any, manager: pluggy.PluginManager | None = None, name: str | None = None
-) -> Iterator[Any]:
-    """Register ``plugin`` (validated like an installed one) for the ``with`` block, then unregister it."""
-    manager = manager or get_plugin_manager()
-    registered_name = manager.register(plugin, name=name)
-    try:
-        check_plugins(manager)
-        yield plugin
-    finally:
-        manager.unregister(name=registered_name)
-
-
-@pytest.fixture
-def areal_plugin_manager() -> pluggy.PluginManager:
-    """The process-wide plugin manager."""
-    return get_plugin_manager()
-
-
-@pytest.fixture
-def registered_plugin(areal_plugin_manager: pluggy.PluginManager) -> Any:
-    """A context manager factory: ``with registered_plugin(obj): ...`` registers ``obj`` for the block."""
-
-    def register(plugin: Any, name: str | None = None) -> Any:
-        return plugin_registered(plugin, areal_plugin_manager, name)
-
-    return register
-
-
-# ---------------------------------------------------------------- conformance kit
-
-
-class ContractViolationError(AssertionError):
-    """An implementation breaks a contract of :mod:`areal_plugins.hooks.contracts`; the message says which rule."""
+__all__ = ["ContractViolationError", "check_sample_buffer"]
 
 
 def check_sample_buffer(make_buffer: Callable[[int], Any], timeout_s: float = 5.0) -> None:
@@ -144,5 +93,4 @@ def _group(group_id: str, head_version: int) -> Any:
 
 
 def _rule(holds: bool, broken: str) -> None:
-    if not holds:
-        raise ContractViolationError(f"SampleBuffer contract: {broken}")
+    rule("SampleBuffer", holds, broken)
