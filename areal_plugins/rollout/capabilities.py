@@ -33,11 +33,15 @@ CONTRACT_METHODS = {
 }
 
 #: verl's own servers. vllm: an abort returns the partial output with its log-probs (finish_reason
-#: "abort"), and our client stamps each chunk with the version it ran under; nothing reports a checksum
-#: of the loaded weights or counts tokens. sglang: its abort may return partial tokens without their
-#: log-probs ("an abort may leave an empty logprob payload"), so a resumed trajectory could miss them.
+#: "abort"), and our client stamps each chunk with the version it ran under; under areal_async its server is
+#: ours (rollout/verl_vllm/: each worker's checksum of the weights it received, compared with the trainer's,
+#: and generated tokens counted). sglang: its abort may return partial tokens without their log-probs ("an
+#: abort may leave an empty logprob payload"), so a resumed trajectory could miss them; nothing reports a
+#: checksum or counts tokens.
 VERL_BACKENDS = {
-    "vllm": frozenset({"abort_keeps_partial", "resume", "weight_update", "version_stamps"}),
+    "vllm": frozenset(
+        {"abort_keeps_partial", "resume", "weight_update", "version_stamps", "weight_checksum", "progress_stats"}
+    ),
     "sglang": frozenset({"resume", "weight_update", "version_stamps"}),
 }
 

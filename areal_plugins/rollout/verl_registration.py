@@ -242,11 +242,16 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
+VERL_VLLM_ADAPTER_FQN = "areal_plugins.rollout.verl_vllm.adapter.ArealServerAdapter"
+
+
 def register_rollout_backends() -> None:
     """Add every backend of :data:`BACKENDS` to both verl rollout registries (idempotent)."""
     from verl.workers.rollout import base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
+    # verl's own vllm: its adapter plus the received-weights check, active only with our server (areal_async).
+    base._ROLLOUT_REGISTRY[("vllm", "async")] = VERL_VLLM_ADAPTER_FQN
     for backend in BACKENDS:
         base._ROLLOUT_REGISTRY[(backend, "async")] = ADAPTER_FQN
         RolloutReplicaRegistry.register(backend, lambda: __getattr__("ArealRolloutReplica"))

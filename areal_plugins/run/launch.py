@@ -135,6 +135,7 @@ def stops_with_a_checkpoint(config: Any) -> bool:
 
 def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Path | None) -> int:
     """Run verl's ``main_ppo`` on ``recipe``; return its exit code."""
+    from areal_plugins.rollout.verl_vllm.cpu_settings import cpu_vllm_overrides
     from areal_plugins.run.preflight import RecipeRefusedError, run_platform
 
     recipe = recipe.resolve()
@@ -162,6 +163,7 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
         *join_cluster_overrides(address, config.ray_kwargs.ray_init.keys()),
         *job_env_overrides(env),
+        *cpu_vllm_overrides(config, platform, env),
         *overrides,
     ]
     (run_dir / "command.txt").write_text(" ".join(command) + "\n")

@@ -112,6 +112,10 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 ", ".join(waived),
                 "; the watchdog judges progress by finished groups only" if "progress_stats" in waived else "",
             )
+        if backend == "vllm":
+            from areal_plugins.rollout.verl_vllm.server import use_areal_vllm_replicas
+
+            use_areal_vllm_replicas()
         self.placement = placement_for(self.areal.placement)
         # verl builds engines in the trainer's workers only when this is True (colocated).
         self._enable_hybrid_replicas = self.placement.hybrid_replicas

@@ -1,7 +1,8 @@
 """The rollout engines' activity: summed statistics of our servers, sampled for the timeline and per step.
 
-verl's own engines keep no statistics: for them :meth:`EngineStats.read` returns None and the watchdog
-judges progress by finished groups alone.
+verl's own engines keep no statistics, except ``vllm``, whose server is our subclass under ``areal_async``
+(rollout/verl_vllm/server.py); for the others :meth:`EngineStats.read` returns None and the watchdog judges
+progress by finished groups alone.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class EngineStats:
         from areal_plugins.rollout.verl_registration import BACKENDS
 
         self.backend = backend
-        self.kept = backend in BACKENDS
+        self.kept = backend in BACKENDS or backend == "vllm"  # verl's vllm: our server subclass counts
         self._servers = servers
         self._recorder = recorder
         self.errors = 0  # looks at the statistics that failed (areal/rollout_stats_errors)

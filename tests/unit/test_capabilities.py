@@ -46,24 +46,27 @@ def test_a_backend_that_narrows_its_capabilities_is_refused_naming_what_it_dropp
     assert check_backend_capabilities("areal_cpu") == check_backend_capabilities("areal_vllm") == []
 
 
-def test_verls_vllm_is_refused_naming_what_it_lacks_and_the_way_out():
+def test_verls_vllm_has_everything_through_our_server_subclass():
+    # verl 0.9.1's vLLM server has no weight checksum and counts no tokens; under areal_async its replicas build
+    # rollout/verl_vllm/server.py's subclass, which answers both (checked end to end in test_verl_vllm.py).
+    assert check_backend_capabilities("vllm") == []
+
+
+def test_verls_sglang_is_refused_naming_what_it_lacks_and_the_way_out():
     with pytest.raises(ArealConfigError) as refused:
-        check_backend_capabilities("vllm")
+        check_backend_capabilities("sglang")
     message = str(refused.value)
-    # Read in verl 0.9.1's vllm_async_server.py: no checksum of loaded weights, no token counts.
     assert "- weight_checksum:" in message and "- progress_stats:" in message
-    assert "abort_keeps_partial" not in message and "version_stamps" not in message
+    assert "- abort_keeps_partial:" in message and "version_stamps" not in message
     assert "areal_vllm" in message and "areal.enable=false" in message
-    assert message.endswith("areal.waive_capabilities=[weight_checksum,progress_stats]")
+    assert message.endswith("areal.waive_capabilities=[abort_keeps_partial,weight_checksum,progress_stats]")
 
 
 def test_a_waived_capability_is_returned_for_the_startup_warning():
-    assert check_backend_capabilities("vllm", ["weight_checksum", "progress_stats"]) == [
-        "weight_checksum",
-        "progress_stats",
-    ]
-    with pytest.raises(ArealConfigError, match=r"- progress_stats"):  # waiving one is not waiving both
-        check_backend_capabilities("vllm", ["weight_checksum"])
+    lacking = ["abort_keeps_partial", "weight_checksum", "progress_stats"]
+    assert check_backend_capabilities("sglang", lacking) == lacking
+    with pytest.raises(ArealConfigError, match=r"- progress_stats"):  # waiving two is not waiving all three
+        check_backend_capabilities("sglang", lacking[:2])
 
 
 def test_sglang_also_lacks_partial_log_probs_and_an_unknown_backend_everything():
@@ -74,15 +77,25 @@ def test_sglang_also_lacks_partial_log_probs_and_an_unknown_backend_everything()
 
 def test_a_misspelled_waiver_is_refused():
     with pytest.raises(ArealConfigError, match=r"\['weight_checksums'\], which are not capabilities"):
-        check_backend_capabilities("vllm", ["weight_checksums"])
+        check_backend_capabilities("sglang", ["weight_checksums"])
 
 
 def test_the_startup_validation_applies_the_contract_to_the_composed_recipe():
     from areal_plugins.builtin.validation import areal_validate_config
 
-    with pytest.raises(ArealConfigError, match=r"rollout\.name=vllm lacks"):
-        areal_validate_config(compose("grpo_cpu_async", ["actor_rollout_ref.rollout.name=vllm"]))
-    waived = "areal.waive_capabilities=[weight_checksum,progress_stats]"
-    areal_validate_config(compose("grpo_cpu_async", ["actor_rollout_ref.rollout.name=vllm", waived]))
+    with pytest.raises(ArealConfigError, match=r"rollout\.name=sglang lacks"):
+        areal_validate_config(compose("grpo_cpu_async", ["actor_rollout_ref.rollout.name=sglang"]))
+    waived = "areal.waive_capabilities=[abort_keeps_partial,weight_checksum,progress_stats]"
+    areal_validate_config(compose("grpo_cpu_async", ["actor_rollout_ref.rollout.name=sglang", waived]))
+    areal_validate_config(compose("grpo_cpu_async", ["actor_rollout_ref.rollout.name=vllm"]))
     # verl's synchronous trainer with our hooks needs none of it.
-    areal_validate_config(compose("grpo_cpu_async", ["areal.mode=sync", "actor_rollout_ref.rollout.name=vllm"]))
+    areal_validate_config(compose("grpo_cpu_async", ["areal.mode=sync", "actor_rollout_ref.rollout.name=sglang"]))
+
+
+def test_lora_with_verls_vllm_is_refused_at_startup_not_at_the_first_update():
+    from areal_plugins.builtin.validation import areal_validate_config
+
+    with pytest.raises(ArealConfigError, match=r"set actor_rollout_ref\.model\.lora_rank=0"):
+        areal_validate_config(
+            compose("grpo_cpu_async", ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.lora_rank=8"])
+        )

@@ -54,7 +54,11 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
     import areal_plugins
 
     package = Path(areal_plugins.__file__).parent
-    constants = {"RUN_DIR_ENV": "AREAL_RUN_DIR", "PYTHON_ENV": "AREAL_VLLM_PYTHON"}
+    constants = {
+        "RUN_DIR_ENV": "AREAL_RUN_DIR",
+        "PYTHON_ENV": "AREAL_VLLM_PYTHON",
+        "CORRUPT_VARIABLE": "AREAL_CORRUPT_RECEIVED_WEIGHT",
+    }
     read = re.compile(r"os\.environ(?:\.get\(|\[)\s*([A-Z_]+|\"[A-Z_]+\")")
     names = set()
     for path in package.rglob("*.py"):
@@ -64,8 +68,11 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
             names.add(constants.get(token, token.strip('"')))
     # RANK: verl's worker sets it in every worker process itself (our rollout adapter reads it, as verl's does).
     set_by_verl = {"RANK"}
-    assert names == {"AREAL_RUN_DIR", "AREAL_VLLM_PYTHON", "VERL_PLATFORM", "RANK"}  # found by grep, listed by hand
-    assert names - set_by_verl <= set(cluster_env.JOB_ENV_VARS)
+    # Fault injection: a test sets it in the job's runtime_env itself (++ray_kwargs.ray_init.runtime_env...).
+    set_by_tests = {"AREAL_CORRUPT_RECEIVED_WEIGHT"}
+    expected = {"AREAL_RUN_DIR", "AREAL_VLLM_PYTHON", "VERL_PLATFORM", "RANK", "AREAL_CORRUPT_RECEIVED_WEIGHT"}
+    assert names == expected  # found by grep, listed by hand
+    assert names - set_by_verl - set_by_tests <= set(cluster_env.JOB_ENV_VARS)
 
 
 def test_joining_nulls_only_the_sizes_the_recipe_has():

