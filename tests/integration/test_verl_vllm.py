@@ -20,12 +20,12 @@ pytestmark = pytest.mark.integration
 VERL_VLLM_PYTHON = REPO / ".venv-verl-vllm" / "bin" / "python"
 
 
-def train_with_verl_vllm(run_dir: Path, tiny_dir: Path, steps: int, *overrides: str) -> subprocess.CompletedProcess:
+def train_with_verl_vllm(
+    run_dir: Path, tiny_dir: Path, steps: int, *overrides: str, recipe: str = "grpo_cpu_async.yaml"
+) -> subprocess.CompletedProcess:
     if not VERL_VLLM_PYTHON.exists():
         pytest.fail(f"{VERL_VLLM_PYTHON} is missing: run bash tools/setup.sh (it builds .venv-verl-vllm)")
-    args = train_args(
-        "grpo_cpu_async.yaml", run_dir, tiny_dir, steps, "actor_rollout_ref.rollout.name=vllm", *overrides
-    )
+    args = train_args(recipe, run_dir, tiny_dir, steps, "actor_rollout_ref.rollout.name=vllm", *overrides)
     return subprocess.run(
         [str(VERL_VLLM_PYTHON), "-m", "areal_plugins.cli", *args],
         cwd=REPO,
@@ -69,3 +69,23 @@ def test_verls_vllm_trains_checks_every_update_and_stops_on_a_weight_corrupted_i
     assert sum(s["areal/gen_tokens_per_s"] for s in steps) > 0
     # The staleness bound holds on verl's engine too.
     assert max(s["areal/staleness_max"] for s in steps) <= 2
+
+
+def test_verls_vllm_in_its_own_pool_gets_every_update_through_the_checkpoint_engine_checked(tiny_dir, tmp_path):
+    """``placement: separate``: verl's standalone vLLM replica in a pool of its own, weights broadcast by our
+    ``areal_gloo`` checkpoint engine to verl's checkpoint-engine worker, whose adapter (ours) checks what each vLLM
+    worker received against what it passed on. Temperature 0.7, η = 2."""
+    run_dir = tmp_path / "run"
+    result = train_with_verl_vllm(
+        run_dir, tiny_dir, 3, "actor_rollout_ref.rollout.temperature=0.7", recipe="grpo_cpu_async_separate.yaml"
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    checked = [r for r in read_jsonl(run_dir / "weight_syncs.jsonl") if r["event"] == "update_checked"]
+    assert [r["version"] for r in checked] == [0, 1, 2, 3], checked  # the start, then after each step
+    actors = {record["class_name"] for record in read_jsonl(run_dir / "ray_actors.jsonl")}
+    assert {"ArealVLLMHttpServer", "CheckpointEngineWorker"} <= actors, actors
+    steps = [json.loads(line)["data"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    assert [s["training/global_step"] for s in steps] == [1, 2, 3]
+    assert steps[0]["training/rollout_probs_diff_max"] < 0.05  # processed log-probs, as colocated
+    assert max(s["areal/staleness_max"] for s in steps) <= 2
+    assert all(s["areal/gen_tokens_per_s"] > 0 for s in steps)
