@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-PARTITION = "train"
-
 
 def _as_batch(values: list[Any]) -> Any:
     """One field of several rows as TransferQueue hands it out: a jagged nested tensor, or a list."""

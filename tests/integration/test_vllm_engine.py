@@ -147,7 +147,7 @@ def test_single_abort_all_abort_ids_and_prefix_cache_reset_on_a_real_server(serv
             rid: asyncio.create_task(server.generate(p, dict(RUN_TO_LIMIT), rid))
             for rid, p in zip(ids, PROMPTS, strict=True)
         }
-        while server.generated_tokens - before < 8 * len(PROMPTS) or server.in_flight < len(PROMPTS):
+        while server.generated_tokens - before < 8 * len(PROMPTS) or server.activity.in_flight < len(PROMPTS):
             await asyncio.sleep(0.002)
         one = await server.abort_request("a0")
         missing = await server.abort_request("no-such-request")
@@ -170,7 +170,7 @@ def test_single_abort_all_abort_ids_and_prefix_cache_reset_on_a_real_server(serv
 def test_a_killed_server_is_replaced_and_its_requests_finish(server, loop):
     async def scenario():
         tasks = [asyncio.create_task(server.generate(p, dict(PARAMS), f"k{i}")) for i, p in enumerate(PROMPTS)]
-        while server.in_flight == 0:
+        while server.activity.in_flight == 0:
             await asyncio.sleep(0.005)
         await server.kill_server_for_test()
         return await asyncio.gather(*tasks), await server.get_stats()

@@ -31,6 +31,14 @@ def test_the_checksum_is_elements_sum_and_sum_of_squares_in_float64():
     assert tensor_checksum(torch.tensor([[1.0, 2.0], [3.0, -4.0]], dtype=torch.bfloat16)) == [4.0, 2.0, 30.0]
 
 
+def test_the_checksum_is_reduced_in_chunks_with_the_same_result(monkeypatch):
+    from areal_plugins.rollout.verl_vllm import checksums
+
+    monkeypatch.setattr(checksums, "CHUNK_ELEMENTS", 3)  # 10 elements: chunks of 3, 3, 3 and 1
+    # 0 + 1 + ... + 9 = 45; 0² + ... + 9² = 285
+    assert checksums.tensor_checksum(torch.arange(10.0).reshape(2, 5)) == [10.0, 45.0, 285.0]
+
+
 def test_every_worker_that_received_what_was_sent_passes():
     _, sent, reports = sent_and_reports()
     check_weight_reports(reports, sent, "rollout replica 0")

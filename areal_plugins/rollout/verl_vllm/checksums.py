@@ -15,11 +15,22 @@ from areal_plugins.rollout.base import WeightSyncError
 RELATIVE_TOLERANCE = 1e-9
 
 
+#: Elements reduced at a time: a float64 copy of a whole embedding (1.1 GB in bf16 at 7B) would take 4.4 GB of
+#: device memory during the weight update; a chunk takes 128 MiB.
+CHUNK_ELEMENTS = 1 << 24
+
+
 def tensor_checksum(tensor: torch.Tensor) -> list[float]:
-    """``[elements, Σx, Σx²]`` of ``tensor`` in float64, reduced on its own device (one 2-number host copy)."""
-    values = tensor.detach().to(torch.float64)
-    sums = torch.stack([values.sum(), (values * values).sum()]).tolist()
-    return [float(values.numel()), float(sums[0]), float(sums[1])]
+    """``[elements, Σx, Σx²]`` of ``tensor`` in float64, reduced on its own device chunk by chunk (one 2-number
+    host copy at the end)."""
+    flat = tensor.detach().reshape(-1)
+    sums = torch.zeros(2, dtype=torch.float64, device=flat.device)
+    for chunk in flat.split(CHUNK_ELEMENTS):
+        values = chunk.to(torch.float64)
+        sums[0] += values.sum()
+        sums[1] += values.square().sum()
+    total, squares = sums.tolist()
+    return [float(flat.numel()), float(total), float(squares)]
 
 
 def _same(sent: list[float], received: list[float]) -> bool:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-#: KV cache of each vLLM CPU engine, GiB, unless the environment sets ``VLLM_CPU_KVCACHE_SPACE``.
+#: KV cache of each vLLM CPU engine, GiB, unless the environment sets ``VLLM_CPU_KVCACHE_SPACE`` (verl's ``vllm``
+#: here, ``areal_vllm``'s server process in rollout/vllm/process.py).
 KV_CACHE_GIB = "1"
 
 

@@ -7,10 +7,11 @@ verl's; the async trainer registers it for ``rollout.name: vllm`` in its own dri
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
+
+from areal_plugins.rollout.activity import RequestActivity
 
 EXTENSION_CLASS = "areal_plugins.rollout.verl_vllm.worker_extension.ArealVLLMWorkerExtension"
 
@@ -21,31 +22,28 @@ class ArealVLLMHttpServer(vLLMHttpServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.generated_tokens = 0
-        self.in_flight = 0
-        self.busy_s = 0.0
-        self._busy_since: float | None = None
+        self.activity = RequestActivity()
 
     def _get_worker_extension_cls(self) -> str:
         return EXTENSION_CLASS
 
     async def generate(self, *args: Any, **kwargs: Any) -> Any:
-        if self.in_flight == 0:
-            self._busy_since = time.monotonic()
-        self.in_flight += 1
+        self.activity.enter()
         try:
             output = await super().generate(*args, **kwargs)
         finally:
-            self.in_flight -= 1
-            if self.in_flight == 0 and self._busy_since is not None:
-                self.busy_s += time.monotonic() - self._busy_since
-                self._busy_since = None
+            self.activity.leave()
         self.generated_tokens += len(getattr(output, "token_ids", None) or [])
         return output
 
     async def get_stats(self) -> dict[str, Any]:
         """What the watchdog and the step metrics read (the same keys as our own servers report)."""
-        busy = self.busy_s + (time.monotonic() - self._busy_since if self._busy_since is not None else 0.0)
-        return {"generated_tokens": self.generated_tokens, "in_flight": self.in_flight, "busy_s": busy, "restarts": 0}
+        return {
+            "generated_tokens": self.generated_tokens,
+            "in_flight": self.activity.in_flight,
+            "busy_s": self.activity.busy_seconds(),
+            "restarts": 0,
+        }
 
     async def areal_weight_reports(self) -> list[dict[str, Any]]:
         """Each vLLM worker's checksums of the weights it received in the last update (verl's ``collective_rpc``

@@ -14,7 +14,6 @@ shared memory elsewhere) and loads each bucket with the model's ``load_weights``
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
@@ -22,8 +21,6 @@ import torch
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
 from areal_plugins.rollout.verl_vllm.checksums import tensor_checksum
-
-logger = logging.getLogger(__name__)
 
 #: Fault injection for tests: ``NAME`` or ``NAME@K``: from this worker's K-th update on (default 1), the first
 #: received value of tensor NAME is changed by +1, as a bad transport would.

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from areal_plugins.rollout.verl_vllm.cpu_settings import KV_CACHE_GIB
 from areal_plugins.run.control import new_group_dying_with_parent
 
 logger = logging.getLogger(__name__)
@@ -227,7 +228,7 @@ class VLLMServer:
             OMP_NUM_THREADS=str(self.num_threads),
         )
         if self.gpu is None:
-            env["VLLM_CPU_KVCACHE_SPACE"] = env.get("VLLM_CPU_KVCACHE_SPACE", "1")
+            env["VLLM_CPU_KVCACHE_SPACE"] = env.get("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
         else:  # exactly the devices Ray gave the replica's workers
             env["CUDA_VISIBLE_DEVICES"] = self.gpu.devices
         return env

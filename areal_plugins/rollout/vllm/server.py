@@ -22,7 +22,6 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import aiohttp
 import torch
 
+from areal_plugins.rollout.activity import RequestActivity
 from areal_plugins.rollout.base import (
     Generated,
     RolloutServer,
@@ -144,9 +144,7 @@ class VLLMRolloutServer(RolloutServer):
         self.weights_dir = Path(tempfile.mkdtemp(prefix=f"areal_vllm_weights_{replica_rank}_"))
         self.version = 0
         self.generated_tokens = 0
-        self.in_flight = 0
-        self.busy_s = 0.0
-        self._busy_since: float | None = None
+        self.activity = RequestActivity()
         self._init_gate(free_cache_engine)
         self._aborts: dict[str, asyncio.Event] = {}  # in-flight request id -> set to abort it
         self._restart_lock = asyncio.Lock()
@@ -173,7 +171,7 @@ class VLLMRolloutServer(RolloutServer):
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
-        self._enter()
+        self.activity.enter()
         attempt = 0
         try:
             while True:
@@ -218,7 +216,7 @@ class VLLMRolloutServer(RolloutServer):
                 versions += [version] * len(chunk.token_ids)
                 return tokens, logprobs, versions, chunk.finish_reason
         finally:
-            self._leave()
+            self.activity.leave()
 
     async def _on_live_server(self, call: Callable[[VLLMClient], Awaitable[Any]]) -> Any:
         """A control call (pause, resume, reload) that replaces a server found dead instead of failing the run."""
@@ -261,17 +259,6 @@ class VLLMRolloutServer(RolloutServer):
     def _count_tokens(self, count: int) -> None:
         self.generated_tokens += count  # live, as tokens stream in (activity metrics, tests)
 
-    def _enter(self) -> None:
-        if self.in_flight == 0:
-            self._busy_since = time.monotonic()
-        self.in_flight += 1
-
-    def _leave(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0 and self._busy_since is not None:
-            self.busy_s += time.monotonic() - self._busy_since
-            self._busy_since = None
-
     # ------------------------------------------------------------------ interruption
 
     async def _abort_in_flight(self) -> list[str]:
@@ -298,7 +285,7 @@ class VLLMRolloutServer(RolloutServer):
         await self._on_live_server(lambda client: client.resume())
 
     async def wait_for_requests_to_drain(self) -> None:
-        while self.in_flight:
+        while self.activity.in_flight:
             await asyncio.sleep(0.05)
 
     # ------------------------------------------------------------------ memory
@@ -340,11 +327,10 @@ class VLLMRolloutServer(RolloutServer):
         return self.version
 
     async def get_stats(self) -> dict[str, Any]:
-        busy = self.busy_s + (time.monotonic() - self._busy_since if self._busy_since is not None else 0.0)
         return {
             "generated_tokens": self.generated_tokens,
-            "in_flight": self.in_flight,
-            "busy_s": busy,
+            "in_flight": self.activity.in_flight,
+            "busy_s": self.activity.busy_seconds(),
             "version": self.version,
             "restarts": self.server.restarts,
         }
