@@ -80,9 +80,14 @@ def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--lengths-file", type=Path, help="a sample of your response lengths, one per line")
     plan.add_argument("--prompt-len", type=int, default=200)
     plan.add_argument("--decode-efficiency", type=float, default=PAPER_FIT.decode_bandwidth,
-                      help="achieved share of HBM bandwidth while decoding (default: fitted to the paper)")  # fmt: skip
+                      help="share of HBM bandwidth reached reading weights (default 1.0)")  # fmt: skip
     plan.add_argument("--compute-efficiency", type=float, default=PAPER_FIT.compute,
                       help="achieved share of BF16 FLOPs while training (default: fitted to the paper)")  # fmt: skip
+    plan.add_argument("--split", type=int, help="GPUs that generate (default: the best of a search)")
+    plan.add_argument("--eta", type=int, help="areal.max_staleness to plan for (default: chosen, see above)")
+    plan.add_argument("--baseline", default="verl", choices=("verl", "areal-sync"),
+                      help="the synchronous system the speedup is against: verl's colocated trainer, or the "
+                      "paper's synchronous AReaL (half generate, half train), as in its Table 1")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("recipe", type=Path)
     run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.total_training_steps=10")
     run.add_argument("--run-dir", type=Path, default=None)
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        help="after a failure (not Ctrl-C), resume from the last checkpoint up to this many times, with a doubling "
+        "back-off; the same error twice with no new checkpoint stops for good (default: areal.max_restarts, else 0)",
+    )
     run.add_argument(
         "--tiny-dir",
         type=Path,
@@ -163,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         ensure_tiny_assets(args.out, force=args.force, workload=args.workload)
         logger.info("tiny model and data in %s", args.out)
         return 0
-    return train(args.recipe, args.overrides, args.run_dir, args.tiny_dir)
+    if args.max_restarts is not None and args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    return train(args.recipe, args.overrides, args.run_dir, args.tiny_dir, args.max_restarts)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Loaded by verl in every process (entry point group ``verl.plugins``), Ray workers included.
 
-It only registers: the CPU platform, our rollout backends (``areal_cpu``, ``areal_vllm``), the
+It only registers: the CPU platform, our rollout backend ``areal_cpu`` and checked vLLM adapter, the
 ``areal_decoupled`` policy losses, the ``areal_*`` trainer modes, config resolvers and, when this process
 runs verl on the CPU platform (``VERL_PLATFORM=cpu``), the patches verl needs there. verl logs a
 plugin's load failure at debug level only, so failures here are logged as errors instead.

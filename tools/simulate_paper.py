@@ -1,9 +1,10 @@
 """The cluster simulator held against the AReaL paper: ``python tools/simulate_paper.py``.
 
-Fits the two efficiencies (decode bandwidth, training compute) to the paper's two end-to-end step times
-(Table 2, 1.5B on 128 H800), then predicts what was held out — Fig. 5c's throughput by η, the strong
-scaling from 32 to 256 GPUs, the gain from interruptible generation — over several seeds, and repeats
-the η sweep with other response-length tails to show how much the one unsourced shape choice matters.
+Fits the two free parameters (the decode step's per-layer latency, the training compute efficiency) to the
+paper's two end-to-end step times (1.5B on 128 H800), then predicts what was held out — Table 1's 7B, 14B
+and 32B speedups, Fig. 5c's throughput by η, the strong scaling from 32 to 256 GPUs, the gain from
+interruptible generation — over several seeds, and repeats the η sweep with other response-length tails
+to show how much the one unsourced shape choice matters.
 Writes docs/results/simulator_vs_paper.json and .png; docs/simulator.md reads them.
 """
 
@@ -19,7 +20,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from areal_plugins.planning.calibration import (
-    PAPER_7B,
     PAPER_ASYNC_STEP_S,
     PAPER_ETA,
     PAPER_GPUS,
@@ -27,17 +27,18 @@ from areal_plugins.planning.calibration import (
     PAPER_ROLLOUT_GPUS,
     PAPER_SCALING,
     PAPER_SYNC_STEP_S,
+    PAPER_TABLE1,
     PAPER_THROUGHPUT_BY_ETA,
     PAPER_WORKLOAD,
     STEPS,
     WARMUP,
-    async_step_s,
     fit_efficiency,
     paper_cluster,
-    sync_step_s,
+    paper_sync_generating_gpus,
+    predict_table1,
 )
-from areal_plugins.planning.cluster_sim import Cluster, Workload, simulate_async, simulate_sync
-from areal_plugins.planning.hardware import GPUS, MODELS, Efficiency
+from areal_plugins.planning.cluster_sim import Workload, simulate_async, simulate_sync
+from areal_plugins.planning.hardware import Efficiency
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
@@ -51,7 +52,34 @@ def eta_key(eta: float) -> str:
 
 
 def sync_tokens_per_s(efficiency: Efficiency, work: Workload, seed: int) -> float:
-    return simulate_sync(paper_cluster(efficiency), work, steps=4, seed=seed).tokens_per_s(warmup=0)
+    """The paper's synchronous AReaL: half the GPUs generate, then the other half train."""
+    cluster = paper_cluster(efficiency)
+    run = simulate_sync(cluster, work, steps=4, seed=seed, generating_gpus=paper_sync_generating_gpus(cluster))
+    return run.tokens_per_s(warmup=0)
+
+
+def table1(efficiency: Efficiency, work: Workload, seeds: int) -> dict:
+    """Each model of Table 1 at its cluster (3/4 generating, η = 4) against synchronous AReaL."""
+    out = {}
+    for model, row in PAPER_TABLE1.items():
+        prediction = predict_table1(model, efficiency, work, seeds=seeds)
+        entry = {
+            "gpus": row.gpus,
+            "held_out": model != "1.5b",
+            "model_s": {"sync_step": prediction.sync_step_s, "async_step": prediction.async_step_s},
+            "speedup": prediction.speedup,
+            "paper_speedup": row.speedup,
+            "error": prediction.speedup / row.speedup - 1,
+        }
+        if row.steps:
+            entry["paper_s"] = {
+                "sync_step": row.sync_hours * 3600 / row.steps,
+                "async_step": row.async_hours * 3600 / row.steps,
+            }
+        out[model] = entry
+        print(f"  {model}: {prediction.speedup:.2f}x vs the paper's {row.speedup:.2f}x ({entry['error']:+.1%})",
+              flush=True)  # fmt: skip
+    return out
 
 
 def eta_sweep(efficiency: Efficiency, work: Workload, seeds: int) -> dict:
@@ -96,7 +124,7 @@ def interruption(efficiency: Efficiency, work: Workload, seeds: int) -> dict:
 
 def run(seeds: int) -> dict:
     started = time.time()
-    print("fitting the efficiencies to the paper's two step times ...", flush=True)
+    print("fitting the decode step latency and compute efficiency to the paper's two step times ...", flush=True)
     fit = fit_efficiency()
     efficiency = fit.efficiency
     print(f"  {efficiency} after {fit.iterations} rounds", flush=True)
@@ -107,16 +135,8 @@ def run(seeds: int) -> dict:
     scale = scaling(efficiency, PAPER_WORKLOAD, seeds)
     print("interruptible generation ...", flush=True)
     interrupt = interruption(efficiency, PAPER_WORKLOAD, seeds)
-    print("the 7B run (held out) ...", flush=True)
-    seven = Cluster(GPUS["h800"], MODELS["7b"], efficiency, PAPER_7B["gpus"], PAPER_7B["gpus"] * 3 // 4)
-    seven_b = {
-        "model_s": {
-            "sync_step": sync_step_s(seven, PAPER_WORKLOAD),
-            "async_step": async_step_s(seven, PAPER_WORKLOAD, PAPER_ETA),
-        },
-        "paper_s": {"sync_step": PAPER_7B["sync_step_s"], "async_step": PAPER_7B["async_step_s"]},
-    }
-    print(f"  {seven_b}", flush=True)
+    print("Table 1: 1.5B (fitted), 7B, 14B, 32B (held out) ...", flush=True)
+    models = table1(efficiency, PAPER_WORKLOAD, seeds)
     print("sensitivity to the length tail (refitted each time) ...", flush=True)
     tails = {}
     for fraction in (0.001, 0.01):
@@ -150,7 +170,7 @@ def run(seeds: int) -> dict:
         "interrupt_gain": interrupt,
         "paper_interrupt_gain": PAPER_INTERRUPT_GAIN_1_5B,
         "tail_sensitivity": tails,
-        "held_out_7b": seven_b,
+        "table1": models,
     }
 
 
@@ -160,7 +180,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, (left, middle, right, models) = plt.subplots(1, 4, figsize=(20, 4.2))
     keys = list(result["paper_eta_ktokens_per_s"])
     x = range(len(keys))
     ours = [result["eta_tokens_per_s"][k]["median"] / 1e3 for k in keys]
@@ -170,7 +190,7 @@ def plot(result: dict, path: Path) -> None:
     left.plot(x, ours, "s-", color="tab:blue", label="simulator (seed range shaded)")
     left.fill_between(x, low, high, color="tab:blue", alpha=0.2)
     sync = result["sync_tokens_per_s"]["median"] / 1e3
-    left.axhline(sync, color="tab:gray", ls=":", label=f"simulated synchronous ({sync:.0f}k)")
+    left.axhline(sync, color="tab:gray", ls=":", label=f"simulated synchronous AReaL ({sync:.0f}k)")
     left.set_xticks(list(x), ["∞" if k == "inf" else k for k in keys])
     left.set_xlabel("η (max staleness)")
     left.set_ylabel("k trained tokens/s")
@@ -195,6 +215,19 @@ def plot(result: dict, path: Path) -> None:
     right.set_ylabel("generation throughput gain, %")
     right.set_title("interruptible generation, η = 4")
     right.legend(fontsize=8)
+    names = list(result["table1"])
+    x = range(len(names))
+    models.bar([i - 0.2 for i in x], [result["table1"][n]["paper_speedup"] for n in names], 0.4, color="black",
+               label="paper (Table 1)")  # fmt: skip
+    models.bar([i + 0.2 for i in x], [result["table1"][n]["speedup"] for n in names], 0.4, color="tab:blue",
+               label="simulator (1.5B fitted, others held out)")  # fmt: skip
+    for i, n in enumerate(names):
+        models.annotate(f"{result['table1'][n]['error']:+.0%}", (i + 0.2, result["table1"][n]["speedup"]),
+                        ha="center", va="bottom", fontsize=8)  # fmt: skip
+    models.set_xticks(list(x), [n.upper() for n in names])
+    models.set_ylabel("async (η = 4) over synchronous AReaL")
+    models.set_title("Table 1: 16 / 24 / 32 / 48 nodes, 3/4 generating")
+    models.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

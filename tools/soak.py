@@ -1,12 +1,17 @@
-"""Soak run: async training on CPU for a long while, with frequent interrupts and engine restarts, memory tracked.
+"""Soak run: async training on CPU for a long while, with frequent interrupts, memory tracked.
 
-Starts ``areal-plugins train`` on a recipe (default: the vLLM one, so engine restarts are real), kills the
-vLLM server process every ``--kill-every`` seconds (the rollout server must replace it and continue its
-requests), samples the resident memory of the whole process tree every ``--sample-every`` seconds, and
-at the end checks the run's accounting (submitted = accepted + rejected + running; accepted = consumed
-+ buffered) and every consumed sample's staleness against η.
+Starts ``areal-plugins train`` on a recipe (default: the main job's, ``recipes/grpo_cpu_async.yaml``), samples
+the resident memory of the whole process tree every ``--sample-every`` seconds and compares it cycle by cycle
+(``--cycle-every`` seconds), and at the end checks the run's accounting (submitted = accepted + rejected +
+running; accepted = consumed + buffered) and every consumed sample's staleness against η.
 
-Writes ``soak.json`` (memory samples, growth, steps, restarts, accounting) in the run directory.
+Engine kills are off by default (``--kill-every 0``): they need a backend that restarts a killed engine, and
+none does now (with verl's ``vllm`` a dead replica stops the run). ``--kill-every S`` SIGKILLs a process with
+``vllm.entrypoints.openai.api_server`` in its command line every S seconds: the server process of the retired
+``areal_vllm`` backend, which restarted it (the committed ``docs/results/soak*.json`` were measured that way).
+With kills, the memory cycles run from kill to kill.
+
+Writes ``soak.json`` (memory samples, growth, steps, kills, accounting) in the run directory.
 
 Run: ``.venv/bin/python tools/soak.py --minutes 30 --steps 300`` (the figures in the issue note came from
 the command printed at the top of ``soak.json``).
@@ -128,7 +133,7 @@ def growing(per_cycle: dict[str, list[float]], kills: list[float], threshold: fl
 def add_pss_totals(report: dict) -> None:
     """The tree's PSS per cycle (shared pages counted once) and its slope after the warm-up cycle: the leak
     figure RSS peaks cannot give (they count shared pages per process and depend on when a sample lands)."""
-    per_cycle, kills = report["pss_mb_per_cycle"], report["server_kills"]
+    per_cycle, kills = report["pss_mb_per_cycle"], report.get("cycle_starts", report["server_kills"])
     cycles = max((len(values) for values in per_cycle.values()), default=0)
     totals = [round(sum(values[i] for values in per_cycle.values() if i < len(values)), 1) for i in range(cycles)]
     report["pss_total_mb_per_cycle"] = totals
@@ -152,7 +157,7 @@ def plot(report: dict, out: Path) -> None:
     axis.set_ylabel("RSS of the process tree (GiB)")
     axis.set_title(
         f"soak: {report['steps']} steps, {len(report['server_kills'])} kills, "
-        f"{report['engine_restarts']:.0f} restarts; tree PSS after warm-up "
+        f"{report['engine_restarts'] or 0:.0f} restarts; tree PSS after warm-up "
         f"{report.get('pss_total_slope_mb_per_hour_after_warmup') or 0:+.0f} MB/h"
     )
     axis.legend(loc="lower right")
@@ -161,7 +166,7 @@ def plot(report: dict, out: Path) -> None:
         list(report.get("growing_processes_mb_per_hour", {}))[:4]
         or sorted(per_cycle, key=lambda n: -per_cycle[n][-1])[:4]
     )
-    starts = [k / 60 for k in report["server_kills"]]
+    starts = [k / 60 for k in report.get("cycle_starts", report["server_kills"])]
     for name in shown:
         roles_axis.plot(starts[: len(per_cycle[name])], per_cycle[name], marker="o", label=name)
     roles_axis.set_xlabel("cycle start (minutes)")
@@ -175,13 +180,20 @@ def plot(report: dict, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", default="recipes/grpo_cpu_async_vllm.yaml")
+    parser.add_argument("--recipe", default="recipes/grpo_cpu_async.yaml")
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--max-staleness", type=int, default=1, help="small: weight updates interrupt often")
     parser.add_argument("--batch", type=int, default=8, help="prompts per step (small: many steps and updates)")
     parser.add_argument("--rss-growth-bound-mb", type=float, default=300.0, help="allowed warm-phase growth")
-    parser.add_argument("--kill-every", type=float, default=300.0, help="seconds between vLLM server kills (0: none)")
+    parser.add_argument(
+        "--kill-every",
+        type=float,
+        default=0.0,
+        help="seconds between kills of a vLLM api_server process (0, the default: none); only the retired "
+        "areal_vllm backend started one and restarted it, so with today's backends nothing is killed",
+    )
+    parser.add_argument("--cycle-every", type=float, default=180.0, help="memory cycle length when nothing is killed")
     parser.add_argument("--sample-every", type=float, default=10.0)
     parser.add_argument("--run-dir", type=Path, default=Path("runs/soak"))
     args = parser.parse_args()
@@ -219,7 +231,10 @@ def main() -> None:
     consumed = [json.loads(line) for line in (args.run_dir / "areal_samples.jsonl").read_text().splitlines()]
     accounting_path = args.run_dir / "areal_accounting.jsonl"
     accounting = json.loads(accounting_path.read_text().splitlines()[-1]) if accounting_path.exists() else None
-    peaks = cycle_peaks(samples, kills)
+    # Memory is compared cycle by cycle: from kill to kill, or every --cycle-every seconds without kills.
+    elapsed = samples[-1]["t_s"] if samples else 0.0
+    marks = kills or [i * args.cycle_every for i in range(1, int(elapsed // args.cycle_every) + 1)]
+    peaks = cycle_peaks(samples, marks)
     growth = peaks[-1]["peak_mb"] - peaks[0]["peak_mb"] if peaks else None
     train_log = (args.run_dir / "train.log").read_text(errors="replace")
     report = {
@@ -227,6 +242,7 @@ def main() -> None:
         "minutes": (time.monotonic() - started) / 60,
         "steps": len(steps),
         "server_kills": kills,
+        "cycle_starts": marks,
         "staleness_max": max((s["trainer_version"] - s["head_version"] for s in consumed), default=None),
         "consumed_trajectories": len(consumed),
         "duplicate_consumptions": len(consumed) - len({(s["group"], s["key"]) for s in consumed}),
@@ -244,7 +260,7 @@ def main() -> None:
         "rss_slope_mb_per_hour": slope_mb_per_hour(peaks),
         "rss_growth_bound_mb": args.rss_growth_bound_mb,
         "rss_within_bound": growth is not None and growth <= args.rss_growth_bound_mb,
-        "pss_mb_per_cycle": pss_per_cycle(samples, kills),
+        "pss_mb_per_cycle": pss_per_cycle(samples, marks),
         "samples": [{"t_s": s["t_s"], "rss_mb": s["rss_mb"]} for s in samples],
     }
     add_pss_totals(report)

@@ -46,11 +46,8 @@ def areal_validate_config(config: Any) -> None:
         from areal_plugins.rollout.capabilities import check_backend_capabilities
 
         check_backend_capabilities(str(rollout.name), list(areal.get("waive_capabilities") or []))
-        if rollout.name == "vllm" and int(config.actor_rollout_ref.model.get("lora_rank", 0) or 0) > 0:
-            raise ArealConfigError(
-                "areal_async with verl's vllm rollout checks every weight update tensor by tensor, which LoRA adapter "
-                "updates do not go through yet: set actor_rollout_ref.model.lora_rank=0 or areal.enable=false"
-            )
+    if rollout.name == "vllm":  # both modes build our checked vLLM server (rollout/verl_vllm/)
+        check_verl_vllm_settings(config)
     if areal.mode == "async" and areal.placement == "separate":
         if rollout.checkpoint_engine.backend == "naive":
             raise ArealConfigError(
@@ -128,3 +125,32 @@ def _check_mini_batches(config: Any) -> None:
             " / ulysses_sequence_parallel_size): change actor_rollout_ref.actor.ppo_mini_batch_size or the trainer's "
             "GPUs"
         )
+
+
+def check_verl_vllm_settings(config: Any) -> None:
+    """Refuse what the weight check of verl's vllm rollout (rollout/verl_vllm/) does not cover yet."""
+    rollout = config.actor_rollout_ref.rollout
+    uncovered = {
+        "LoRA adapter updates": (
+            int(config.actor_rollout_ref.model.get("lora_rank", 0) or 0) > 0,
+            "actor_rollout_ref.model.lora_rank=0",
+        ),
+        "prefill/decode disaggregation (a replica split in two)": (
+            bool((rollout.get("disaggregation") or {}).get("enabled", False)),
+            "actor_rollout_ref.rollout.disaggregation.enabled=false",
+        ),
+        "data parallelism inside a replica (vLLM answers the check from one data-parallel shard only)": (
+            int(rollout.get("data_parallel_size", 1) or 1) > 1,
+            "actor_rollout_ref.rollout.data_parallel_size=1 (more replicas instead)",
+        ),
+        "delta weight updates (checkpoint_engine.backend=delta_sharded)": (
+            str((rollout.get("checkpoint_engine") or {}).get("backend", "")) == "delta_sharded",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+        ),
+    }
+    for what, (used, fix) in uncovered.items():
+        if used:
+            raise ArealConfigError(
+                f"areal_plugins checks every weight update of verl's vllm rollout tensor by tensor, and {what} does "
+                f"not go through that check yet: set {fix}, or areal.enable=false for verl's own trainer"
+            )

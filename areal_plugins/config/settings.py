@@ -175,10 +175,17 @@ class ArealConfig:
         default=900.0,
         metadata={"help": "stop with a report when the trainer waits this long with no rollout progress"},
     )
+    max_restarts: int = field(
+        default=0,
+        metadata={
+            "help": "areal-plugins train resumes a failed run from its last checkpoint up to this many times "
+            "(needs trainer.save_freq; --max-restarts overrides)"
+        },
+    )
     waive_capabilities: list[str] = field(
         default_factory=list,
         metadata={
-            "help": "rollout-backend capabilities to run without (verl's own vllm/sglang lack some); "
+            "help": "rollout-backend capabilities to run without (verl's own sglang lacks some); "
             "refused at startup unless named here"
         },
     )
@@ -205,6 +212,8 @@ class ArealConfig:
             raise ArealConfigError(
                 f"areal.max_concurrent_rollouts must be >= 1 or null, got {self.max_concurrent_rollouts!r}"
             )
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ArealConfigError(f"areal.max_restarts must be an integer >= 0, got {self.max_restarts!r}")
         if not self.watchdog_s > 0:
             raise ArealConfigError(f"areal.watchdog_s must be > 0 seconds, got {self.watchdog_s!r}")
         if not self.poll_interval_s > 0:

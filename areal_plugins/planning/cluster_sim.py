@@ -5,8 +5,10 @@ events (a sequence finishing, a request arriving, a weight update) all of them g
 tokens, and each step takes ``Engine.step_base`` + ``step_growth`` per step already taken — exact for
 the linear memory-bound step time, so no token-by-token loop is needed.
 
-- **sync** (verl's and the paper's synchronous baseline): all GPUs generate the step's batch, the step
-  waits for the longest response, then all GPUs train.
+- **sync**: the step's batch is generated, the step waits for the longest response, then the model
+  trains. verl colocates: all GPUs generate, then all train. The paper's synchronous AReaL keeps
+  AReaL's disaggregated allocation: ``generating_gpus`` generate while the rest wait, then the rest
+  train while the generating GPUs wait.
 - **async**: ``rollout_gpus`` generate all the time under the staleness bound (submitted groups ≤
   (η + version + 1)·B); the other GPUs train as soon as B groups are finished. A weight update
   interrupts every engine: it loads the weights and recomputes the KV cache of what it was decoding
@@ -186,11 +188,21 @@ def _group_tokens(lengths: list[int], prompt: int) -> list[float]:
     return [float(prompt + n) for n in lengths]
 
 
-def simulate_sync(cluster: Cluster, work: Workload, steps: int, seed: int = 0) -> Result:
+def simulate_sync(
+    cluster: Cluster, work: Workload, steps: int, seed: int = 0, generating_gpus: int | None = None
+) -> Result:
+    """Generate, then train. ``generating_gpus``: None colocates (every GPU does both, as verl does);
+    a count gives generation that many GPUs and training the rest, one after the other (synchronous AReaL)."""
     rng = random.Random(seed)
     engine = cluster.engine()
+    if generating_gpus is None:
+        generating_gpus = train_gpus = cluster.gpus
+    else:
+        train_gpus = cluster.gpus - generating_gpus
+        if generating_gpus < engine.tensor_parallel or train_gpus < 1:
+            raise ValueError(f"{cluster.gpus} GPUs cannot split into {generating_gpus} generating + the rest training")
     engines = [
-        _EngineState(engine, work.prompt + work.response_mean) for _ in range(cluster.gpus // engine.tensor_parallel)
+        _EngineState(engine, work.prompt + work.response_mean) for _ in range(generating_gpus // engine.tensor_parallel)
     ]
     clock = 0.0
     ends, tokens = [], []
@@ -212,7 +224,7 @@ def simulate_sync(cluster: Cluster, work: Workload, steps: int, seed: int = 0) -
                 state.pop_finished(now)
                 gen_end = max(gen_end, now)
         lengths_with_prompt = _group_tokens(lengths, work.prompt)
-        train = train_seconds(cluster.model, cluster.gpu, cluster.efficiency, cluster.gpus, lengths_with_prompt)
+        train = train_seconds(cluster.model, cluster.gpu, cluster.efficiency, train_gpus, lengths_with_prompt)
         clock = gen_end + train + engine.weight_load_time()
         ends.append(clock)
         tokens.append(int(sum(lengths_with_prompt)))

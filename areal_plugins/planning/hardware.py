@@ -1,9 +1,11 @@
 """How long a GPU takes to decode, prefill and train, from the chip's datasheet and the model's shape.
 
 Decoding is memory-bound: one decode step of an engine reads the weights once and the KV cache of every
-running sequence, and does 2 FLOPs per matmul parameter per sequence. Training and prefill are
-compute-bound: 2 FLOPs per parameter per token forward, plus causal attention. Two efficiencies turn
-datasheet peaks into achieved speeds (``Efficiency``); docs/simulator.md says where every number comes from.
+running sequence, and does 2 FLOPs per matmul parameter per sequence; on top of that every layer costs a
+fixed time per step that no byte or FLOP accounts for (kernel launches, scheduling, sampling), the same for
+a small model as for a large one with as many layers. Training and prefill are compute-bound: 2 FLOPs per
+parameter per token forward, plus causal attention. ``Efficiency`` turns datasheet peaks into achieved
+speeds; docs/simulator.md says where every number comes from.
 """
 
 from __future__ import annotations
@@ -79,10 +81,17 @@ TRAIN_PASSES = 5
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Achieved share of the datasheet peak: HBM bandwidth while decoding, FLOPs while training/prefilling."""
+    """Achieved share of the datasheet peak (HBM bandwidth while decoding, FLOPs while training/prefilling)
+    and the fixed seconds each layer adds to a decode step.
+
+    The per-layer step latency is what separates a small model's decoding from a large one's: fitted as a
+    share of bandwidth instead, the 1.5B's fixed costs would be charged per byte and grow 4.3x with the 7B's
+    weights (docs/simulator.md, "What the 7B got wrong").
+    """
 
     decode_bandwidth: float
     compute: float
+    decode_step_latency: float = 0.0  # seconds per layer per decode step
 
 
 @dataclass(frozen=True)
@@ -113,10 +122,15 @@ class Engine:
             )
         return free / self.model.kv_bytes_per_token
 
+    @property
+    def step_latency(self) -> float:
+        """The fixed part of a decode step: every layer's launch and scheduling cost, whatever the batch."""
+        return self.model.layers * self.efficiency.decode_step_latency
+
     def step_base(self, running: int, context: float) -> float:
         """Seconds of one decode step with ``running`` sequences holding ``context`` tokens of KV cache."""
         memory = (self.model.weight_bytes + context * self.model.kv_bytes_per_token) / self.bandwidth
-        return memory + running * 2 * self.model.matmul_params / self.flops
+        return self.step_latency + memory + running * 2 * self.model.matmul_params / self.flops
 
     def step_growth(self, running: int) -> float:
         """How much each step slows the next: every running sequence adds one token of KV cache."""

@@ -2,8 +2,12 @@
 
 Searches the rollout:trainer split at the paper's η = 4, then η at that split, on the cluster
 simulator; recommends the smallest η within 5% of the best throughput (staleness costs accuracy: the
-paper's Table 3), and prints the expected speedup over synchronous verl with its range when both
-efficiencies are 30% off, and the recipe keys to set.
+paper's Table 3), and prints the expected speedup over synchronous verl with its range when both fitted
+parameters (the decode step latency, the compute efficiency) are 30% off, and the recipe keys to set.
+
+``--split`` and ``--eta`` fix what it would search; ``--baseline areal-sync`` compares with the paper's
+synchronous AReaL (half the GPUs generate, then the other half train) instead of verl's colocated trainer, which
+is how the paper's Table 1 speedups are measured.
 """
 
 from __future__ import annotations
@@ -14,20 +18,24 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from areal_plugins.planning.calibration import STEPS, WARMUP  # the fit's run length: the plan's numbers are the fit's
 from areal_plugins.planning.cluster_sim import Cluster, Workload, simulate_async, simulate_sync
 from areal_plugins.planning.hardware import GPUS, MODELS, Efficiency, smallest_tensor_parallel
 
-#: Fitted to the paper's 1.5B step times (tools/simulate_paper.py; docs/results/simulator_vs_paper.json).
-PAPER_FIT = Efficiency(decode_bandwidth=0.327, compute=0.179)
+#: Fitted to the paper's 1.5B step times (tools/simulate_paper.py; docs/results/simulator_vs_paper.json): a
+#: decode step costs 82 µs per layer beyond its bytes (read at the datasheet bandwidth) and FLOPs.
+PAPER_FIT = Efficiency(decode_bandwidth=1.0, compute=0.179, decode_step_latency=82e-6)
 ETAS = (0, 1, 2, 4, 8)
 SPLIT_SHARES = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
 #: An η whose throughput is within this share of the best is good enough: smaller η, fresher samples.
 ETA_TOLERANCE = 0.05
-#: How far the fitted efficiencies may be off on another cluster and software stack (the range printed).
+#: How far the fitted parameters may be off on another cluster and software stack (the range printed).
 EFFICIENCY_DOUBT = 0.3
-STEPS, WARMUP = 16, 6
 #: Below this predicted speedup asynchrony is not worth its staleness: stay synchronous.
 MIN_SPEEDUP = 1.1
+
+
+BASELINE_DEFAULT_NAME = "synchronous verl (all GPUs generate, then all train)"
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,7 @@ class Plan:
     speedup_range: tuple[float, float]
     throughput_by_eta: dict[int, float]
     throughput_by_split: dict[int, float]
+    baseline: str = BASELINE_DEFAULT_NAME
 
     @property
     def speedup(self) -> float:
@@ -86,7 +95,23 @@ def tokens_per_s(cluster: Cluster, work: Workload, eta: float, seed: int = 0) ->
 
 
 def sync_tokens_per_s(cluster: Cluster, work: Workload, seed: int = 0) -> float:
+    """verl's synchronous trainer: every GPU generates, then every GPU trains."""
     return simulate_sync(cluster, work, steps=3, seed=seed).tokens_per_s(warmup=0)
+
+
+def areal_sync_tokens_per_s(cluster: Cluster, work: Workload, seed: int = 0) -> float:
+    """The paper's synchronous AReaL: half the GPUs generate, then the other half train."""
+    from areal_plugins.planning.calibration import paper_sync_generating_gpus
+
+    generating = paper_sync_generating_gpus(cluster)
+    return simulate_sync(cluster, work, steps=3, seed=seed, generating_gpus=generating).tokens_per_s(warmup=0)
+
+
+#: What the speedup is measured against: name -> (throughput, how the plan says it).
+BASELINES: dict[str, tuple[Callable[[Cluster, Workload], float], str]] = {
+    "verl": (sync_tokens_per_s, BASELINE_DEFAULT_NAME),
+    "areal-sync": (areal_sync_tokens_per_s, "the paper's synchronous AReaL (half generate, then half train)"),
+}
 
 
 def candidate_splits(gpus: int, tensor_parallel: int) -> list[int]:
@@ -105,11 +130,26 @@ def candidate_splits(gpus: int, tensor_parallel: int) -> list[int]:
 
 
 def make_plan(
-    cluster: Cluster, work: Workload, progress: Callable[[str], None] = lambda _: None, etas: Iterable[int] = ETAS
+    cluster: Cluster,
+    work: Workload,
+    progress: Callable[[str], None] = lambda _: None,
+    etas: Iterable[int] = ETAS,
+    split: int | None = None,
+    baseline: str = "verl",
 ) -> Plan:
+    """``split``: the GPUs that generate (None: searched); ``baseline``: one of :data:`BASELINES`."""
     tp = smallest_tensor_parallel(cluster.gpu, cluster.model)
+    splits = candidate_splits(cluster.gpus, tp)
+    if split is not None:
+        if split not in splits:
+            raise SystemExit(
+                f"--split {split}: the generating GPUs must be a multiple of the engine's {tp} GPUs and leave at "
+                f"least one to train; choose one of {', '.join(map(str, splits))}"
+            )
+        splits = [split]
+    baseline_tokens_per_s, baseline_name = BASELINES[baseline]
     by_split = {}
-    for rollout in candidate_splits(cluster.gpus, tp):
+    for rollout in splits:
         by_split[rollout] = tokens_per_s(replace(cluster, rollout_gpus=rollout), work, eta=4)
         progress(f"{rollout} generating + {cluster.gpus - rollout} training, η = 4: {by_split[rollout]:,.0f} tokens/s")
     rollout = max(by_split, key=by_split.__getitem__)
@@ -119,17 +159,19 @@ def make_plan(
         by_eta[eta] = by_split[rollout] if eta == 4 else tokens_per_s(best_cluster, work, eta)
         progress(f"η = {eta}: {by_eta[eta]:,.0f} tokens/s")
     eta = choose_eta(by_eta)
-    sync = sync_tokens_per_s(cluster, work)
-    progress(f"synchronous on all {cluster.gpus} GPUs: {sync:,.0f} tokens/s")
+    sync = baseline_tokens_per_s(cluster, work)
+    progress(f"{baseline_name}, {cluster.gpus} GPUs: {sync:,.0f} tokens/s")
     speedups = []
-    for decode in (1 - EFFICIENCY_DOUBT, 1 + EFFICIENCY_DOUBT):
+    for latency in (1 - EFFICIENCY_DOUBT, 1 + EFFICIENCY_DOUBT):
         for compute in (1 - EFFICIENCY_DOUBT, 1 + EFFICIENCY_DOUBT):
-            efficiency = Efficiency(
-                min(1.0, cluster.efficiency.decode_bandwidth * decode), min(1.0, cluster.efficiency.compute * compute)
+            efficiency = replace(
+                cluster.efficiency,
+                decode_step_latency=cluster.efficiency.decode_step_latency * latency,
+                compute=min(1.0, cluster.efficiency.compute * compute),
             )
             varied = replace(best_cluster, efficiency=efficiency)
-            speedups.append(tokens_per_s(varied, work, eta) / sync_tokens_per_s(varied, work))
-    progress("uncertainty: efficiencies ±30%")
+            speedups.append(tokens_per_s(varied, work, eta) / baseline_tokens_per_s(varied, work))
+    progress("uncertainty: decode step latency and compute efficiency ±30%")
     speedups.append(by_eta[eta] / sync)
     return Plan(
         eta=eta,
@@ -141,6 +183,7 @@ def make_plan(
         speedup_range=(min(speedups), max(speedups)),
         throughput_by_eta=by_eta,
         throughput_by_split=by_split,
+        baseline=baseline_name,
     )
 
 
@@ -195,12 +238,13 @@ def format_plan(plan: Plan, cluster: Cluster, work: Workload, gpus_per_node: int
             if plan.speedup >= MIN_SPEEDUP
             else "none: synchronous verl is as fast here"
         ),
-        f"  expected: {plan.async_tokens_per_s / 1e3:,.1f}k trained tokens/s vs synchronous verl "
+        f"  expected: {plan.async_tokens_per_s / 1e3:,.1f}k trained tokens/s vs {plan.baseline} "
         f"{plan.sync_tokens_per_s / 1e3:,.1f}k: {plan.speedup:.2f}x (range {low:.2f}-{high:.2f}x if the "
-        f"efficiencies are ±{EFFICIENCY_DOUBT:.0%} off)",
+        f"fitted decode latency and compute efficiency are ±{EFFICIENCY_DOUBT:.0%} off)",
         "  recipe keys:",
         *(f"    {key}" for key in recipe_keys(plan, work, gpus_per_node)),
-        "  model: docs/simulator.md (fitted to the paper's 1.5B step times; what it does not capture is listed there)",
+        "  model: docs/simulator.md (fitted to the paper's 1.5B step times; its error on the paper's other models and "
+        "what it does not capture are listed there)",
     ]
     return "\n".join(lines)
 
@@ -235,8 +279,16 @@ def run_plan(args) -> int:
         work.lognormal()
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    efficiency = Efficiency(args.decode_efficiency, args.compute_efficiency)
+    efficiency = Efficiency(args.decode_efficiency, args.compute_efficiency, PAPER_FIT.decode_step_latency)
     cluster = Cluster(gpu, model, efficiency, args.gpus)
-    plan = make_plan(cluster, work, progress=lambda line: print(f"  ... {line}", flush=True))
+    etas = ETAS if args.eta is None else (args.eta,)
+    plan = make_plan(
+        cluster,
+        work,
+        progress=lambda line: print(f"  ... {line}", flush=True),
+        etas=etas,
+        split=args.split,
+        baseline=args.baseline,
+    )
     print(format_plan(plan, cluster, work, args.gpus_per_node))
     return 0

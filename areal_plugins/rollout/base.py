@@ -7,7 +7,7 @@ adapter (:mod:`areal_plugins.rollout.verl_registration`) calls :meth:`RolloutSer
 and checks the reply with :meth:`RolloutServer.verify_weights`. Every response carries the
 generating version of each token (``extra_fields["token_versions"]``).
 
-A backend is a subclass in its own subpackage (``rollout/cpu``, ``rollout/vllm``) that declares its
+A backend is a subclass in its own subpackage (``rollout/cpu``) that declares its
 name and capabilities as class attributes; nothing outside a backend branches on its name.
 """
 

@@ -18,7 +18,7 @@ CAPABILITIES = {
     "resume": "generation resumes after a weight update, continuing the aborted requests",
     "weight_update": "new weights load into the running engine",
     "version_stamps": "every generated token carries the policy version that generated it",
-    "weight_checksum": "the engine reports a checksum of the weights it loaded, compared with the trainer's",
+    "weight_checksum": "the engine checksums the weights it received or loaded, compared with what was sent",
     "progress_stats": "the engine counts generated tokens, so the watchdog judges progress by tokens",
 }
 
@@ -69,7 +69,7 @@ def check_backend_capabilities(backend: str, waived: list[str] | tuple[str, ...]
         lines = "\n".join(f"  - {name}: {CAPABILITIES[name]}" for name in refused)
         raise ArealConfigError(
             f"actor_rollout_ref.rollout.name={backend} lacks what areal_async relies on:\n{lines}\n"
-            "Use a backend that has all of it (areal_vllm: vLLM behind our server contract; areal_cpu on CPU), "
+            "Use a backend that has all of it (verl's vllm, whose server areal_async extends; areal_cpu on CPU), "
             "or set areal.enable=false for verl's own trainers, or accept running without these guarantees: "
             f"areal.waive_capabilities=[{','.join(refused)}]"
         )

@@ -20,13 +20,13 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from areal_plugins.rollout.base import RolloutServer
+from areal_plugins.rollout.server_slots import server_concurrency
 
 logger = logging.getLogger(__name__)
 
 #: ``actor_rollout_ref.rollout.name`` -> ``module:Class`` of its server (imported on first use).
 BACKENDS = {
     "areal_cpu": "areal_plugins.rollout.cpu.server:CPURolloutServer",
-    "areal_vllm": "areal_plugins.rollout.vllm.server:VLLMRolloutServer",
 }
 ADAPTER_FQN = f"{__name__}.ArealServerAdapter"
 #: CPU share Ray reserves for each server actor: fractional so that it never starves verl's own
@@ -67,7 +67,7 @@ def check_capabilities(rollout_config: Any) -> None:
     if rollout_config.free_cache_engine and not cls.releases_memory_on_sleep:
         raise ValueError(
             f"actor_rollout_ref.rollout.free_cache_engine=true asks the {rollout_config.name} servers to release "
-            "their memory on sleep, which this backend cannot do (vLLM has no sleep mode on CPU): set "
+            "their memory on sleep, which this backend cannot do: set "
             "actor_rollout_ref.rollout.free_cache_engine=false"
         )
 
@@ -137,7 +137,10 @@ def _replica_class() -> type:
                     if gpu is not None:
                         extra["gpu"] = gpu
             server: Any = server_cls.options(
-                name=name, num_cpus=SERVER_NUM_CPUS, max_concurrency=self.max_concurrency, **placement
+                name=name,
+                num_cpus=SERVER_NUM_CPUS,
+                max_concurrency=server_concurrency(self.max_concurrency),
+                **placement,
             ).remote(
                 model_path=model_path,
                 response_length=self.config.response_length,

@@ -26,7 +26,6 @@ JOB_ENV_VARS = (
     "AREAL_DATA_DIR",  # the GPU recipes' data folder, resolved in verl's TaskRunner actor (on any node)
     "VERL_PLATFORM",
     "VERL_FILE_LOGGER_PATH",
-    "AREAL_VLLM_PYTHON",
 )
 
 
@@ -46,12 +45,20 @@ def job_env_overrides(env: dict[str, str]) -> list[str]:
     return overrides
 
 
+def override_value(overrides: list[str], key: str) -> str | None:
+    """The value a Hydra override on the command line gives ``key`` (``key=v``, ``+key=v``, ``++key=v``), if any."""
+    for override in overrides:
+        name, _, value = override.lstrip("+").partition("=")
+        if name == key:
+            return value
+    return None
+
+
 def cluster_address(env: dict[str, str], overrides: list[str]) -> str | None:
     """The running Ray cluster this run joins (``ray_kwargs.ray_init.address`` or ``RAY_ADDRESS``), if any."""
-    for override in overrides:
-        key, _, value = override.lstrip("+").partition("=")
-        if key == "ray_kwargs.ray_init.address" and value not in ("", "null", "None", "local"):
-            return value
+    value = override_value(overrides, "ray_kwargs.ray_init.address")
+    if value not in (None, "", "null", "None", "local"):
+        return value
     address = env.get("RAY_ADDRESS", "").strip()
     if address:
         return address if address != "local" else None

@@ -4,6 +4,7 @@ in a process group of its own, print its progress and stop it cleanly (docs/guid
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from areal_plugins.run.cluster_env import (
     has_accelerator,
     job_env_overrides,
     join_cluster_overrides,
+    override_value,
     with_ray_defaults,
 )
 from areal_plugins.run.control import (
@@ -133,10 +135,16 @@ def stops_with_a_checkpoint(config: Any) -> bool:
     return async_trainer and float(OmegaConf.select(config, "trainer.save_freq", default=-1) or -1) > 0
 
 
-def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Path | None) -> int:
-    """Run verl's ``main_ppo`` on ``recipe``; return its exit code."""
-    from areal_plugins.rollout.verl_vllm.cpu_settings import cpu_vllm_overrides
+def train(
+    recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Path | None, max_restarts: int | None = None
+) -> int:
+    """Run verl's ``main_ppo`` on ``recipe``, restarted from its last checkpoint after a failure up to
+    ``max_restarts`` times (default: the recipe's ``areal.max_restarts``, else 0); return the exit code."""
+    from omegaconf import OmegaConf
+
+    from areal_plugins.rollout.verl_vllm.cpu_settings import cpu_vllm_overrides, missing_cpu_vllm
     from areal_plugins.run.preflight import RecipeRefusedError, run_platform
+    from areal_plugins.run.restarts import RESUME_OVERRIDE, RestartPolicy, SignalLatch
 
     recipe = recipe.resolve()
     env = with_ray_defaults(dict(os.environ))
@@ -145,6 +153,15 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
         config, tiny_assets = checked_recipe(recipe, overrides, tiny_dir, local_accelerator)
         address = cluster_address(env, overrides)
         platform = run_platform(str(config.trainer.device), local_accelerator, address, env.get("VERL_PLATFORM"))
+        if missing := missing_cpu_vllm(config, platform):
+            raise RecipeRefusedError(missing)
+        if max_restarts is None:
+            max_restarts = int(OmegaConf.select(config, "areal.max_restarts", default=0) or 0)
+        if max_restarts > 0 and float(OmegaConf.select(config, "trainer.save_freq", default=-1) or -1) <= 0:
+            raise RecipeRefusedError(
+                f"--max-restarts {max_restarts} resumes from the last checkpoint, and this recipe writes none: set "
+                "trainer.save_freq to a number of steps (e.g. trainer.save_freq=10), or --max-restarts 0"
+            )
     except RecipeRefusedError as refusal:
         logger.error("refused: %s", refusal)
         return REFUSED_EXIT_CODE
@@ -153,19 +170,67 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
         logger.info("trainer.device=%s: verl runs on the CPU platform in every process (VERL_PLATFORM=cpu)", platform)
     for variable, (workload, chosen) in tiny_assets.items():
         env[variable] = str(ensure_tiny_assets(chosen, workload=workload).resolve())
-    run_dir = prepare_run_dir(run_dir or Path("runs") / f"{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}", env)
-    command = [
-        sys.executable,
-        "-m",
-        "verl.trainer.main_ppo",
+    run_dir = (run_dir or Path("runs") / f"{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    fixed = [
         f"--config-path={recipe.parent}",
         f"--config-name={recipe.stem}",
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
         *join_cluster_overrides(address, config.ray_kwargs.ray_init.keys()),
-        *job_env_overrides(env),
-        *cpu_vllm_overrides(config, platform, env),
-        *overrides,
     ]
+    # Where verl writes checkpoints: ours, unless the user's own trainer.default_local_dir (it comes later, so wins).
+    checkpoints = Path(override_value(overrides, "trainer.default_local_dir") or run_dir / "checkpoints")
+    policy = RestartPolicy(max_restarts)
+    attempt_overrides = list(overrides)
+    while True:
+        prepare_run_dir(run_dir, env)
+        command = [
+            sys.executable,
+            "-m",
+            "verl.trainer.main_ppo",
+            *fixed,
+            *job_env_overrides(env),
+            *cpu_vllm_overrides(config, platform, env),
+            *attempt_overrides,
+        ]
+        attempt, elapsed, log_path = run_verl(
+            command, run_dir, checkpoints, env, config, total_steps(recipe, overrides)
+        )
+        latch = SignalLatch()  # verl has ended: a Ctrl-C from now on cancels any restart
+        latch.install()
+        if attempt.user_signal is None and latch.received is not None:
+            attempt = dataclasses.replace(attempt, user_signal=latch.received)
+        wait_s, why = policy.next_restart(attempt)
+        if wait_s is None:
+            if policy.restarts and attempt.code != 0:
+                logger.error("not restarting after restart %d: %s", policy.restarts, why)
+            return finish(run_dir, attempt.code, attempt.user_signal, attempt.last_error, elapsed, log_path)
+        leftovers = kill_run_leftovers(run_dir)
+        logger.warning(
+            "restart %d/%d in %.0f s: verl stopped (exit code %d%s) after %.0f s; resuming from the checkpoint of "
+            "step %s%s",
+            policy.restarts,
+            max_restarts,
+            wait_s,
+            attempt.code,
+            f": {attempt.last_error}" if attempt.last_error else "",
+            elapsed,
+            attempt.checkpoint if attempt.checkpoint is not None else "none (from the start)",
+            f"; killed {leftovers} processes it left behind" if leftovers else "",
+        )
+        cancelled = latch.wait(wait_s)
+        if cancelled is not None:
+            logger.error("%s during the wait: not restarting", signal.Signals(cancelled).name)
+            return 128 + cancelled
+        if RESUME_OVERRIDE not in attempt_overrides:
+            attempt_overrides.append(RESUME_OVERRIDE)
+
+
+def run_verl(
+    command: list[str], run_dir: Path, checkpoints: Path, env: dict[str, str], config: Any, total: str
+) -> tuple[Any, float, Path]:
+    """One start of verl's ``main_ppo``, followed to its end: ``(Attempt, seconds, train.log)``."""
+    from areal_plugins.run.restarts import Attempt, latest_checkpoint
+
     (run_dir / "command.txt").write_text(" ".join(command) + "\n")
     stop_request = run_dir / STOP_REQUEST_FILE
     stop_request.unlink(missing_ok=True)  # a request left by an earlier (stopped) run of this directory
@@ -182,13 +247,14 @@ def train(recipe: Path, overrides: list[str], run_dir: Path | None, tiny_dir: Pa
         )
         stopper = RunStopper(process, stop_request=stop_request if stops_with_a_checkpoint(config) else None)
         stopper.install()
-        last_error = follow_output(process, log_file, total_steps(recipe, overrides), started)
+        last_error = follow_output(process, log_file, total, started)
         code = process.wait()
     if log_file.suppressed_total:
         logger.warning(
             "%d repeated log lines were counted, not written (train.log says which)", log_file.suppressed_total
         )
-    return finish(run_dir, code, stopper.signal_received, last_error, time.monotonic() - started, log_file.path)
+    attempt = Attempt(code, stopper.signal_received, last_error, latest_checkpoint(checkpoints))
+    return attempt, time.monotonic() - started, log_file.path
 
 
 def prepare_run_dir(run_dir: Path, env: dict[str, str]) -> Path:
@@ -206,11 +272,20 @@ def prepare_run_dir(run_dir: Path, env: dict[str, str]) -> Path:
     return run_dir
 
 
+#: How an error raised by this package starts on verl's output (the exception's module path).
+OWN_ERROR_PREFIX = "areal_plugins."
+
+
 def follow_output(process: subprocess.Popen, log_file: BoundedLog, total: str, started: float) -> str | None:
     """Copy verl's output to ``train.log`` and print a line per step and per startup milestone; return the last
-    error line seen (the cause shown when verl fails; the traceback stays in train.log)."""
+    error line seen, ours first when one of ours was raised (the cause shown when verl fails; the traceback stays
+    in train.log).
+
+    Ours name the replica, worker, plugin or tensor at fault; errors printed after them are mostly consequences
+    (actors dying while Ray tears the job down, in an order that varies from run to run), so the last line alone
+    can hide the cause."""
     assert process.stdout is not None
-    last_error = None
+    last_error, last_own_error = None, None
     for line in process.stdout:
         log_file.write(line)
         match = STEP_LINE.search(line)
@@ -220,11 +295,16 @@ def follow_output(process: subprocess.Popen, log_file: BoundedLog, total: str, s
                 logger.info(message)
         elif error:
             last_error = error.group(1)
+            if last_error.startswith(OWN_ERROR_PREFIX):
+                last_own_error = last_error
         else:
             for needle, message in MILESTONES.items():
                 if needle in line:
                     logger.info("%s (%.0f s)", message, time.monotonic() - started)
-    return last_error
+    if last_own_error is None or last_own_error == last_error:
+        return last_error
+    # Ours first; the last line too, in case it is a later failure of its own (a CUDA OOM after a recovered error).
+    return f"{last_own_error} (the last error printed: {last_error})"
 
 
 def finish(

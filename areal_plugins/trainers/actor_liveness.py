@@ -77,8 +77,10 @@ class ActorLiveness:
         list_actors: Callable[[], list[Any]] = _list_job_actors,
         interval_s: float = CHECK_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        survivable: Callable[[str], bool] = lambda actor_id: False,
     ) -> None:
         self.list_actors = list_actors
+        self.survivable = survivable  # a death the run survives (a rollout replica of several: replica_pool.py)
         self.interval_s = interval_s
         self.clock = clock
         self.watched: dict[str, str] = {}  # actor id -> what to call it
@@ -127,7 +129,7 @@ class ActorLiveness:
                 if actor.actor_id not in self.watched or actor.state != "DEAD":
                     continue
                 reason, message = _death_reason(actor)
-                if reason in DELIBERATE_DEATHS:
+                if reason in DELIBERATE_DEATHS or self.survivable(actor.actor_id):
                     continue
                 return (
                     f"areal: {self.watched[actor.actor_id]} died ({reason}{': ' + message if message else ''}); "

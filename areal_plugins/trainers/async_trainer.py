@@ -51,10 +51,11 @@ from areal_plugins.trainers.async_checkpoint import (
     resume_folder,
     save_async_state,
 )
-from areal_plugins.trainers.engine_stats import EngineStats, RolloutServerDiedError
+from areal_plugins.trainers.engine_stats import EngineStats
 from areal_plugins.trainers.hooked import HookedTrainerMixin
 from areal_plugins.trainers.llm_client import InterruptibleLLMClient
 from areal_plugins.trainers.placements import placement_for
+from areal_plugins.trainers.replica_pool import ReplicaPool, RolloutServerDiedError, weight_group_rebuilt_each_sync
 from areal_plugins.trainers.step_metrics import (
     admission_metrics,
     consumed_metrics,
@@ -113,9 +114,9 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 "; the watchdog judges progress by finished groups only" if "progress_stats" in waived else "",
             )
         if backend == "vllm":
-            from areal_plugins.rollout.verl_vllm.server import use_areal_vllm_replicas
+            from areal_plugins.rollout.verl_vllm.server import use_checked_vllm_replicas
 
-            use_areal_vllm_replicas()
+            use_checked_vllm_replicas()
         self.placement = placement_for(self.areal.placement)
         # verl builds engines in the trainer's workers only when this is True (colocated).
         self._enable_hybrid_replicas = self.placement.hybrid_replicas
@@ -131,7 +132,13 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self._wait_s = 0.0
         self._step_started = time.time()
         self._step_metrics: dict = {}  # this step's metrics dict, filled by verl's step()
-        self.engine_stats = EngineStats(backend, lambda: self.rollout_servers, self.recorder)
+        # Standalone replicas can die alone and be dropped, if the weight sync's group is built anew each time;
+        # colocated ones share the trainer's workers.
+        survives = self.placement.name == "separate" and weight_group_rebuilt_each_sync(
+            config.actor_rollout_ref.rollout
+        )
+        self.replica_pool = ReplicaPool(lambda: self.rollout_servers, self.recorder, survives, backend)
+        self.engine_stats = EngineStats(backend, self.replica_pool, self.recorder)
         self.supervisor = Supervisor(
             self, self.areal.watchdog_s, self.engine_stats, self.recorder, stop_on_request=self._stop_on_request
         )
@@ -236,6 +243,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             # Interruption: colocated engines were aborted and put to sleep after sampling; verl's
             # checkpoint manager aborts standalone ones itself before a non-naive sync.
             try:
+                self.replica_pool.prune()  # the sync's process group is built from the replicas still serving
                 self.weight_sync.update_weights(new_version)
             except Exception:
                 # The step is trained (and may be checkpointed): its line is written before the error stops
@@ -368,6 +376,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
 
     def _write_step_line(self, metrics: dict, timing_raw: dict, global_steps: int, now: float) -> None:
         metrics["areal/rollout_stats_errors"] = float(self.engine_stats.errors)
+        metrics["areal/rollout_replicas"] = float(len(self.replica_pool.replicas))
         step_s = timing_raw.get("step", 0.0)
         write_step_line(self.recorder, metrics, global_steps, step_s, self._wait_s, self._step_started, now)
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from areal_plugins.run.records import RunRecorder
+from areal_plugins.trainers.replica_pool import ReplicaPool, RolloutServerDiedError, actor_id
 from areal_plugins.trainers.step_metrics import rollout_rates
 
 logger = logging.getLogger(__name__)
@@ -24,40 +24,57 @@ logger = logging.getLogger(__name__)
 MONITOR_S = 0.5
 
 
-class RolloutServerDiedError(RuntimeError):
-    """A rollout server actor is gone and nothing replaces it."""
-
-
 class EngineStats:
-    """Reads our rollout servers' ``get_stats``; ``servers()`` returns the replicas generating now."""
+    """Reads our rollout servers' ``get_stats``, summed over the replicas of ``pool``.
 
-    def __init__(self, backend: str, servers: Callable[[], Any], recorder: RunRecorder) -> None:
+    A server that died keeps its last counters in the sums (generated tokens and busy time stay monotonic, so
+    the rates never go negative), its in-flight count drops to 0, and the pool is told.
+    """
+
+    def __init__(self, backend: str, pool: ReplicaPool, recorder: RunRecorder) -> None:
         from areal_plugins.rollout.verl_registration import BACKENDS
 
         self.backend = backend
         self.kept = backend in BACKENDS or backend == "vllm"  # verl's vllm: our server subclass counts
-        self._servers = servers
+        self.pool = pool
         self._recorder = recorder
         self.errors = 0  # looks at the statistics that failed (areal/rollout_stats_errors)
         self._last: dict[str, Any] | None = None
         self._last_time = time.time()
         self._stop = threading.Event()
+        self._per_server: dict[str, dict[str, Any]] = {}  # actor id -> its last statistics
+        self._per_server_lock = threading.Lock()  # the trainer and the monitor thread both read
 
     def read(self) -> dict[str, Any] | None:
         """Summed statistics of every server; None for verl's own engines, which keep none."""
         if not self.kept:
             return None
-        servers = [(replica.replica_rank, s) for replica in self._servers().get_replicas() for s in replica.servers]
-        try:
-            stats: list[dict[str, Any]] = ray.get([server.get_stats.remote() for _, server in servers], timeout=60)
-        except ray.exceptions.RayActorError as error:
-            raise RolloutServerDiedError(
-                f"a rollout server of {self.backend} (replicas {[rank for rank, _ in servers]}) died and this "
-                f"backend does not restart it: {str(error).splitlines()[0]}. Stopping the run; resume from the "
-                "last checkpoint (trainer.resume_mode=auto) once the cause (memory? a kill?) is fixed"
-            ) from error
-        total = {"replicas": len(stats), "busy_s": 0.0, "generated_tokens": 0, "in_flight": 0, "restarts": 0}
-        for item in stats:
+        servers = self.pool.servers()
+        pending = [(rank, actor_id(server), server.get_stats.remote()) for rank, server in servers]
+        dead = []
+        for rank, key, ref in pending:
+            try:
+                stats = ray.get(ref, timeout=60)
+            except ray.exceptions.RayActorError as error:
+                if not self.pool.survivable(key):
+                    raise RolloutServerDiedError(
+                        f"a rollout server of {self.backend} (replica {rank}) died and no other replica can take "
+                        f"its requests: {str(error).splitlines()[0]}. Stopping the run; resume from the last "
+                        "checkpoint (trainer.resume_mode=auto) once the cause (memory? a kill?) is fixed"
+                    ) from error
+                dead.append(key)
+                continue
+            with self._per_server_lock:
+                self._per_server[key] = stats
+        serving = {key for _, key, _ in pending} - set(dead)
+        with self._per_server_lock:
+            for key, stats in self._per_server.items():  # a dead or dropped server's work stays counted ...
+                if key not in serving:
+                    self._per_server[key] = dict(stats, in_flight=0)  # ... but nothing of it is in flight
+            readings = list(self._per_server.values())
+        total = {"replicas": len(servers) - len(dead), "busy_s": 0.0, "generated_tokens": 0, "in_flight": 0}
+        total["restarts"] = 0
+        for item in readings:
             for key in ("busy_s", "generated_tokens", "in_flight"):
                 total[key] += item[key]
             total["restarts"] += item.get("restarts", 0)  # engines that can die and be replaced (vLLM)

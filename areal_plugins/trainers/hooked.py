@@ -48,6 +48,14 @@ class HookedTrainerMixin:
     global_steps: int
 
     def init(self) -> None:
+        from areal_plugins.rollout.server_slots import bound_requests_from_config, bound_requests_in_flight
+
+        # Before the servers are built: each gets a slot for every request in flight, plus control slots.
+        bound_requests_in_flight(bound_requests_from_config(self.config))
+        if str(self.config.actor_rollout_ref.rollout.name) == "vllm":  # our checked server, in areal_sync too
+            from areal_plugins.rollout.verl_vllm.server import use_checked_vllm_replicas
+
+            use_checked_vllm_replicas()
         plugins = self.config.areal.plugins
         # "All installed" means the driver's machine's plugins: every worker, on any node, loads these.
         include = pin_plugin_selection(self.config, selected_plugin_names(plugins.include, list(plugins.exclude or [])))

@@ -5,18 +5,28 @@ retry and keeps only the first and last version of a trajectory. Ours resubmits 
 server parks the request behind its closed gate until generation resumes, so nothing spins) and
 keeps the generating version of every token, which is what staleness and the log-linear proximal
 approximation need (docs/design.md, Versions). Runs inside verl's agent-loop workers.
+
+A request whose server died (``placement: separate`` with several replicas) continues the same way on another
+replica: the dead server leaves the load balancer, and the tokens it returned before dying are kept
+(docs/faults.md, A rollout replica dies).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
+import ray
 from verl.workers.rollout.llm_server import LLMServerClient
 
 from areal_plugins.trainers.episodes import CURRENT_EPISODE, version_fields
 
+logger = logging.getLogger(__name__)
+
 ABORTED = ("aborted", "abort")
+#: How many dead servers one request may meet before its group fails (and is re-issued by admission).
+MAX_FAILOVERS = 8
 
 
 class InterruptibleLLMClient(LLMServerClient):
@@ -28,6 +38,25 @@ class InterruptibleLLMClient(LLMServerClient):
     is also added to the episode's record, whose fields cover every turn (trainers/episodes.py).
     """
 
+    async def _acquire_server(self, request_id: str, **extra: Any) -> tuple[str, Any]:
+        server_id, server = await super()._acquire_server(request_id, **extra)
+        self._routed_to()[request_id] = server_id  # which server to drop if this call dies with it
+        return server_id, server
+
+    def _routed_to(self) -> dict[str, str]:
+        return self.__dict__.setdefault("_routed", {})  # lazily: verl builds the client, and pickles it to workers
+
+    async def _drop_dead_server(self, request_id: str, error: Exception) -> None:
+        """The server of ``request_id`` died: take it out of the shared load balancer (idempotent)."""
+        server_id = self._routed_to().pop(request_id, None)
+        if server_id is None:
+            raise error
+        dropped = self.__dict__.setdefault("_dropped", set())
+        if server_id not in dropped:  # once per server and worker, not once per request in flight
+            dropped.add(server_id)
+            logger.warning("rollout server %s died: its requests continue on another replica", server_id)
+            await self._load_balancer.remove_servers.remote([server_id])
+
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any):
         from verl.workers.rollout.replica import TokenOutput
 
@@ -37,15 +66,24 @@ class InterruptibleLLMClient(LLMServerClient):
         token_ids: list[int] = []
         log_probs: list[float] = []
         versions: list[int] = []
-        interrupts = 0
+        interrupts = failovers = 0
         episode = CURRENT_EPISODE.get()
         if episode is not None:
             episode.enter_engine()
         while True:
             params[limit_key] = budget - len(token_ids)
-            output = await super().generate(
-                request_id, prompt_ids=list(prompt_ids) + token_ids, sampling_params=params, **kwargs
-            )
+            try:
+                output = await super().generate(
+                    request_id, prompt_ids=list(prompt_ids) + token_ids, sampling_params=params, **kwargs
+                )
+            except ray.exceptions.ActorDiedError as error:  # the server is gone for good (never restarted)
+                failovers += 1
+                if failovers > MAX_FAILOVERS:
+                    raise
+                await self._drop_dead_server(request_id, error)
+                continue
+            finally:
+                self._routed_to().pop(request_id, None)
             token_ids.extend(output.token_ids)
             if output.log_probs is not None:
                 log_probs.extend(output.log_probs)

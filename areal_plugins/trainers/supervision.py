@@ -36,7 +36,7 @@ class Supervisor:
         self.engine_stats = engine_stats
         self.recorder = recorder
         self.stop_on_request = stop_on_request
-        self.liveness = ActorLiveness()
+        self.liveness = ActorLiveness(survivable=engine_stats.pool.survivable)
         self.stall_guard: StallGuard | None = None
 
     def start(self) -> None:
@@ -76,6 +76,8 @@ class Supervisor:
                 self.liveness.explain()  # raises RunActorDiedError when a dead actor is behind it
                 raise
             self.liveness.check()
+            if self.engine_stats.pool.has_suspects:  # a replica died: drop it here, between weight syncs
+                self.engine_stats.pool.prune()
             watchdog.check(self._progress_marker, self._stuck_report)
 
         return check

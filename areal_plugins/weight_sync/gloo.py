@@ -10,8 +10,10 @@ Protocol, per update: the trainer's rank 0 (the only sender; the other trainer r
 generator, which is collective over the trainer's ranks, and leave) packs tensors into buckets of
 ``bucket_size`` bytes and broadcasts, for each bucket, a header (names, shapes, dtypes, offsets, and
 whether it is the last bucket) and then the bucket's bytes, on a gloo group of its own (a TCP store on
-rank 0's node, not the workers' default process group). Every rollout worker rebuilds the tensors and
-hands them to its server adapter, which loads them and checks the engine's checksum.
+rank 0's node, not the workers' default process group). The header also carries the sender's checksum of
+each tensor (:mod:`.checksums`); every rollout worker rebuilds the tensors, compares each with the sender's
+checksum (so a tensor changed on the broadcast leg stops the update, naming the worker and the tensor) and
+hands them to its server adapter, which checks the next leg, to the engine.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+
+from areal_plugins.rollout.base import WeightSyncError
+from areal_plugins.weight_sync.checksums import same_checksum, tensor_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +169,8 @@ def _make_engine_class() -> type:
 
         def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], is_last: bool) -> int:
             entries, payload = _pack(bucket)
-            self._broadcast_object({"entries": entries, "is_last": is_last})
+            checksums = [tensor_checksum(tensor) for _, tensor in bucket]  # of what leaves the trainer
+            self._broadcast_object({"entries": entries, "checksums": checksums, "is_last": is_last})
             self._broadcast(payload)
             return payload.numel()
 
@@ -179,7 +185,15 @@ def _make_engine_class() -> type:
                 entries = header["entries"]
                 payload = torch.empty(sum(entry[4] for entry in entries), dtype=torch.uint8)
                 self._broadcast(payload)
-                yield from _unpack(entries, payload)
+                for (name, tensor), sent in zip(_unpack(entries, payload), header["checksums"], strict=True):
+                    received = tensor_checksum(tensor)
+                    if not same_checksum(sent, received):
+                        raise WeightSyncError(
+                            f"areal_gloo broadcast, rollout worker rank {self.rank}: tensor {name} arrived different "
+                            f"from what trainer rank 0 sent ([elements, sum, sum of squares] sent {sent}, received "
+                            f"{received}); stopping before the engine loads it"
+                        )
+                    yield name, tensor
                 if header["is_last"]:
                     return
 

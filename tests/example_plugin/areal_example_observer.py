@@ -5,7 +5,9 @@ metric to every step; with ``AREAL_EXAMPLE_OBSERVER_MIN_REWARD`` set it rejects 
 scoring below it; with ``AREAL_EXAMPLE_OBSERVER_RAISE`` set it fails inside a hook, to show how a
 broken plugin stops a run; with ``AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER=N`` its policy loss (in the
 trainer workers) raises from its N+1-th call on, to show a trainer worker's error stopping a run (with
-``AREAL_EXAMPLE_OBSERVER_LOSS_HANGS_AFTER=N`` it never returns instead: a hung worker); with
+``AREAL_EXAMPLE_OBSERVER_LOSS_HANGS_AFTER=N`` it never returns instead: a hung worker; with
+``AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_ONCE=path`` as well, it raises only if that file does not exist yet, and
+makes it: a fault that a restarted run does not meet again); with
 ``AREAL_EXAMPLE_OBSERVER_REWARD=quarter`` its reward function scores everything 0.25; with
 ``AREAL_EXAMPLE_OBSERVER_EPISODES=path`` it writes every finished trajectory as the accept hook sees
 it (trained tokens, their versions, the episode's turns) to that file.
@@ -25,6 +27,7 @@ RAISE_ENV = "AREAL_EXAMPLE_OBSERVER_RAISE"
 MIN_REWARD_ENV = "AREAL_EXAMPLE_OBSERVER_MIN_REWARD"
 LOSS_FAILS_AFTER_ENV = "AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER"
 LOSS_HANGS_AFTER_ENV = "AREAL_EXAMPLE_OBSERVER_LOSS_HANGS_AFTER"
+LOSS_FAILS_ONCE_ENV = "AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_ONCE"
 REWARD_ENV = "AREAL_EXAMPLE_OBSERVER_REWARD"
 EPISODES_ENV = "AREAL_EXAMPLE_OBSERVER_EPISODES"
 
@@ -95,9 +98,19 @@ def areal_make_policy_loss(config):
     calls = {"n": 0}
     limit = int(fails if fails is not None else hangs)
 
+    def first_failure() -> bool:
+        marker = os.environ.get(LOSS_FAILS_ONCE_ENV)
+        if marker is None:
+            return True
+        try:
+            with open(marker, "x"):  # exclusive create: one failure in all processes and attempts
+                return True
+        except FileExistsError:
+            return False
+
     def failing_after_a_while(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] > limit and fails is not None:
+        if calls["n"] > limit and fails is not None and first_failure():
             raise FloatingPointError(f"example observer: loss call {calls['n']} hit a NaN (deliberate)")
         while calls["n"] > limit:  # hangs (deliberate)
             time.sleep(3600)

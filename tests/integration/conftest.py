@@ -24,16 +24,17 @@ def with_example_plugin(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_cli_process(python: str, *args: str, timeout: int, env: dict[str, str] | None = None):
+    """``python -m areal_plugins.cli ARGS`` from the repository, its output captured (``.venv`` or
+    ``.venv-verl-vllm``'s interpreter)."""
+    return subprocess.run(
+        [python, "-m", "areal_plugins.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
 def run_cli(*args: str, timeout: int = 900, env: dict[str, str] | None = None, check: bool = True):
     """Run ``areal-plugins`` as a user would; fail with its output on a non-zero exit if ``check``."""
-    result = subprocess.run(
-        [sys.executable, "-m", "areal_plugins.cli", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    result = run_cli_process(sys.executable, *args, timeout=timeout, env=env)
     if check and result.returncode != 0:
         pytest.fail(f"areal-plugins {' '.join(args)} exited {result.returncode}:\n{result.stderr[-4000:]}")
     return result
@@ -79,6 +80,20 @@ def run_processes(cli) -> list:
         except (ProcessLookupError, psutil.NoSuchProcess):
             continue
     return list(members.values())
+
+
+def sigkill_processes_running(name: str, at_most: int | None = None) -> int:
+    """SIGKILL every process (or the first ``at_most``, by pid) whose command line holds ``name`` (a Ray actor's
+    title, e.g. ``ray::WorkerDict``); how many were killed."""
+    import signal
+
+    import psutil
+
+    found = [p for p in psutil.process_iter(["cmdline"]) if name in " ".join(p.info["cmdline"] or [])]
+    found = sorted(found, key=lambda process: process.pid)[:at_most]
+    for process in found:
+        process.send_signal(signal.SIGKILL)
+    return len(found)
 
 
 def kill_tree(process) -> None:

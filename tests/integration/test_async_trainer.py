@@ -27,8 +27,10 @@ BATCH = 16  # prompt groups per step (the recipes' data.train_batch_size)
 
 
 @pytest.fixture(scope="module")
-def async_run(tiny_dir, long_response_model, tmp_path_factory) -> Path:
+def async_run(tiny_dir, long_response_model, tmp_path_factory) -> tuple[Path, Path]:
+    """η = 1, with the example plugin installed but excluded (and told to fail): no process may load it."""
     run_dir = tmp_path_factory.mktemp("async_run")
+    observer = tmp_path_factory.mktemp("excluded") / "observer.jsonl"
     train_tiny(
         "grpo_cpu_async.yaml",
         run_dir,
@@ -39,11 +41,14 @@ def async_run(tiny_dir, long_response_model, tmp_path_factory) -> Path:
         "data.max_response_length=24",
         # A small engine batch keeps generation going all the time, as on a loaded cluster.
         "+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.max_batch_size=24",
+        "areal.plugins.exclude=[example_observer]",
+        env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_LOG=str(observer), AREAL_EXAMPLE_OBSERVER_RAISE="1"),
     )
-    return run_dir
+    return run_dir, observer
 
 
 def test_no_consumed_sample_is_older_than_eta_unless_counted(async_run):
+    async_run, _ = async_run
     samples = read_jsonl(async_run / "areal_samples.jsonl")
     assert len(samples) == STEPS * BATCH * 8
     assert_within_staleness_bound(samples, read_jsonl(async_run / "areal_steps.jsonl"), ETA)
@@ -53,6 +58,7 @@ def test_no_consumed_sample_is_older_than_eta_unless_counted(async_run):
 
 
 def test_interrupted_trajectories_carry_two_versions(async_run):
+    async_run, _ = async_run
     samples = read_jsonl(async_run / "areal_samples.jsonl")
     spanning = [s for s in samples if s["tail_version"] > s["head_version"]]
     assert spanning, "no trajectory was interrupted by a weight update and resumed"
@@ -60,6 +66,7 @@ def test_interrupted_trajectories_carry_two_versions(async_run):
 
 
 def test_every_submitted_rollout_is_accounted_for(async_run):
+    async_run, _ = async_run
     (final,) = read_jsonl(async_run / "areal_accounting.jsonl")
     # Submissions counted from the record of every prompt batch drawn, not from the controller's counters.
     drawn = [uid for line in read_jsonl(async_run / "areal_submissions.jsonl") for uid in line["uids"]]
@@ -72,6 +79,7 @@ def test_every_submitted_rollout_is_accounted_for(async_run):
 
 
 def test_engines_serve_the_trainers_version_after_each_update(async_run):
+    async_run, _ = async_run
     syncs = [s for s in read_jsonl(async_run / "weight_syncs.jsonl") if s["event"] == "update"]
     assert [s["version"] for s in syncs] == list(range(STEPS + 1))
     assert len({s["checksum"] for s in syncs}) == STEPS + 1  # each update shipped new weights
@@ -79,32 +87,26 @@ def test_engines_serve_the_trainers_version_after_each_update(async_run):
     assert [s["areal/trainer_version"] for s in steps] == list(range(STEPS))
 
 
+def test_an_excluded_plugin_is_called_in_no_process(async_run):
+    # Installed, told to raise in areal_after_train_step (driver) and to log every hook it sees: had the
+    # driver, a trainer worker or a reward worker loaded it, the run would have failed or the log exist.
+    run_dir, observer = async_run
+    assert not observer.exists()
+    assert len(read_jsonl(run_dir / "metrics.jsonl")) == STEPS
+
+
 # ---------------------------------------------------------------- η = 0 reproduces synchronous verl
 
 
 @pytest.fixture(scope="module")
-def eta0_run(tiny_dir, distinct_prompts, tmp_path_factory) -> tuple[Path, Path]:
-    """η = 0 with the example plugin installed but excluded (and told to fail): no process may load it."""
-    observer = tmp_path_factory.mktemp("excluded") / "observer.jsonl"
-    env = with_example_plugin(AREAL_EXAMPLE_OBSERVER_LOG=str(observer), AREAL_EXAMPLE_OBSERVER_RAISE="1")
-    overrides = ("areal.max_staleness=0", "areal.plugins.exclude=[example_observer]")
-    run_dir = run_with_dump("grpo_cpu_async.yaml", tiny_dir, tmp_path_factory, distinct_prompts, *overrides, env=env)
-    return run_dir, observer
+def eta0_pair(sync_run, tiny_dir, distinct_prompts, tmp_path_factory) -> tuple[Path, Path]:
+    eta0 = run_with_dump("grpo_cpu_async.yaml", tiny_dir, tmp_path_factory, distinct_prompts, "areal.max_staleness=0")
+    return sync_run, eta0
 
 
-@pytest.fixture(scope="module")
-def eta0_pair(sync_run, eta0_run) -> tuple[Path, Path]:
-    return sync_run, eta0_run[0]
-
-
-def test_an_excluded_plugin_is_called_in_no_process(eta0_run):
-    # Installed, told to raise in areal_after_train_step (driver) and to log every hook it sees: had the
-    # driver, a trainer worker or a reward worker loaded it, the run would have failed or the log exist.
-    run_dir, observer = eta0_run
-    assert not observer.exists()
-    assert len(read_jsonl(run_dir / "metrics.jsonl")) == SYNC_STEPS
-
-
+# The same guarantee runs in CI in bf16 with packed multi-turn episodes on this engine (test_gpu_numerics.py) and
+# in float32 at temperature 0.7 on verl's vLLM (test_verl_vllm.py); this float32 single-turn pair is the full tier's.
+@pytest.mark.full
 def test_eta0_consumes_the_samples_of_synchronous_verl(eta0_pair):
     sync, eta0 = eta0_pair
     sync_samples, eta0_samples = consumed_by_step(sync), consumed_by_step(eta0)
@@ -116,6 +118,7 @@ def test_eta0_consumes_the_samples_of_synchronous_verl(eta0_pair):
         assert sample["head_version"] == sample["tail_version"] == sample["step"] - 1
 
 
+@pytest.mark.full
 def test_eta0_losses_match_synchronous_verl(eta0_pair):
     sync, eta0 = (read_jsonl(run / "metrics.jsonl") for run in eta0_pair)
     assert len(sync) == len(eta0) == SYNC_STEPS

@@ -1,45 +1,86 @@
-"""Faults inside a real run: a trainer worker that raises stops the run with its own error, checkpoints kept."""
+"""Faults inside a real run: what stops it, what it recovers from, and what it tells the user."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
-from tests.integration.conftest import run_cli, train_args, train_tiny, with_example_plugin
+from tests.integration.conftest import train_args, train_tiny, with_example_plugin
 
 pytestmark = pytest.mark.integration
 
 
-def test_a_trainer_worker_error_stops_the_run_with_its_own_error_and_every_finished_step_saved(tiny_dir, tmp_path):
-    run_dir, observer_log = tmp_path / "run", tmp_path / "observer.jsonl"
+def restart_then_finish(process, run_dir, deadline: float) -> tuple[list[dict], int, str]:
+    """Wait for the CLI's first restart line, take the records the failed attempt left (during the 10 s back-off),
+    then wait for the end: (the failed attempt's samples, exit code, the CLI's output)."""
+    from tests.integration.conftest import cli_output, kill_tree, read_jsonl
+
+    try:
+        while "restart 1/1" not in cli_output(process, last=20000):
+            assert process.poll() is None and time.monotonic() < deadline, f"no restart:\n{cli_output(process)}"
+            time.sleep(0.2)
+        failed_attempt = read_jsonl(run_dir / "areal_samples.jsonl")
+        code = process.wait(timeout=1200)
+    finally:
+        if process.poll() is None:
+            kill_tree(process)
+    return failed_attempt, code, cli_output(process, last=20000)
+
+
+def assert_each_group_trained_once(failed_attempt: list[dict], run_dir, steps: int, checkpoint: int) -> None:
+    """Steps up to ``checkpoint`` come from the failed attempt, the later ones from the resumed one; every prompt
+    group of the recipe (16 per step) is trained, none twice across the restart."""
+    from tests.integration.conftest import read_jsonl
+
+    resumed = read_jsonl(run_dir / "areal_samples.jsonl")[len(failed_attempt) :]
+    assert {s["step"] for s in resumed} == set(range(checkpoint + 1, steps + 1))
+    trained = {(s["step"], s["group"]) for s in failed_attempt if s["step"] <= checkpoint}
+    trained |= {(s["step"], s["group"]) for s in resumed}
+    groups = [group for _, group in trained]
+    assert len(trained) == steps * 16
+    assert len(groups) == len(set(groups)), "a prompt group was trained twice across the restart"
+
+
+def test_a_trainer_worker_error_is_named_and_the_run_resumes_by_itself_training_each_group_once(tiny_dir, tmp_path):
+    """``--max-restarts 1``: a third party's policy loss (the example plugin's) raises once in the trainer worker, in
+    step 3, after step 2 was checkpointed. The CLI's restart line names the worker's own error; verl restarts from
+    the step-2 checkpoint and trains all four steps, each prompt group once, every reward scored by the plugin's
+    reward function (through ``areal_make_reward_fn``, in the reward workers)."""
+    import time
+
+    from tests.integration.conftest import read_jsonl, start_cli
+
+    run_dir, steps, observer_log = tmp_path / "run", 4, tmp_path / "observer.jsonl"
     plugin_env = with_example_plugin(
-        AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER="2",  # the trainer workers' loss fails at its 3rd call
-        AREAL_EXAMPLE_OBSERVER_REWARD="quarter",  # and a third party's reward scores every rollout 0.25
+        # The loss is called once per micro-batch: the recipe's fixed micro-batches (two per step) put its 5th call
+        # in step 3; token-budget ones would vary in number with the lengths.
+        AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER="4",
+        AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_ONCE=str(tmp_path / "loss_failed"),  # the restarted run does not fail
+        AREAL_EXAMPLE_OBSERVER_REWARD="quarter",  # a third party's reward: every rollout scores 0.25
         AREAL_EXAMPLE_OBSERVER_LOG=str(observer_log),
     )
-    # The loss is called once per micro-batch: the recipe's fixed micro-batches (two per step) make its 3rd call
-    # fall in step 2, after step 1 was checkpointed; token-budget ones would vary in number with the lengths.
-    fixed_micro_batches = "areal.micro_batch.max_tokens=null"
-    result = run_cli(
-        *train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, 4, "trainer.save_freq=1", fixed_micro_batches),
-        env=plugin_env,
-        check=False,
+    args = train_args(
+        "grpo_cpu_async.yaml", run_dir, tiny_dir, steps, "trainer.save_freq=1", "areal.micro_batch.max_tokens=null"
     )
-    assert result.returncode != 0
-    log = (run_dir / "train.log").read_text()
-    assert "hit a NaN (deliberate)" in log and "FloatingPointError" in log  # the worker's own error
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    completed = [m["step"] for m in metrics]
-    # Every trained sample was scored by the plugin's function (through areal_make_reward_fn, in the
-    # reward service's worker processes), not by the built-in math-verify reward.
+    process = start_cli(*args, "--max-restarts", "1", env=plugin_env)
+    failed_attempt, code, output = restart_then_finish(process, run_dir, time.monotonic() + 900)
+    assert code == 0, output[-3000:]
+    (restart_line,) = [line for line in output.splitlines() if "restart 1/1" in line]
+    assert "FloatingPointError" in restart_line and "hit a NaN (deliberate)" in restart_line, restart_line
+    assert "resuming from the checkpoint of step 2" in restart_line, restart_line
+    # Every step saved (save_freq=1) with our state; the failed attempt logged steps 1-2 (kept aside when the run
+    # resumed), the resumed one 3-4.
+    saved = sorted(int(path.name.rsplit("_", 1)[1]) for path in (run_dir / "checkpoints").glob("global_step_*"))
+    assert saved == list(range(1, steps + 1))
+    assert all((run_dir / "checkpoints" / f"global_step_{s}" / "areal_state.json").exists() for s in saved)
+    (kept,) = run_dir.glob("metrics.before-*.jsonl")
+    metrics = read_jsonl(kept) + read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert all(m["data"]["critic/score/min"] == m["data"]["critic/score/max"] == 0.25 for m in metrics)
-    assert any(json.loads(line)["event"] == "reward" for line in observer_log.read_text().splitlines())
-    latest = int((run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
-    assert latest >= 1 and latest == max(completed)  # every completed step was saved, the failed one not
-    # That a checkpoint saved before a failure resumes is test_cluster.py's (a lost node) and, in the full
-    # tier, test_resume.py's (SIGKILL): a third resume here would cost CI another verl start.
-    assert (run_dir / "checkpoints" / f"global_step_{latest}" / "areal_state.json").exists()
+    assert any(record["event"] == "reward" for record in read_jsonl(observer_log))
+    assert_each_group_trained_once(failed_attempt, run_dir, steps, checkpoint=2)
 
 
 def test_a_failed_rollout_group_is_reissued_and_trained_not_lost(tiny_dir, tmp_path):
@@ -94,12 +135,9 @@ def test_a_failed_rollout_group_is_reissued_and_trained_not_lost(tiny_dir, tmp_p
 
 def test_a_killed_cpu_rollout_server_stops_the_run_naming_it_instead_of_spinning(tiny_dir, tmp_path):
     """The areal_cpu server is not restarted: its death must end the run with a reason, within the watchdog."""
-    import signal
     import time
 
-    import psutil
-
-    from tests.integration.conftest import cli_output, kill_tree, read_jsonl, start_cli
+    from tests.integration.conftest import cli_output, kill_tree, read_jsonl, sigkill_processes_running, start_cli
 
     run_dir = tmp_path / "run"
     watchdog_s = 120
@@ -109,12 +147,7 @@ def test_a_killed_cpu_rollout_server_stops_the_run_naming_it_instead_of_spinning
         while len(read_jsonl(run_dir / "areal_steps.jsonl")) < 1:
             assert process.poll() is None and time.monotonic() < deadline, f"no step 1:\n{cli_output(process)}"
             time.sleep(0.5)
-        servers = [
-            p for p in psutil.process_iter(["cmdline"]) if "CPURolloutServer" in " ".join(p.info["cmdline"] or [])
-        ]
-        assert servers, "no CPURolloutServer actor process found"
-        for server in servers:
-            server.send_signal(signal.SIGKILL)
+        assert sigkill_processes_running("CPURolloutServer"), "no CPURolloutServer actor process found"
         killed = time.monotonic()
         code = process.wait(timeout=watchdog_s + 120)
         stopped_after = time.monotonic() - killed
@@ -169,3 +202,91 @@ def test_ctrl_c_checkpoints_and_stops_the_run_within_seconds_leaving_no_process(
         except psutil.NoSuchProcess:
             continue
     assert not left, left
+
+
+# The same restart, after a process death instead of an error: the full tier's (CI runs the one above).
+@pytest.mark.full
+def test_a_trainer_worker_killed_once_is_resumed_automatically_and_the_run_finishes(tiny_dir, tmp_path):
+    """``--max-restarts 1``: the trainer's worker process is SIGKILLed after the step-2 checkpoint; the CLI names
+    the failure, restarts verl from that checkpoint by itself, and the run trains all of its steps, each prompt
+    group once."""
+    import time
+
+    from tests.integration.conftest import cli_output, kill_tree, sigkill_processes_running, start_cli
+
+    run_dir, steps = tmp_path / "run", 4
+    marker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    process = start_cli(
+        *train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, steps, "trainer.save_freq=1"), "--max-restarts", "1"
+    )
+    try:
+        deadline = time.monotonic() + 900
+        while not (marker.exists() and marker.read_text().strip() == "2"):
+            assert process.poll() is None and time.monotonic() < deadline, (
+                f"no step-2 checkpoint:\n{cli_output(process)}"
+            )
+            time.sleep(0.2)
+        assert sigkill_processes_running("ray::WorkerDict"), "no trainer worker process (ray::WorkerDict) found"
+    except BaseException:
+        kill_tree(process)
+        raise
+    killed_attempt, code, output = restart_then_finish(process, run_dir, deadline)
+    assert code == 0, output[-3000:]
+    assert "resuming from the checkpoint of step 2" in output, output[-3000:]
+    # Every step trained and saved (save_freq=1); the resumed attempt logged the steps after the checkpoint. (The
+    # killed one's metrics were kept aside; its step 2 may lack a line: verl saves a step before it logs it.)
+    saved = sorted(int(path.name.rsplit("_", 1)[1]) for path in (run_dir / "checkpoints").glob("global_step_*"))
+    assert saved == list(range(1, steps + 1))
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [3, 4]
+    assert_each_group_trained_once(killed_attempt, run_dir, steps, checkpoint=2)
+
+
+def test_a_dead_replica_of_two_costs_capacity_not_the_run(tiny_dir, tmp_path):
+    """``placement: separate`` with two areal_cpu replicas, 10 steps: one server is SIGKILLed just after the engines
+    resumed generating under version 3, after step 3 (the admission loop has new groups to send then, so requests
+    are in flight on it). Its requests continue on the other replica, the run drops it (load balancer, weight sync,
+    statistics) and trains all 10 steps, each prompt group once, none lost."""
+    import time
+
+    from tests.integration.conftest import cli_output, kill_tree, read_jsonl, sigkill_processes_running, start_cli
+
+    run_dir, steps, killed_after = tmp_path / "run", 10, 3
+    two_replicas = ("actor_rollout_ref.rollout.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=3")
+    process = start_cli(*train_args("grpo_cpu_async_separate.yaml", run_dir, tiny_dir, steps, *two_replicas))
+    try:
+        deadline = time.monotonic() + 900
+
+        def serving_version(version: int) -> int:
+            events = read_jsonl(run_dir / "replica_events.jsonl")
+            return sum(e["event"] == "resume" and e.get("version") == version for e in events)
+
+        while serving_version(killed_after) < 2:  # both replicas
+            assert process.poll() is None and time.monotonic() < deadline, f"no version 3:\n{cli_output(process)}"
+            time.sleep(0.1)
+        time.sleep(1.0)  # the admission loop sends its next groups
+        assert sigkill_processes_running("ray::CPURolloutServer", at_most=1) == 1
+        code = process.wait(timeout=1200)
+    finally:
+        if process.poll() is None:
+            kill_tree(process)
+    output = cli_output(process, last=20000)
+    assert code == 0, output[-3000:]
+    assert "its requests continue on another replica" in (run_dir / "train.log").read_text()  # some were in flight
+    lost = [e for e in read_jsonl(run_dir / "replica_events.jsonl") if e["event"] == "lost"]
+    assert len(lost) == 1 and lost[0]["replicas_left"] == 1, lost
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert metrics[0]["data"]["areal/rollout_replicas"] == 2 and metrics[-1]["data"]["areal/rollout_replicas"] == 1
+    # Every weight version reached the surviving replica, each checked.
+    survivor = 1 - lost[0]["replica"]
+    updates = [e for e in read_jsonl(run_dir / "weight_syncs.jsonl") if e.get("replica") == survivor]
+    assert sorted({e["version"] for e in updates if e["event"] == "update"}) == list(range(steps + 1))
+    # No prompt lost, none trained twice: counted from the records of what was drawn and what was trained.
+    (accounting,) = read_jsonl(run_dir / "areal_accounting.jsonl")
+    assert accounting["rejected"] == 0 and accounting["consumed"] == steps * 16
+    assert accounting["failed_groups"] == 0  # requests continued where they were: no group failed and re-ran
+    drawn = [uid for line in read_jsonl(run_dir / "areal_submissions.jsonl") for uid in line["uids"]]
+    assert len(drawn) == len(set(drawn))
+    trained = [(s["step"], s["group"]) for s in read_jsonl(run_dir / "areal_samples.jsonl")]
+    groups = {group for _, group in trained}
+    assert len(set(trained)) == len(groups) == steps * 16, "a prompt group was lost or trained twice"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import REPO, read_jsonl, train_args
+from tests.integration.conftest import REPO, SYNC_STEPS, consumed_by_step, read_jsonl, run_cli_process, train_args
 
 pytestmark = pytest.mark.integration
 
@@ -26,27 +26,49 @@ def train_with_verl_vllm(
     if not VERL_VLLM_PYTHON.exists():
         pytest.fail(f"{VERL_VLLM_PYTHON} is missing: run bash tools/setup.sh (it builds .venv-verl-vllm)")
     args = train_args(recipe, run_dir, tiny_dir, steps, "actor_rollout_ref.rollout.name=vllm", *overrides)
-    return subprocess.run(
-        [str(VERL_VLLM_PYTHON), "-m", "areal_plugins.cli", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+    return run_cli_process(str(VERL_VLLM_PYTHON), *args, timeout=1200)
 
 
-def test_verls_vllm_trains_checks_every_update_and_stops_on_a_weight_corrupted_in_transit(tiny_dir, tmp_path):
-    """Temperature 0.7, η = 2, colocated. The first three updates (the start, after steps 1 and 2) arrive intact
-    and are checked on the vLLM worker; from the fourth on (after step 3, before its metrics are written), the
-    worker changes one received value of ``model.norm.weight`` (fault injection on the receiving side), and the
-    run must stop naming the replica, the worker and the tensor."""
+#: The tiny model's 8 linear weights (4 per layer, 2 layers), as vLLM fuses them.
+LINEAR_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def assert_loaded_check_covers_the_tiny_model(checksum: dict) -> None:
+    """After loading, each of the tiny model's 17 vLLM parameters is compared with what was received, or counted
+    as not compared. Always compared: the embedding, the lm_head tied to it, each layer's qkv bias and 2 norms,
+    the final norm (9). The 8 linear weights depend on the CPU: where vLLM's CPU build repacks them into its
+    kernels' own state (oneDNN or the sgl kernels, e.g. on AVX-512 machines), they are not readable and are counted
+    as not compared; where it keeps the plain weight (seen on an AVX2-only machine), they are compared too."""
+    compared, not_compared = checksum["loaded_compared"], checksum["loaded_not_compared"]
+    assert compared + not_compared == 17 and compared >= 9, checksum
+    examples = checksum["loaded_not_compared_examples"]
+    assert len(examples) == min(not_compared, 12), checksum
+    assert all(name.endswith(".weight") and name.split(".")[-2] in LINEAR_WEIGHTS for name in examples), examples
+
+
+def test_verls_vllm_trains_checks_every_update_and_stops_on_a_weight_corrupted_in_transit(
+    tiny_dir, long_response_model, tmp_path
+):
+    """Temperature 0.7, η = 2, colocated, a model that rarely ends its answers and an engine that decodes 48
+    requests at a time, started a few per step (so the end of sampling finds requests mid-generation). The first
+    four updates (the start, after steps 1-3) arrive intact and are checked on the vLLM worker; from the fifth on
+    (after step 4, before its metrics are written), the worker changes one received value of ``model.norm.weight``
+    (fault injection on the receiving side), and the run must stop naming the replica, the worker and the tensor."""
     run_dir = tmp_path / "run"
     result = train_with_verl_vllm(
         run_dir,
         tiny_dir,
-        5,
+        6,
         "actor_rollout_ref.rollout.temperature=0.7",
-        "++ray_kwargs.ray_init.runtime_env.env_vars.AREAL_CORRUPT_RECEIVED_WEIGHT='model.norm.weight@4'",
+        f"actor_rollout_ref.model.path={long_response_model}",
+        "data.max_response_length=24",
+        # vLLM decodes at most 48 requests at a time and prefills at most 96 - 48 prompt tokens (~3 prompts of 17)
+        # a step: requests start a few per step, so they finish a few per step and, when sampling ends, most of the
+        # 48 running are mid-answer. (With all 48 starting together, all 48 finish together: the abort then finds
+        # the next 48 only as far as one step got, and on a fast CPU it found none with output.)
+        "actor_rollout_ref.rollout.max_num_seqs=48",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=96",
+        "++ray_kwargs.ray_init.runtime_env.env_vars.AREAL_CORRUPT_RECEIVED_WEIGHT='model.norm.weight@5'",
     )
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
@@ -57,10 +79,12 @@ def test_verls_vllm_trains_checks_every_update_and_stops_on_a_weight_corrupted_i
 
     # Before the fault: three updates, each compared tensor by tensor on the worker.
     checked = [r for r in read_jsonl(run_dir / "weight_syncs.jsonl") if r["event"] == "update_checked"]
-    assert [r["version"] for r in checked] == [0, 1, 2], checked
+    assert [r["version"] for r in checked] == [0, 1, 2, 3], checked
     assert all(r["checksum"]["workers"] == [0] and r["checksum"]["tensors"] >= 20 for r in checked)
+    for record in checked:
+        assert_loaded_check_covers_the_tiny_model(record["checksum"])
     steps = [json.loads(line)["data"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    assert [s["training/global_step"] for s in steps] == [1, 2]
+    assert [s["training/global_step"] for s in steps] == [1, 2, 3]
     # Behaviour log-probs after temperature (verl asks vLLM for processed log-probs): at step 1 nothing is stale,
     # so they equal the trainer's recomputation up to kernel differences (measured 0.009; vLLM's raw log-probs: 0.18).
     assert steps[0]["areal/staleness_max"] == 0
@@ -69,23 +93,90 @@ def test_verls_vllm_trains_checks_every_update_and_stops_on_a_weight_corrupted_i
     assert sum(s["areal/gen_tokens_per_s"] for s in steps) > 0
     # The staleness bound holds on verl's engine too.
     assert max(s["areal/staleness_max"] for s in steps) <= 2
+    # verl's engine aborts in-flight requests when sampling ends (colocated: before the engines sleep); our client
+    # continues each as prompt + partial output under the next version, and stamps each part with the version its
+    # server ran: a trajectory's versions change only where it was interrupted, one version per weight update.
+    samples = read_jsonl(run_dir / "areal_samples.jsonl")
+    spanning = [s for s in samples if s["tail_version"] > s["head_version"]]
+    assert spanning, "no trajectory was interrupted by a weight update and continued"
+    # The first abort (end of step 1) finds ~48 running, ~3 started per step over 24-token answers: most are
+    # mid-answer (measured 44 of them continued under version 1; 0 when all 48 started together, in CI).
+    assert sum(1 for s in spanning if s["head_version"] == 0) >= 16, len(spanning)
+    assert all(1 <= s["tail_version"] - s["head_version"] <= s["num_interrupts"] for s in samples if s in spanning)
+    assert all(s["tail_version"] <= s["trainer_version"] for s in samples)
 
 
-def test_verls_vllm_in_its_own_pool_gets_every_update_through_the_checkpoint_engine_checked(tiny_dir, tmp_path):
+def test_verls_vllm_in_its_own_pool_gets_every_update_checked_and_stops_on_a_bad_load(tiny_dir, tmp_path):
     """``placement: separate``: verl's standalone vLLM replica in a pool of its own, weights broadcast by our
     ``areal_gloo`` checkpoint engine to verl's checkpoint-engine worker, whose adapter (ours) checks what each vLLM
-    worker received against what it passed on. Temperature 0.7, η = 2."""
+    worker received against what it passed on, and what the worker holds after loading against what it received.
+    Temperature 0.7, η = 2. The fourth update (after step 3) arrives intact but one value of ``model.norm.weight``
+    changes after loading (fault injection in the worker), and the run must stop naming the parameter."""
     run_dir = tmp_path / "run"
     result = train_with_verl_vllm(
-        run_dir, tiny_dir, 3, "actor_rollout_ref.rollout.temperature=0.7", recipe="grpo_cpu_async_separate.yaml"
+        run_dir,
+        tiny_dir,
+        3,
+        "actor_rollout_ref.rollout.temperature=0.7",
+        "++ray_kwargs.ray_init.runtime_env.env_vars.AREAL_CORRUPT_LOADED_WEIGHT='model.norm.weight@4'",
+        recipe="grpo_cpu_async_vllm.yaml",
     )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert (
+        "rollout replica 0, vLLM worker rank 0: parameter model.norm.weight holds after loading something other "
+        "than what it received" in output
+    ), output[-3000:]
     checked = [r for r in read_jsonl(run_dir / "weight_syncs.jsonl") if r["event"] == "update_checked"]
-    assert [r["version"] for r in checked] == [0, 1, 2, 3], checked  # the start, then after each step
+    assert [r["version"] for r in checked] == [0, 1, 2], checked  # the start, then after steps 1 and 2
+    for record in checked:
+        assert_loaded_check_covers_the_tiny_model(record["checksum"])
     actors = {record["class_name"] for record in read_jsonl(run_dir / "ray_actors.jsonl")}
     assert {"ArealVLLMHttpServer", "CheckpointEngineWorker"} <= actors, actors
     steps = [json.loads(line)["data"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    assert [s["training/global_step"] for s in steps] == [1, 2, 3]
+    # separate: step 3's metrics line races the failing sync (seen both ways)
+    assert [s["training/global_step"] for s in steps] in ([1, 2], [1, 2, 3])
     assert steps[0]["training/rollout_probs_diff_max"] < 0.05  # processed log-probs, as colocated
     assert max(s["areal/staleness_max"] for s in steps) <= 2
     assert all(s["areal/gen_tokens_per_s"] > 0 for s in steps)
+
+
+#: What both runs of the η = 0 pair share: temperature 0.7, each request seeded by its prompt (our server), float32
+#: in the engine (so that the logits barely depend on which requests share a batch), verl's dump of every sample.
+SEEDED_AT_07 = (
+    "actor_rollout_ref.rollout.temperature=0.7",
+    "++actor_rollout_ref.rollout.custom.areal_seeded_sampling=true",
+    "actor_rollout_ref.rollout.dtype=float32",
+)
+
+
+def seeded_run(run_dir: Path, tiny_dir: Path, data: Path, *overrides: str) -> list[dict]:
+    result = train_with_verl_vllm(
+        run_dir,
+        tiny_dir,
+        SYNC_STEPS,
+        *SEEDED_AT_07,
+        f"data.train_files={data}",
+        f"trainer.rollout_data_dir={run_dir / 'rollouts'}",
+        *overrides,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return [json.loads(line)["data"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def test_eta0_on_verls_vllm_trains_the_samples_and_losses_of_synchronous_verl_at_temperature_07(
+    tiny_dir, distinct_prompts, tmp_path
+):
+    """verl's synchronous trainer (``areal.mode=sync``: verl's trainer with our hooks, none installed) against
+    ``areal_async`` at η = 0, both on verl's vLLM engine with the same seeds: the same samples at each step, and
+    losses within float tolerance (verl's vanilla PPO against our decoupled objective, whose weights are 1 at η = 0)."""
+    sync = seeded_run(tmp_path / "sync", tiny_dir, distinct_prompts, "areal.mode=sync")
+    eta0 = seeded_run(tmp_path / "eta0", tiny_dir, distinct_prompts, "areal.max_staleness=0")
+    sync_samples, eta0_samples = consumed_by_step(tmp_path / "sync"), consumed_by_step(tmp_path / "eta0")
+    assert sorted(sync_samples) == list(range(1, SYNC_STEPS + 1))
+    for step in sync_samples:
+        assert eta0_samples[step] == sync_samples[step], f"step {step}: different samples"
+    for a, b in zip(sync, eta0, strict=True):
+        assert a["critic/score/mean"] == b["critic/score/mean"]
+        assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-3, abs=1e-5)
+        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-3)

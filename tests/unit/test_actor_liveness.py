@@ -53,6 +53,18 @@ def test_deliberate_deaths_and_later_actors_are_not_faults():
     liveness.check()  # neither a dropped handle nor an actor born after the start stops the run
 
 
+def test_a_death_the_run_survives_is_not_a_fault_and_any_other_still_is():
+    # The replica pool says which deaths cost only capacity (a rollout server while another replica serves).
+    cluster = Cluster([actor("s1", "CPURolloutServer"), actor("a1", "AgentLoopWorkerTQ")])
+    liveness = ActorLiveness(cluster, interval_s=0, survivable=lambda actor_id: actor_id == "s1")
+    liveness.check()
+    cluster.actors[0] = actor("s1", "CPURolloutServer", "DEAD", "WORKER_DIED")
+    liveness.check()
+    cluster.actors[1] = actor("a1", "AgentLoopWorkerTQ", "DEAD", "WORKER_DIED")
+    with pytest.raises(RunActorDiedError, match="agent-loop worker"):
+        liveness.check()
+
+
 def test_without_the_state_api_the_watchdog_remains():
     def broken():
         raise ConnectionError("dashboard not running")
@@ -125,6 +137,7 @@ def test_a_rollout_server_found_dead_by_the_statistics_look_is_named_with_its_no
     from areal_plugins.run.records import RunRecorder
     from areal_plugins.trainers.async_trainer import ArealAsyncTrainer
     from areal_plugins.trainers.engine_stats import EngineStats, RolloutServerDiedError
+    from areal_plugins.trainers.replica_pool import ReplicaPool
     from areal_plugins.trainers.supervision import Supervisor
 
     cluster = Cluster([actor("s1", "CPURolloutServer")])
@@ -138,7 +151,8 @@ def test_a_rollout_server_found_dead_by_the_statistics_look_is_named_with_its_no
     monkeypatch.setattr(PPOTrainer, "fit", fit)
     trainer = object.__new__(ArealAsyncTrainer)
     trainer.manager = None
-    trainer.engine_stats = EngineStats("areal_cpu", lambda: None, RunRecorder())
+    pool = ReplicaPool(lambda: None, RunRecorder(), survives=False, backend="areal_cpu")
+    trainer.engine_stats = EngineStats("areal_cpu", pool, RunRecorder())
     trainer.supervisor = Supervisor(trainer, 60.0, trainer.engine_stats, RunRecorder(), lambda: None)
     trainer.supervisor.liveness = liveness
     with pytest.raises(RunActorDiedError, match=r"rollout server CPURolloutServer \(pid 42, node abababab\) died"):

@@ -124,5 +124,48 @@ def test_a_micro_batch_budget_reaches_verls_rows_and_ours_under_their_own_keys()
     assert "actor_rollout_ref.actor.use_dynamic_bsz=true" in verl_budget
     assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512" in verl_budget
     assert "areal.micro_batch.max_tokens=512" in plan[4].overrides
-    for fixed in (plan[0], plan[1], plan[3]):  # the recipes' fixed micro-batches: no budget anywhere
+    for fixed in (plan[0], plan[1]):  # verl's recipe has fixed micro-batches: no budget anywhere
         assert not [o for o in fixed.overrides if "dynamic_bsz" in o or "max_tokens" in o or "token_len" in o]
+    # Ours: the async recipes ship a 512-token budget, so "fixed" has to switch it off to be fixed.
+    assert "areal.micro_batch.max_tokens=null" in plan[3].overrides
+    assert [c.micro_batching for c in plan] == ["fixed", "fixed", "budget 512", "fixed", "budget 512"]
+
+
+def test_a_signal_to_the_bench_stops_its_current_run_and_the_bench(tmp_path):
+    """SIGTERM to the bench goes on to its ``train`` child (which stops verl); the bench waits for it and exits."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child_log = tmp_path / "child.log"
+    child = tmp_path / "train_like.py"  # stands for `areal-plugins train`: stops itself on SIGTERM
+    child.write_text(
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        f"    open({str(child_log)!r}, 'w').write('stopped')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    script = tmp_path / "bench_like.py"
+    script.write_text(
+        "import subprocess, sys\n"
+        f"sys.path.insert(0, {str(bench.__file__).rsplit('/tools/', 1)[0]!r})\n"
+        "from tests.unit.tool_scripts import load_tool\n"
+        "bench = load_tool('bench')\n"
+        f"child = subprocess.Popen([sys.executable, {str(child)!r}], stdout=subprocess.PIPE, text=True)\n"
+        "child.stdout.readline()\n"
+        "with bench.forwarding_signals(child):\n"
+        "    print('child ready', flush=True)\n"
+        "    child.communicate()\n"
+    )
+    repo = str(bench.__file__).rsplit("/tools/", 1)[0]
+    process = subprocess.Popen([sys.executable, str(script)], cwd=repo, stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "child ready"
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 128 + signal.SIGTERM
+    assert time.monotonic() - started < 30
+    assert child_log.read_text() == "stopped"  # the child got the signal and stopped itself

@@ -43,7 +43,7 @@ def test_a_backend_that_narrows_its_capabilities_is_refused_naming_what_it_dropp
         check_backend_capabilities("no_checksum")
     assert "- weight_checksum:" in str(refused.value) and "progress_stats" not in str(refused.value)
     assert check_backend_capabilities("no_checksum", ["weight_checksum"]) == ["weight_checksum"]
-    assert check_backend_capabilities("areal_cpu") == check_backend_capabilities("areal_vllm") == []
+    assert check_backend_capabilities("areal_cpu") == []
 
 
 def test_verls_vllm_has_everything_through_our_server_subclass():
@@ -58,7 +58,7 @@ def test_verls_sglang_is_refused_naming_what_it_lacks_and_the_way_out():
     message = str(refused.value)
     assert "- weight_checksum:" in message and "- progress_stats:" in message
     assert "- abort_keeps_partial:" in message and "version_stamps" not in message
-    assert "areal_vllm" in message and "areal.enable=false" in message
+    assert "verl's vllm" in message and "areal.enable=false" in message
     assert message.endswith("areal.waive_capabilities=[abort_keeps_partial,weight_checksum,progress_stats]")
 
 
@@ -92,10 +92,21 @@ def test_the_startup_validation_applies_the_contract_to_the_composed_recipe():
     areal_validate_config(compose("grpo_cpu_async", ["areal.mode=sync", "actor_rollout_ref.rollout.name=sglang"]))
 
 
-def test_lora_with_verls_vllm_is_refused_at_startup_not_at_the_first_update():
+@pytest.mark.parametrize(
+    ("override", "fix"),
+    [
+        ("actor_rollout_ref.model.lora_rank=8", r"set actor_rollout_ref\.model\.lora_rank=0"),
+        ("actor_rollout_ref.rollout.disaggregation.enabled=true", r"set actor_rollout_ref\.rollout\.disaggregation"),
+        ("actor_rollout_ref.rollout.data_parallel_size=2", r"set actor_rollout_ref\.rollout\.data_parallel_size=1"),
+        ("actor_rollout_ref.rollout.checkpoint_engine.backend=delta_sharded", r"checkpoint_engine\.backend=nccl"),
+    ],
+    ids=["lora", "disaggregation", "data-parallel", "delta"],
+)
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_what_the_vllm_weight_check_does_not_cover_is_refused_at_startup_in_both_modes(override, fix, mode):
     from areal_plugins.builtin.validation import areal_validate_config
 
-    with pytest.raises(ArealConfigError, match=r"set actor_rollout_ref\.model\.lora_rank=0"):
+    with pytest.raises(ArealConfigError, match=fix):
         areal_validate_config(
-            compose("grpo_cpu_async", ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.lora_rank=8"])
+            compose("grpo_cpu_async", ["actor_rollout_ref.rollout.name=vllm", f"areal.mode={mode}", override])
         )

@@ -9,7 +9,7 @@ from areal_plugins.run import cluster_env
 
 
 def test_the_run_settings_travel_in_the_jobs_runtime_env():
-    env = {"AREAL_RUN_DIR": "/runs/a", "VERL_PLATFORM": "cpu", "HOME": "/root", "AREAL_VLLM_PYTHON": ""}
+    env = {"AREAL_RUN_DIR": "/runs/a", "VERL_PLATFORM": "cpu", "HOME": "/root", "AREAL_TINY_DIR": ""}
     assert cluster_env.job_env_overrides(env) == [
         "++ray_kwargs.ray_init.runtime_env.env_vars.AREAL_RUN_DIR='/runs/a'",
         "++ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM='cpu'",
@@ -47,7 +47,7 @@ def test_joining_a_cluster_drops_the_sizes_of_a_cluster_ray_would_start():
 
 def test_every_environment_variable_a_worker_reads_travels_with_the_job():
     """A worker on another node sees the job's runtime_env, never the CLI's shell: the package reads only
-    variables the CLI sends with the job (the CLI itself and the vLLM child's passed-on env excepted)."""
+    variables the CLI sends with the job (the CLI itself excepted)."""
     import re
     from pathlib import Path
 
@@ -56,8 +56,8 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
     package = Path(areal_plugins.__file__).parent
     constants = {
         "RUN_DIR_ENV": "AREAL_RUN_DIR",
-        "PYTHON_ENV": "AREAL_VLLM_PYTHON",
         "CORRUPT_VARIABLE": "AREAL_CORRUPT_RECEIVED_WEIGHT",
+        "CORRUPT_LOADED_VARIABLE": "AREAL_CORRUPT_LOADED_WEIGHT",
     }
     read = re.compile(r"os\.environ(?:\.get\(|\[)\s*([A-Z_]+|\"[A-Z_]+\")")
     names = set()
@@ -69,8 +69,14 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
     # RANK: verl's worker sets it in every worker process itself (our rollout adapter reads it, as verl's does).
     set_by_verl = {"RANK"}
     # Fault injection: a test sets it in the job's runtime_env itself (++ray_kwargs.ray_init.runtime_env...).
-    set_by_tests = {"AREAL_CORRUPT_RECEIVED_WEIGHT"}
-    expected = {"AREAL_RUN_DIR", "AREAL_VLLM_PYTHON", "VERL_PLATFORM", "RANK", "AREAL_CORRUPT_RECEIVED_WEIGHT"}
+    set_by_tests = {"AREAL_CORRUPT_RECEIVED_WEIGHT", "AREAL_CORRUPT_LOADED_WEIGHT"}
+    expected = {
+        "AREAL_RUN_DIR",
+        "VERL_PLATFORM",
+        "RANK",
+        "AREAL_CORRUPT_RECEIVED_WEIGHT",
+        "AREAL_CORRUPT_LOADED_WEIGHT",
+    }
     assert names == expected  # found by grep, listed by hand
     assert names - set_by_verl - set_by_tests <= set(cluster_env.JOB_ENV_VARS)
 

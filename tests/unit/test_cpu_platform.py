@@ -37,26 +37,29 @@ def test_rollout_backend_registered_in_both_registries():
 
     assert get_rollout_class("areal_cpu", "async").__name__ == "ArealServerAdapter"
     assert get_rollout_replica_class("areal_cpu").__name__ == "ArealRolloutReplica"
-    # One adapter and one replica class for every backend: each asks its config's backend for the server.
-    assert get_rollout_class("areal_vllm", "async") is get_rollout_class("areal_cpu", "async")
-    assert get_rollout_replica_class("areal_vllm") is get_rollout_replica_class("areal_cpu")
 
 
-def test_each_backend_declares_its_server_and_capabilities():
-    from types import SimpleNamespace
+def test_each_backend_declares_its_server_and_capabilities(monkeypatch):
+    import sys
+    from types import ModuleType, SimpleNamespace
 
     import pytest
 
+    from areal_plugins.rollout import verl_registration
     from areal_plugins.rollout.verl_registration import check_capabilities, server_class
 
     assert server_class("areal_cpu").__name__ == "CPURolloutServer"
-    assert server_class("areal_vllm").__name__ == "VLLMRolloutServer"
     with pytest.raises(ValueError, match="unknown areal rollout backend 'vllm'"):
         server_class("vllm")
     check_capabilities(SimpleNamespace(name="areal_cpu", free_cache_engine=True))
-    check_capabilities(SimpleNamespace(name="areal_vllm", free_cache_engine=False))
+    # A backend whose server keeps its memory while asleep is refused free_cache_engine before any server starts.
+    module = ModuleType("sleepless_backend")
+    module.SleeplessServer = type("SleeplessServer", (server_class("areal_cpu"),), {"releases_memory_on_sleep": False})
+    monkeypatch.setitem(sys.modules, "sleepless_backend", module)
+    monkeypatch.setitem(verl_registration.BACKENDS, "sleepless", "sleepless_backend:SleeplessServer")
+    check_capabilities(SimpleNamespace(name="sleepless", free_cache_engine=False))
     with pytest.raises(ValueError, match=r"set actor_rollout_ref\.rollout\.free_cache_engine=false"):
-        check_capabilities(SimpleNamespace(name="areal_vllm", free_cache_engine=True))
+        check_capabilities(SimpleNamespace(name="sleepless", free_cache_engine=True))
 
 
 def test_checkpoint_rng_state_round_trips_on_the_cpu_platform():

@@ -27,32 +27,58 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_rank(rank: int, world: int, port: int, out) -> None:
+def run_rank(rank: int, world: int, port: int, out, corrupt_rank: int = -1) -> None:
     import asyncio
 
-    from areal_plugins.weight_sync.gloo import _make_engine_class
+    from areal_plugins.weight_sync import gloo
 
-    engine = _make_engine_class()(bucket_size=5000, is_master=rank == 0)
+    if rank == corrupt_rank:  # the broadcast leg goes wrong on this worker: one received value changes
+        unpack = gloo._unpack
+
+        def corrupted(entries, payload):
+            for name, tensor in unpack(entries, payload):
+                if name == "layer.0":
+                    tensor.view(-1)[3] += 1.0
+                yield name, tensor
+
+        gloo._unpack = corrupted
+    engine = gloo._make_engine_class()(bucket_size=5000, is_master=rank == 0)
     engine.init_process_group(rank=rank, world_size=world, master={"host": "127.0.0.1", "port": port})
-    if rank == 0:
-        asyncio.run(engine.send_weights(iter(weights().items()), global_steps=3))
-        out.put((rank, None))
-    else:
-        out.put((rank, {name: t.clone() for name, t in engine.receive_weights(global_steps=3)}))
+    try:
+        if rank == 0:
+            asyncio.run(engine.send_weights(iter(weights().items()), global_steps=3))
+            out.put((rank, None))
+        else:
+            out.put((rank, {name: t.clone() for name, t in engine.receive_weights(global_steps=3)}))
+    except Exception as error:
+        out.put((rank, error))
     engine.finalize()
 
 
-def test_every_receiver_gets_every_tensor_bit_for_bit():
+def broadcast(corrupt_rank: int = -1) -> dict:
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     port = free_port()
-    processes = [context.Process(target=run_rank, args=(rank, 3, port, out)) for rank in range(3)]
+    processes = [context.Process(target=run_rank, args=(rank, 3, port, out, corrupt_rank)) for rank in range(3)]
     for process in processes:
         process.start()
     results = dict(out.get(timeout=120) for _ in processes)
     for process in processes:
         process.join(timeout=60)
         assert process.exitcode == 0
+    return results
+
+
+def test_a_value_changed_on_the_broadcast_leg_is_named_by_the_worker_that_got_it():
+    results = broadcast(corrupt_rank=2)
+    error = results[2]
+    assert type(error).__name__ == "WeightSyncError", error
+    assert "areal_gloo broadcast, rollout worker rank 2: tensor layer.0 arrived different" in str(error)
+    assert set(results[1]) == set(weights())  # the other worker got everything intact
+
+
+def test_every_receiver_gets_every_tensor_bit_for_bit():
+    results = broadcast()
     sent = weights()
     for rank in (1, 2):
         received = results[rank]

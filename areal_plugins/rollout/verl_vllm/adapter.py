@@ -12,7 +12,7 @@ from typing import Any
 from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
 from areal_plugins.rollout.base import record_weight_sync
-from areal_plugins.rollout.verl_vllm.checksums import check_weight_reports, tensor_checksum
+from areal_plugins.weight_sync.checksums import check_loaded_reports, check_weight_reports, tensor_checksum
 
 
 class ArealServerAdapter(ServerAdapter):
@@ -27,16 +27,25 @@ class ArealServerAdapter(ServerAdapter):
             from verl.workers.rollout.utils import ensure_async_iterator
 
             async for name, tensor in ensure_async_iterator(weights):
-                sent[name] = tensor_checksum(tensor)  # what leaves the trainer, before the transport
+                # What this adapter passes on: the trainer's own tensors when colocated; in separate, what the
+                # checkpoint engine delivered (areal_gloo checks its own leg; nccl's leg is not checked).
+                sent[name] = tensor_checksum(tensor)
                 yield name, tensor
 
         result = await super().update_weights(checksummed(), global_steps, wire_format, **kwargs)
         if self._has_server:  # every worker has received by now: verl awaits their collective_rpc
             reports = await self.server_handle.areal_weight_reports.remote()
-            check_weight_reports(reports, sent, f"rollout replica {self.replica_rank}")
-            checked = {"tensors": len(sent), "workers": sorted(int(report["rank"]) for report in reports)}
+            where = f"rollout replica {self.replica_rank}"
+            check_weight_reports(reports, sent, where, self._workers_per_replica())
+            loaded = check_loaded_reports(reports, where)
+            checked = {"tensors": len(sent), "workers": sorted(int(report["rank"]) for report in reports), **loaded}
             record_weight_sync(self.replica_rank, int(global_steps or 0), checked, "update_checked")
         return result
+
+    def _workers_per_replica(self) -> int:
+        """vLLM workers of one replica, as verl counts a replica's ranks (no prefill/decode split here)."""
+        config = self.config
+        return config.tensor_model_parallel_size * config.data_parallel_size * config.pipeline_model_parallel_size
 
     def _serves_areal(self) -> bool:
         if not self._ensure_server_handle():

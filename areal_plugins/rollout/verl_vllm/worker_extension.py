@@ -7,6 +7,9 @@ shared memory elsewhere) and loads each bucket with the model's ``load_weights``
   a reduction kernel on the device; one small host copy of three numbers per tensor), after the transport and
   before loading. The trainer compares it with the same numbers computed from what it sent, so a tensor
   corrupted or lost on the way to any rank is named (the worker's rank, the tensor's name).
+* after loading, a checksum of every parameter the worker holds, beside the sum of the checksums of the tensors it
+  loaded into it (rollout/verl_vllm/loaded_weights.py): a tensor loaded wrong, into the wrong place, or not at all
+  is named, where vLLM itself at most logs a warning.
 * on the CPU platform only: vLLM's CPU build repacks linear layers after the first load, so the model's
   ``load_weights`` fails on a second load (its parameters lose ``weight_loader``). There the buckets are
   gathered and loaded once with the model runner's ``reload_weights``, which restores the layers first.
@@ -20,11 +23,19 @@ from typing import Any
 import torch
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
-from areal_plugins.rollout.verl_vllm.checksums import tensor_checksum
+from areal_plugins.rollout.verl_vllm.loaded_weights import ReceivedTensor, loaded_report
 
 #: Fault injection for tests: ``NAME`` or ``NAME@K``: from this worker's K-th update on (default 1), the first
 #: received value of tensor NAME is changed by +1, as a bad transport would.
 CORRUPT_VARIABLE = "AREAL_CORRUPT_RECEIVED_WEIGHT"
+#: The same for the engine's parameter NAME after loading, as a bad load would.
+CORRUPT_LOADED_VARIABLE = "AREAL_CORRUPT_LOADED_WEIGHT"
+
+
+def corruption_target(setting: str, update: int) -> str:
+    """The tensor a fault-injection setting (``NAME`` or ``NAME@K``) names for this update ("" when none)."""
+    name, _, first = setting.partition("@")
+    return name if update >= int(first or 1) else ""
 
 
 class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
@@ -37,27 +48,56 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
         self, peft_config: Any = None, base_sync_done: bool = False, use_shm: bool = False
     ) -> Any:
         self.areal_received: dict[str, list[float]] = {}
+        self.areal_received_tensors: dict[str, ReceivedTensor] = {}
+        self.areal_loaded: dict[str, Any] | None = None
         self.areal_updates = getattr(self, "areal_updates", 0) + 1
         if peft_config:
             raise NotImplementedError("areal_async with verl's vllm rollout does not support LoRA adapters yet")
         from vllm.platforms import current_platform
 
+        model = self.model_runner.model
+        result = None
         if not current_platform.is_cpu():
-            return super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
-        return self._update_weights_on_cpu(use_shm)
+            result = super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
+        else:
+            self._update_weights_on_cpu(use_shm)
+        self._report_loaded(model)
+        return result
+
+    def _report_loaded(self, model: Any) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+        from vllm.platforms import current_platform
+
+        corrupt = corruption_target(os.environ.get(CORRUPT_LOADED_VARIABLE, ""), self.areal_updates)
+        if corrupt:  # fault injection (tests): one value of the engine's parameter changed after the load
+            with torch.no_grad():
+                dict(model.named_parameters())[corrupt].view(-1)[0] += 1.0
+        vllm_config = self.model_runner.vllm_config
+        self.areal_loaded = loaded_report(
+            model,
+            self.areal_received_tensors,
+            self._engine_dtype(),
+            get_tensor_model_parallel_world_size(),
+            quantized=getattr(vllm_config, "quant_config", None) is not None,
+            tied_embeddings=bool(getattr(vllm_config.model_config.hf_config, "tie_word_embeddings", False)),
+            kernels_own_weights=current_platform.is_cpu(),
+        )
 
     def _update_weights(self, weights: list[tuple[str, torch.Tensor]], peft_config: Any, base_sync_done: bool):
         self._record(weights)
         return super()._update_weights(weights, peft_config, base_sync_done)
 
     def _record(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        corrupt, _, first = os.environ.get(CORRUPT_VARIABLE, "").partition("@")
-        if self.areal_updates < int(first or 1):
-            corrupt = ""
+        corrupt = corruption_target(os.environ.get(CORRUPT_VARIABLE, ""), self.areal_updates)
         for name, tensor in weights:
             if name == corrupt:  # fault injection (tests): one received value changed, as a bad transport would
                 tensor.view(-1)[0] += 1.0
-            self.areal_received[name] = tensor_checksum(tensor)
+            received = ReceivedTensor.of(tensor, self._engine_dtype())
+            self.areal_received_tensors[name] = received
+            self.areal_received[name] = received.checksum
+
+    def _engine_dtype(self) -> torch.dtype:
+        return self.model_runner.vllm_config.model_config.dtype
 
     def _update_weights_on_cpu(self, use_shm: bool) -> None:
         from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
@@ -77,5 +117,10 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
         self.model_runner.reload_weights(weights_iterator=iter(received))
 
     def areal_weight_report(self) -> dict[str, Any]:
-        """What this worker received in the last update: its rank and a checksum per tensor name."""
-        return {"rank": int(getattr(self, "rank", 0)), "checksums": dict(getattr(self, "areal_received", {}))}
+        """What this worker received in the last update (its rank, a checksum per tensor name) and what it holds
+        after loading it (``loaded``: rollout/verl_vllm/loaded_weights.py)."""
+        return {
+            "rank": int(getattr(self, "rank", 0)),
+            "checksums": dict(getattr(self, "areal_received", {})),
+            "loaded": getattr(self, "areal_loaded", None),
+        }

@@ -1,0 +1,155 @@
+"""What a vLLM worker holds after loading an update, beside what it received: the report the adapter compares.
+
+vLLM loads the trainer's tensors into its own parameters: ``q_proj``, ``k_proj`` and ``v_proj`` into one
+``qkv_proj``, ``gate_proj`` and ``up_proj`` into ``gate_up_proj`` (the model's ``packed_modules_mapping``), each
+tensor-parallel rank a shard, the vocabulary padded with zeros. ``Σx`` and ``Σx²`` add up over concatenation and
+ignore zero padding, so a parameter's sums equal the sums of its sources, and a sharded parameter's sums over the
+replica's workers equal them too. Element counts are not compared (padding changes them).
+
+Not compared, and counted as such: parameters the engine keeps in a form that cannot be read back (vLLM's CPU build
+moves linear layers into its kernels' state), ``qkv_proj`` where tensor parallelism replicates KV heads (its shards
+overlap), fused mixture-of-experts parameters (stacked by vLLM's own expert mapping), and quantized models (their
+loaded values are not the sent ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from areal_plugins.weight_sync.checksums import tensor_checksum
+
+#: Received tensors that no parameter holds by design: rotary caches vLLM recomputes.
+NEVER_HELD_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def source_names(held_name: str, packed_modules_mapping: dict[str, list[str]]) -> list[str]:
+    """The trainer's tensor names that vLLM loads into parameter ``held_name``: ``a.qkv_proj.weight`` ->
+    ``a.q_proj.weight``, ``a.k_proj.weight``, ``a.v_proj.weight``; any other name is its own source."""
+    parts = held_name.split(".")
+    for index, part in enumerate(parts):
+        if part in packed_modules_mapping:
+            return [".".join([*parts[:index], source, *parts[index + 1 :]]) for source in packed_modules_mapping[part]]
+    return [held_name]
+
+
+def vllm_name(model: Any, received_name: str) -> str | None:
+    """The name vLLM gives a received tensor (models that rename the trainer's names carry a ``hf_to_vllm_mapper``)."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    return mapper._map_name(received_name) if mapper is not None else received_name
+
+
+@dataclass(frozen=True)
+class ReceivedTensor:
+    """A received tensor's checksum, its dtype, and its checksum rounded to the engine's dtype when it came wider
+    (the trainer may send float32 to a bfloat16 engine, which rounds it as it loads)."""
+
+    checksum: list[float]
+    dtype: torch.dtype
+    rounded: list[float] | None = None
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, engine_dtype: torch.dtype) -> ReceivedTensor:
+        wider = tensor.dtype != engine_dtype and torch.promote_types(tensor.dtype, engine_dtype) == tensor.dtype
+        return cls(tensor_checksum(tensor), tensor.dtype, tensor_checksum(tensor, engine_dtype) if wider else None)
+
+    def held_in(self, dtype: torch.dtype, engine_dtype: torch.dtype) -> list[float] | None:
+        """Its checksum as a parameter of ``dtype`` holds it, or None where that cannot be known from the checksums."""
+        if dtype == self.dtype or torch.promote_types(self.dtype, dtype) == dtype:  # the same, or widened exactly
+            return self.checksum
+        return self.rounded if dtype == engine_dtype else None
+
+
+def sources_of(name: str, by_vllm_name: dict[str, list[str]], mapping: dict[str, list[str]]) -> list[str] | None:
+    """The received tensors loaded into parameter ``name``, or None where one of them is missing. Models either map
+    the trainer's names to their fused ones (``hf_to_vllm_mapper``: ``q_proj`` -> ``qkv_proj``) or keep them and
+    fuse by ``packed_modules_mapping``; both are read."""
+    parts = source_names(name, mapping)
+    mapped = by_vllm_name.get(name)
+    if mapped is not None:
+        return mapped if len(parts) == 1 or len(mapped) == len(parts) else None
+    found = [by_vllm_name.get(part) for part in parts]
+    return None if any(group is None for group in found) else [n for group in found if group for n in group]
+
+
+def fused_experts_on_path(modules: dict[str, Any], parts: list[str]) -> str | None:
+    """The name of a fused mixture-of-experts module on the path ``parts`` (vLLM's ``FusedMoE``), if any."""
+    for end in range(len(parts) - 1, 0, -1):
+        module = modules.get(".".join(parts[:end]))
+        if module is not None and "MoE" in type(module).__name__:
+            return ".".join(parts[:end])
+    return None
+
+
+def sums(checksums: Iterable[list[float]]) -> list[float]:
+    total = [0.0, 0.0, 0.0]
+    for checksum in checksums:
+        total = [a + b for a, b in zip(total, checksum, strict=True)]
+    return total
+
+
+def loaded_report(
+    model: Any,
+    received: dict[str, ReceivedTensor],
+    engine_dtype: torch.dtype,
+    tensor_parallel_size: int,
+    quantized: bool,
+    tied_embeddings: bool,
+    kernels_own_weights: bool = False,
+) -> dict[str, Any]:
+    """For each parameter this worker can read: its checksum (``held``) and the sum of its sources' checksums as
+    received, rounded to its dtype (``expected``); whether it is a shard; the parameters not compared; and
+    received tensors that no parameter holds. ``kernels_own_weights`` (vLLM's CPU build, which moves its linear
+    layers' weights into its kernels' state on every load): a module without the parameter holds it unreadably."""
+    if quantized:
+        return {"entries": {}, "unchecked": [], "not_held": [], "skipped": "quantized weights"}
+    mapping = getattr(model, "packed_modules_mapping", None) or {}
+    by_vllm_name: dict[str, list[str]] = {}
+    dropped: list[str] = []  # names the model drops on purpose (its mapper maps them to nothing)
+    for received_name in received:
+        mapped = vllm_name(model, received_name)
+        if mapped is None:
+            dropped.append(received_name)
+        else:
+            by_vllm_name.setdefault(mapped, []).append(received_name)
+    entries: dict[str, dict[str, Any]] = {}
+    unchecked: list[str] = sorted(dropped)
+    covered: set[str] = set(dropped)
+    for module_name, module in model.named_modules():
+        overlapping = tensor_parallel_size > 1 and getattr(module, "num_kv_head_replicas", 1) > 1
+        for parameter_name, parameter in module.named_parameters(recurse=False):
+            name = f"{module_name}.{parameter_name}" if module_name else parameter_name
+            sources = sources_of(name, by_vllm_name, mapping)
+            covered.update(sources or by_vllm_name.get(name, []))
+            as_held = [received[source].held_in(parameter.dtype, engine_dtype) for source in sources or []]
+            if parameter.numel() == 0 or overlapping or not sources or None in as_held:
+                unchecked.append(name)
+                continue
+            expected = sums(checksum for checksum in as_held if checksum is not None)
+            held = tensor_checksum(parameter)
+            entries[name] = {"held": held, "expected": expected, "sharded": held[0] < expected[0]}
+    modules = dict(model.named_modules())
+    packed_into = {source: packed for packed, sources in mapping.items() for source in sources}
+    for name in sorted(set(received) - covered):
+        parts = [packed_into.get(part, part) for part in (vllm_name(model, name) or name).split(".")]
+        module = modules.get(".".join(parts[:-1]))
+        # the module is there, the parameter is not (registered ones are covered above); or fused experts, whose
+        # per-expert tensors vLLM stacks into one parameter by its own expert mapping
+        held_elsewhere = fused_experts_on_path(modules, parts)
+        if (kernels_own_weights and module is not None) or held_elsewhere:
+            covered.add(name)
+            holder = held_elsewhere or ".".join(parts)
+            if holder not in unchecked:
+                unchecked.append(holder)
+    buffers = {name for name, _ in model.named_buffers()}
+    not_held = sorted(
+        name
+        for name in set(received) - covered
+        if not name.endswith(NEVER_HELD_SUFFIXES)
+        and vllm_name(model, name) not in buffers
+        and not (tied_embeddings and name.startswith("lm_head."))
+    )
+    return {"entries": entries, "unchecked": unchecked, "not_held": not_held}

@@ -1,1 +1,0 @@
-"""``areal_vllm``: a real vLLM server process (its own environment) driven over HTTP."""

@@ -1,0 +1,78 @@
+"""Patch: pick the trainer's torch.distributed port outside the kernel's ephemeral range.
+
+*Why*: verl picks ``MASTER_PORT`` by binding port 0 in a Ray task and letting it go; the trainer's process binds
+it again seconds later, once its worker processes have started. Port 0 draws from the ephemeral range, the same
+range every outbound connection on the node draws from (Ray's own connections included), so on a busy node one
+of them can take the port in between and the run dies at startup with ``EADDRINUSE`` (seen in CI, where many
+processes start on two cores). A port below the ephemeral range is never handed out to a connection.
+*How*: the same Ray task, on the same node, tries random ports between 20000 (above Ray's worker ports,
+10002-19999) and the start of the node's ephemeral range until one binds; when none does, or when the caller
+passed a ``master_port_range`` of its own, verl's original choice is kept.
+Applied with the CPU platform only (``VERL_PLATFORM=cpu``), in every process, before verl creates its workers.
+*Upstream*: no seam (verl 0.9.1 ``verl/single_controller/ray/base.py``, ``get_master_addr_port``; the worker
+group's ``master_port_range`` is not reachable from a recipe).
+*Remove when*: verl binds the port it hands out until the trainer takes it, or exposes ``master_port_range``.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+from typing import Any
+
+from areal_plugins.patches._base import AttributePatch
+from packaging.specifiers import SpecifierSet
+
+SUPPORTED_VERL = SpecifierSet(">=0.9.1,<0.9.2")
+MODULE = "verl.single_controller.ray.base"
+#: Above Ray's default worker ports (10002-19999).
+LOWEST_PORT = 20000
+TRIES = 200
+
+
+def ephemeral_range(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> tuple[int, int]:
+    """The node's ephemeral port range (Linux's default when it cannot be read)."""
+    try:
+        low, high = (int(part) for part in path.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def port_outside_ephemeral_range(low: int, high: int, tries: int = TRIES) -> int | None:
+    """A port in ``[low, high)`` that binds now, or None after ``tries`` random attempts (or for an empty range:
+    a node whose ephemeral range starts at or below ``low``)."""
+    if high <= low:
+        return None
+    for _ in range(tries):
+        port = random.randrange(low, high)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+            return port
+    return None
+
+
+def _replacement(original: Any) -> Any:
+    import ray
+
+    original_function = original._function  # the plain function behind verl's @ray.remote
+
+    @ray.remote
+    def get_master_addr_port(master_port_range: list[int] | None = None) -> tuple[str, str]:
+        if master_port_range is None:
+            port = port_outside_ephemeral_range(LOWEST_PORT, ephemeral_range()[0])
+            if port is not None:
+                return ray.util.get_node_ip_address().strip("[]"), str(port)
+        return original_function(master_port_range)
+
+    return get_master_addr_port
+
+
+PATCH = AttributePatch("master_port", ((MODULE, "get_master_addr_port"),), _replacement, SUPPORTED_VERL)
+apply = PATCH.apply
+revert = PATCH.revert
+is_applied = PATCH.is_applied
