@@ -96,7 +96,7 @@ class RolloutServer(abc.ABC):
             token_ids=out.token_ids,
             log_probs=out.logprobs if params.get("logprobs") else None,
             stop_reason=out.stop_reason,
-            extra_fields=version_fields(self.served_version, out.versions),
+            extra_fields=version_fields(self.served_version, out.versions, out.seed),
         )
 
     @abc.abstractmethod
@@ -214,6 +214,10 @@ class RolloutServer(abc.ABC):
         """``generated_tokens``, ``in_flight``, ``busy_s``, ``version`` (and ``restarts`` where servers restart)."""
 
 
+#: ``extra_fields`` key of the seed a server sampled one request with (None: unknown, e.g. vLLM unseeded).
+SEED_FIELD = "areal_seed"
+
+
 @dataclass
 class Generated:
     """What one request produced: tokens with their log-probs and generating versions, and why it stopped."""
@@ -222,6 +226,8 @@ class Generated:
     logprobs: list[float]
     versions: list[int]
     stop_reason: str
+    #: the seed the engine sampled with (None where it cannot say)
+    seed: int | None = None
 
 
 class WeightSyncError(RuntimeError):
@@ -244,9 +250,9 @@ def token_budget(
     return max(1, min(int(max_tokens), room))
 
 
-def version_fields(served_version: int, versions: list[int]) -> dict[str, Any]:
-    """``extra_fields`` of a response: the served version and the version of every token."""
-    extra: dict[str, Any] = {"global_steps": served_version, "token_versions": versions}
+def version_fields(served_version: int, versions: list[int], seed: int | None = None) -> dict[str, Any]:
+    """``extra_fields`` of a response: the served version, the version of every token and the sampling seed."""
+    extra: dict[str, Any] = {"global_steps": served_version, "token_versions": versions, SEED_FIELD: seed}
     if versions:
         extra["min_global_steps"] = min(versions)
         extra["max_global_steps"] = max(versions)

@@ -11,6 +11,7 @@ waits on the buffer.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import threading
@@ -22,6 +23,7 @@ from typing import Any
 from areal_plugins.core.buffer import BufferedGroup, SampleBuffer
 from areal_plugins.core.staleness import StalenessController
 from areal_plugins.core.trajectory import Trajectory
+from areal_plugins.trainers.episodes import CHUNKS_FIELD
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +262,7 @@ class AdmissionLoop:
                     "head_version": trajectory.head_version,
                     "tail_version": max(trajectory.versions, default=trajectory.head_version),
                     "num_interrupts": int(trajectory.extra.get("num_interrupts", 0)),
+                    **schedule_fields(trajectory),
                     "response_tokens": len(trajectory.response_ids),
                     "reward": trajectory.reward,
                     "reward_report": reward_report(trajectory.extra),
@@ -292,6 +295,27 @@ def require_single_prompt_fetches(data_config: Any) -> None:
             f"areal_async submits prompts one at a time, but verl set data.gen_batch_size={fetch} "
             "(verl 0.9.1 forces 1 outside its sync mode): this verl version is not supported by areal_async"
         )
+
+
+def schedule_fields(trajectory: Trajectory) -> dict[str, Any]:
+    """What a replay of this trajectory follows and checks: its requests (``chunks``: first response token, version,
+    seed) and digests of its prompt and response tokens."""
+    kept = len(trajectory.response_ids)
+    chunks = [
+        [int(start), int(version), None if seed is None else int(seed)]
+        for start, version, seed in trajectory.extra.get(CHUNKS_FIELD) or []
+        if start < kept
+    ]
+    return {
+        "chunks": chunks,
+        "prompt_digest": token_digest(trajectory.prompt_ids),
+        "response_digest": token_digest(trajectory.response_ids),
+    }
+
+
+def token_digest(token_ids: list[int]) -> str:
+    """A short, stable digest of a token sequence (16 hex digits of its SHA-256)."""
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
 
 
 def reward_report(extra: dict[str, Any]) -> dict[str, float]:

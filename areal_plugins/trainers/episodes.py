@@ -12,9 +12,14 @@ the trajectory goes to TransferQueue. Nothing here imports verl.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
+
+#: ``extra_fields`` key of a trajectory's requests: ``[first generated token, version, seed]`` for each request that
+#: produced tokens, in order (a request continued after an interruption starts a new one).
+CHUNKS_FIELD = "areal_chunks"
 
 #: The episode the current agent-loop task runs (None outside one, e.g. in unit tests of the client).
 CURRENT_EPISODE: ContextVar[EpisodeRecord | None] = ContextVar("areal_current_episode", default=None)
@@ -34,6 +39,8 @@ class EpisodeRecord:
     """
 
     versions: list[int] = field(default_factory=list)
+    #: ``[first generated token, version, seed]`` of each request, indices counted over the episode's generated tokens
+    chunks: list[list[Any]] = field(default_factory=list)
     turn_tokens: list[int] = field(default_factory=list)
     interrupts_within_turns: int = 0
     updates_between_turns: int = 0
@@ -49,12 +56,14 @@ class EpisodeRecord:
     def enter_engine(self) -> None:
         self.outside_engine_since = None
 
-    def add_turn(self, versions: list[int], interrupts: int) -> None:
-        """One ``generate`` call's generated tokens (their versions) and how often it was interrupted."""
+    def add_turn(self, versions: list[int], interrupts: int, chunks: Sequence[Sequence[Any]] = ()) -> None:
+        """One ``generate`` call's generated tokens (their versions), how often it was interrupted and its requests
+        (``[first token, version, seed]``, first token counted within the call)."""
         if versions and self.versions and versions[0] > self.versions[-1]:
             # New weights arrived between this turn's first token and the previous turn's last one:
             # while the episode was in a tool call, or queued for its next turn.
             self.updates_between_turns += 1
+        self.chunks.extend([start + len(self.versions), version, seed] for start, version, seed in chunks)
         self.versions.extend(versions)
         self.turn_tokens.append(len(versions))
         self.interrupts_within_turns += interrupts
@@ -96,6 +105,7 @@ class EpisodeRecord:
         return {
             **version_fields(self.versions[:trained_tokens]),
             "num_interrupts": self.interrupts_within_turns,
+            CHUNKS_FIELD: [chunk for chunk in self.chunks if chunk[0] < trained_tokens],
             "areal_turns": self.turns,
             "areal_turn_tokens": list(self.turn_tokens),
             "areal_updates_between_turns": self.updates_between_turns,

@@ -20,7 +20,8 @@ from typing import Any
 import ray
 from verl.workers.rollout.llm_server import LLMServerClient
 
-from areal_plugins.trainers.episodes import CURRENT_EPISODE, version_fields
+from areal_plugins.rollout.base import SEED_FIELD
+from areal_plugins.trainers.episodes import CHUNKS_FIELD, CURRENT_EPISODE, version_fields
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,10 @@ class InterruptibleLLMClient(LLMServerClient):
 
     The merged output's ``extra_fields`` hold ``token_versions`` (one per response token),
     ``min_global_steps``/``max_global_steps`` (head and tail version, which verl copies into the
-    trajectory's TransferQueue tags) and ``num_interrupts``. Inside an agent-loop episode the turn
-    is also added to the episode's record, whose fields cover every turn (trainers/episodes.py).
+    trajectory's TransferQueue tags), ``num_interrupts`` and ``areal_chunks`` (where each request of the call
+    started in the response, under which version and with which seed: the record a replay follows). Inside an
+    agent-loop episode the turn is also added to the episode's record, whose fields cover every turn
+    (trainers/episodes.py).
     """
 
     async def _acquire_server(self, request_id: str, **extra: Any) -> tuple[str, Any]:
@@ -66,6 +69,7 @@ class InterruptibleLLMClient(LLMServerClient):
         token_ids: list[int] = []
         log_probs: list[float] = []
         versions: list[int] = []
+        chunks: list[list[Any]] = []  # [first token, version, seed] of each request that produced tokens
         interrupts = failovers = 0
         episode = CURRENT_EPISODE.get()
         if episode is not None:
@@ -84,12 +88,14 @@ class InterruptibleLLMClient(LLMServerClient):
                 continue
             finally:
                 self._routed_to().pop(request_id, None)
-            token_ids.extend(output.token_ids)
-            if output.log_probs is not None:
-                log_probs.extend(output.log_probs)
             chunk_versions = output.extra_fields.get("token_versions")
             if chunk_versions is None:  # a backend without per-token versions: stamp the served version
                 chunk_versions = [output.extra_fields.get("global_steps", 0)] * len(output.token_ids)
+            if output.token_ids:
+                chunks.append([len(token_ids), chunk_versions[0], output.extra_fields.get(SEED_FIELD)])
+            token_ids.extend(output.token_ids)
+            if output.log_probs is not None:
+                log_probs.extend(output.log_probs)
             versions.extend(chunk_versions)
             if output.stop_reason not in ABORTED or len(token_ids) >= budget:
                 break
@@ -97,8 +103,9 @@ class InterruptibleLLMClient(LLMServerClient):
             if not output.token_ids:  # a server rejecting requests while paused: do not spin
                 await asyncio.sleep(0.01)
         if episode is not None:
-            episode.add_turn(versions, interrupts)
-        extra = {**output.extra_fields, **version_fields(versions), "num_interrupts": interrupts}
+            episode.add_turn(versions, interrupts, chunks)
+        extra = {**output.extra_fields, **version_fields(versions), "num_interrupts": interrupts, CHUNKS_FIELD: chunks}
+        extra.pop(SEED_FIELD, None)  # the last request's: each request's seed is in its chunk
         stop_reason = "length" if output.stop_reason in ABORTED else output.stop_reason
         return TokenOutput(
             token_ids=token_ids,

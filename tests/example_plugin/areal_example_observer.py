@@ -44,7 +44,13 @@ def areal_accept_trajectory(trajectory):
     episodes = os.environ.get(EPISODES_ENV)
     if episodes:
         extra = trajectory.extra
-        fields = ("areal_turn_tokens", "num_interrupts", "areal_updates_between_turns", "areal_tool_calls")
+        fields = (
+            "areal_turn_tokens",
+            "num_interrupts",
+            "areal_updates_between_turns",
+            "areal_tool_calls",
+            "areal_chunks",
+        )
         with open(episodes, "a") as handle:
             record = {
                 "group": trajectory.group_id,

@@ -280,3 +280,16 @@ def tool_runs(calculator_dir, distinct_sums, tmp_path_factory) -> tuple[Path, Pa
     overrides = ("areal.max_staleness=0", *GPU_NUMERICS)
     eta0 = run_with_dump(recipe, calculator_dir, tmp_path_factory, distinct_sums, *overrides, env=env)
     return sync, eta0, episodes
+
+
+def assert_schedule_is_consistent(sample: dict, seeded: bool) -> None:
+    """A trained sample's recorded requests (``chunks``: first token, version, seed) against its versions as the
+    engine stamped them: they start at token 0 and in order, the first runs under the head version and the last
+    under the tail version, one request more per interruption at most, and each has a seed where the engine seeds."""
+    chunks = sample["chunks"]
+    starts = [chunk[0] for chunk in chunks]
+    assert starts and starts[0] == 0 and starts == sorted(set(starts)), sample
+    assert starts[-1] < sample["response_tokens"], sample
+    assert (chunks[0][1], chunks[-1][1]) == (sample["head_version"], sample["tail_version"]), sample
+    assert len(chunks) - 1 <= sample["num_interrupts"] + sample.get("turns", 1) - 1, sample
+    assert all((chunk[2] is not None) == seeded for chunk in chunks), sample

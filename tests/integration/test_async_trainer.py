@@ -11,6 +11,7 @@ import pytest
 
 from tests.integration.conftest import (
     SYNC_STEPS,
+    assert_schedule_is_consistent,
     assert_within_staleness_bound,
     consumed_by_step,
     read_jsonl,
@@ -63,6 +64,10 @@ def test_interrupted_trajectories_carry_two_versions(async_run):
     spanning = [s for s in samples if s["tail_version"] > s["head_version"]]
     assert spanning, "no trajectory was interrupted by a weight update and resumed"
     assert all(s["num_interrupts"] >= 1 for s in spanning)
+    # The schedule a replay follows: each sample's requests, with the seed areal_cpu sampled each with.
+    for sample in samples:
+        assert_schedule_is_consistent(sample, seeded=True)
+    assert all(len(s["chunks"]) >= 2 for s in spanning)
 
 
 def test_every_submitted_rollout_is_accounted_for(async_run):

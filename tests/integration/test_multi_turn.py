@@ -122,6 +122,13 @@ def test_an_episode_interrupted_in_its_second_turn_carries_both_versions_on_the_
         assert versions == sorted(versions)  # a token is never older than the one before it
         if len(set(versions[first:])) > 1:
             split_in_turn_two.append(episode)
+        # The recorded requests, against the versions the engine stamped on each token: a request starts where
+        # each turn starts and wherever the version changes, and runs under one version.
+        starts = [start for start, _, _ in episode["areal_chunks"]]
+        assert {0, first} <= set(starts) and starts == sorted(starts), episode["areal_chunks"]
+        assert {i for i in range(1, len(versions)) if versions[i] != versions[i - 1]} <= set(starts)
+        for (start, version, seed), end in zip(episode["areal_chunks"], [*starts[1:], len(versions)], strict=True):
+            assert set(versions[start:end]) == {version} and isinstance(seed, int), episode["areal_chunks"]
     assert split_in_turn_two, "no second turn was interrupted by a weight update"
     for episode in split_in_turn_two:
         assert episode["num_interrupts"] >= 1

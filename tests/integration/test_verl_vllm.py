@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import REPO, SYNC_STEPS, consumed_by_step, read_jsonl, run_cli_process, train_args
+from tests.integration.conftest import (
+    REPO,
+    SYNC_STEPS,
+    assert_schedule_is_consistent,
+    consumed_by_step,
+    read_jsonl,
+    run_cli_process,
+    train_args,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -104,6 +112,10 @@ def test_verls_vllm_trains_checks_every_update_and_stops_on_a_weight_corrupted_i
     assert sum(1 for s in spanning if s["head_version"] == 0) >= 16, len(spanning)
     assert all(1 <= s["tail_version"] - s["head_version"] <= s["num_interrupts"] for s in samples if s in spanning)
     assert all(s["tail_version"] <= s["trainer_version"] for s in samples)
+    # The schedule a replay follows: each sample's requests; vLLM unseeded (no areal_seeded_sampling) says no seed.
+    for sample in samples:
+        assert_schedule_is_consistent(sample, seeded=False)
+    assert all(len(s["chunks"]) >= 2 for s in spanning)
 
 
 def test_verls_vllm_in_its_own_pool_gets_every_update_checked_and_stops_on_a_bad_load(tiny_dir, tmp_path):

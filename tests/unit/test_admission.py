@@ -297,3 +297,25 @@ def test_startup_is_refused_unless_verl_fetches_prompts_one_at_a_time():
     for fetch in (None, 16):
         with pytest.raises(RuntimeError, match=rf"data.gen_batch_size={fetch}.*not supported"):
             require_single_prompt_fetches(OmegaConf.create({"gen_batch_size": fetch}))
+
+
+def test_each_trajectorys_schedule_keeps_the_requests_that_produced_kept_tokens():
+    """``chunks`` as the record a replay follows: a request whose tokens verl cut off (it started past the kept
+    response) is not part of the trajectory; values TransferQueue hands back as numpy scalars are written as ints;
+    the digests tell two token sequences apart and repeat for the same one."""
+    import numpy as np
+
+    from areal_plugins.core.trajectory import Trajectory
+    from areal_plugins.trainers.admission import schedule_fields
+
+    chunks = [[np.int64(0), np.int64(0), np.int64(7)], [np.int64(2), np.int64(1), None], [4, 2, 9]]
+    trajectory = Trajectory([1, 2], [10, 11, 12, 13], [-1.0] * 4, [0, 0, 1, 1], extra={"areal_chunks": chunks})
+    fields = schedule_fields(trajectory)
+    assert fields["chunks"] == [[0, 0, 7], [2, 1, None]]
+    assert all(type(value) is int for chunk in fields["chunks"] for value in chunk if value is not None)
+    same = Trajectory([1, 2], [10, 11, 12, 13], [-2.0] * 4, [0, 0, 0, 0])
+    other = Trajectory([1, 2], [10, 11, 12, 14], [-1.0] * 4, [0, 0, 0, 0])
+    assert schedule_fields(same)["response_digest"] == fields["response_digest"]
+    assert schedule_fields(other)["response_digest"] != fields["response_digest"]
+    assert schedule_fields(same)["chunks"] == []  # a trajectory from a client that records none
+    assert len(fields["prompt_digest"]) == 16 and fields["prompt_digest"] != fields["response_digest"]

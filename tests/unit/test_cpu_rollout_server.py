@@ -97,3 +97,26 @@ def test_rollout_ignore_eos_is_every_requests_default_and_a_request_may_override
 
     assert lengths(ignore_eos=False) == [1, 1, 64]
     assert lengths(ignore_eos=True) == [64, 1, 64]  # verl's rollout.ignore_eos, as its vLLM server applies it
+
+
+def test_a_request_reports_its_seed_and_that_seed_draws_the_same_tokens_on_another_server(model_dir):
+    """What a replay relies on: the server says which seed it sampled a request with, and a server with a different
+    base seed, given that seed, samples the same tokens (temperature 1, so the tokens depend on the draw)."""
+    from areal_plugins.rollout.base import SEED_FIELD
+
+    first = make_server(model_dir, free_cache_engine=False)
+    other = make_server(model_dir, free_cache_engine=False)
+    other.engine._seeds.seed = first.engine.seed + 1  # another run's seeds
+
+    async def answers():
+        original = await first.generate([5, 6, 7], dict(PARAMS), "a")
+        seed = original.extra_fields[SEED_FIELD]
+        replayed = await other.generate([5, 6, 7], {**PARAMS, "seed": seed}, "b")
+        unseeded = await other.generate([5, 6, 7], dict(PARAMS), "c")
+        return original, seed, replayed, unseeded
+
+    original, seed, replayed, unseeded = asyncio.run(answers())
+    assert isinstance(seed, int)
+    assert replayed.extra_fields[SEED_FIELD] == seed
+    assert replayed.token_ids == original.token_ids and replayed.log_probs == original.log_probs
+    assert unseeded.extra_fields[SEED_FIELD] != seed and unseeded.token_ids != original.token_ids

@@ -11,8 +11,9 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
+from areal_plugins.rollout.base import SEED_FIELD
 from areal_plugins.trainers.episode_workers import EpisodeAgentLoopWorker, EpisodeStalledError, account_tool_calls
-from areal_plugins.trainers.episodes import CURRENT_EPISODE, EpisodeAlignmentError, EpisodeRecord
+from areal_plugins.trainers.episodes import CHUNKS_FIELD, CURRENT_EPISODE, EpisodeAlignmentError, EpisodeRecord
 from areal_plugins.trainers.llm_client import InterruptibleLLMClient
 
 
@@ -24,11 +25,12 @@ def scripted_server(monkeypatch, chunks: list[tuple[list[int], list[int], str]])
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
         prompts.append(list(prompt_ids))
         tokens, versions, stop = queue.pop(0)
+        extra = {"token_versions": versions, "global_steps": versions[-1] if versions else 0}
         return TokenOutput(
             token_ids=tokens,
             log_probs=[-0.5] * len(tokens),
             stop_reason=stop,
-            extra_fields={"token_versions": versions, "global_steps": versions[-1] if versions else 0},
+            extra_fields=extra | {SEED_FIELD: 100 + len(prompts)},  # the k-th request the server saw: seed 100 + k
         )
 
     monkeypatch.setattr(LLMServerClient, "generate", generate)
@@ -63,6 +65,11 @@ def test_a_two_turn_episode_keeps_every_turns_versions_and_says_where_updates_me
     fields = record.extra_fields(trained_tokens=7, truncated=False)
     assert (fields["min_global_steps"], fields["max_global_steps"], fields["num_interrupts"]) == (0, 2, 1)
     assert fields["token_versions"] == [0, 0, 0, 1, 1, 2, 2]
+    # The schedule a replay follows: turn 1 from token 0 (request 1), turn 2 from token 3 (request 2) and its
+    # continuation from token 5 (request 3), each with its version and seed.
+    assert fields[CHUNKS_FIELD] == [[0, 0, 101], [3, 1, 102], [5, 2, 103]]
+    # verl cut the response after 4 tokens: the continuation produced none of them.
+    assert record.extra_fields(trained_tokens=4, truncated=True)[CHUNKS_FIELD] == [[0, 0, 101], [3, 1, 102]]
 
 
 def test_outside_an_episode_the_client_reports_its_call_alone(monkeypatch):
@@ -72,6 +79,15 @@ def test_outside_an_episode_the_client_reports_its_call_alone(monkeypatch):
     assert out.extra_fields["token_versions"] == [3, 3, 4]
     assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (3, 4)
     assert out.extra_fields["num_interrupts"] == 1
+    assert out.extra_fields[CHUNKS_FIELD] == [[0, 3, 101], [2, 4, 102]]
+    assert SEED_FIELD not in out.extra_fields  # only per request, in its chunk
+
+
+def test_a_request_that_returned_nothing_is_not_a_chunk(monkeypatch):
+    # Rejected behind a closed gate (no tokens), then run in full under version 5.
+    scripted_server(monkeypatch, [([], [], "aborted"), ([4, 5], [5, 5], "completed")])
+    out = asyncio.run(client().generate("one", prompt_ids=[100], sampling_params={"max_tokens": 8}))
+    assert out.extra_fields[CHUNKS_FIELD] == [[0, 5, 102]]
 
 
 def test_versions_that_cannot_line_up_with_the_trained_tokens_are_refused():

@@ -19,22 +19,13 @@ from typing import Any
 
 import torch
 
+from areal_plugins.rollout.base import Generated
 from areal_plugins.rollout.prompt_seeds import PromptSeeds
 
 logger = logging.getLogger(__name__)
 
 STOP_COMPLETED = "completed"
 STOP_ABORTED = "aborted"
-
-
-@dataclass
-class GenerationResult:
-    """What one request produced: tokens, their log-probs and generating versions."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    stop_reason: str
 
 
 @dataclass(eq=False)  # identity semantics: requests are compared and hashed as objects
@@ -47,6 +38,7 @@ class _Request:
     top_k: int
     ignore_eos: bool
     future: asyncio.Future
+    seed: int
     generator: torch.Generator
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -109,9 +101,11 @@ class ContinuousBatchingEngine:
         top_k: int = -1,
         request_id: str = "",
         ignore_eos: bool = False,
-    ) -> GenerationResult:
+        seed: int | None = None,
+    ) -> Generated:
         """Generate up to ``max_tokens`` tokens after ``prompt_ids`` (past end-of-sequence tokens with
-        ``ignore_eos``, as vLLM does); return when done or aborted."""
+        ``ignore_eos``, as vLLM does); return when done or aborted. ``seed``: sample with this seed instead of the
+        one derived from the prompt (a replay passes the recorded one)."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if not prompt_ids:
@@ -119,6 +113,7 @@ class ContinuousBatchingEngine:
         if not self.weights_loaded:
             raise RuntimeError("the engine's weights were released (sleep) and no weights were loaded since")
         loop = asyncio.get_running_loop()
+        seed = self._seeds.next(prompt_ids) if seed is None else int(seed)
         request = _Request(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
@@ -128,16 +123,14 @@ class ContinuousBatchingEngine:
             top_k=top_k,
             ignore_eos=ignore_eos,
             future=loop.create_future(),
-            generator=self._request_generator(prompt_ids),
+            seed=seed,
+            generator=torch.Generator().manual_seed(seed),
         )
         self._waiting.append(request)
         self._ensure_loop()
         assert self._wakeup is not None
         self._wakeup.set()
         return await request.future
-
-    def _request_generator(self, prompt_ids: list[int]) -> torch.Generator:
-        return torch.Generator().manual_seed(self._seeds.next(prompt_ids))
 
     def abort_all(self) -> list[str]:
         """Finish every waiting and running request now with its partial output; return their ids."""
@@ -254,7 +247,8 @@ class ContinuousBatchingEngine:
     def _finish(self, request: _Request, reason: str) -> None:
         request.cache = None
         if not request.future.done():
-            request.future.set_result(GenerationResult(request.token_ids, request.logprobs, request.versions, reason))
+            result = Generated(request.token_ids, request.logprobs, request.versions, reason, request.seed)
+            request.future.set_result(result)
 
     # ------------------------------------------------------------------ model work (worker thread)
 

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from areal_plugins.rollout.base import (
-    Generated,
     RolloutServer,
     WeightSyncError,
     record_replica_event,
@@ -85,7 +84,7 @@ class CPURolloutServer(RolloutServer):
     # ------------------------------------------------------------------ generation
 
     async def _generate(self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any], request_id: str):
-        result = await self.engine.generate(
+        return await self.engine.generate(
             prompt_ids,
             max_tokens=max_tokens,
             temperature=float(params.get("temperature", 1.0)),
@@ -93,8 +92,8 @@ class CPURolloutServer(RolloutServer):
             top_k=int(params.get("top_k", -1)),
             ignore_eos=bool(params.get("ignore_eos", False)),
             request_id=request_id,
+            seed=params.get("seed"),
         )
-        return Generated(result.token_ids, result.logprobs, result.versions, result.stop_reason)
 
     @property
     def served_version(self) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
 from areal_plugins.rollout.activity import RequestActivity
+from areal_plugins.rollout.base import SEED_FIELD
 from areal_plugins.rollout.prompt_seeds import PromptSeeds
 
 EXTENSION_CLASS = "areal_plugins.rollout.verl_vllm.worker_extension.ArealVLLMWorkerExtension"
@@ -56,6 +57,8 @@ class ArealVLLMHttpServer(vLLMHttpServer):
             self.activity.leave()
             self._entering_engine.discard(request_id)  # failed before reaching the engine: no abort waits for it
         self.generated_tokens += len(getattr(output, "token_ids", None) or [])
+        if isinstance(getattr(output, "extra_fields", None), dict):  # the seed vLLM sampled with (None: its own)
+            output.extra_fields[SEED_FIELD] = sampling_params.get("seed")
         return output
 
     @property
