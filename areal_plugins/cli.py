@@ -125,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plot = commands.add_parser("plot", help="draw reward, staleness and timeline pictures of a run directory")
     plot.add_argument("run_dir", type=Path)
+    compare = commands.add_parser(
+        "compare", help="where two runs first differ: trained trajectories (tokens, requests, rewards), then losses"
+    )
+    compare.add_argument("first_run", type=Path)
+    compare.add_argument("second_run", type=Path)
+    compare.add_argument(
+        "--rtol", type=float, default=0.0, help="relative tolerance for floats (rewards, losses); default exact"
+    )
     commands.add_parser("bench", help="async vs sync benchmark (tools/bench.py; --help there)", add_help=False)
     add_plan_arguments(
         commands.add_parser("plan", help="recommend η, the GPU split and the recipe keys for a GPU cluster")
@@ -168,6 +176,18 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{args.run_dir} holds no metrics.jsonl or areal_*.jsonl to draw")
         for path in written:
             logger.info("wrote %s", path)
+        return 0
+    if args.command == "compare":
+        from areal_plugins.run.compare import compare_runs
+
+        try:
+            result = compare_runs(args.first_run, args.second_run, args.rtol)
+        except (FileNotFoundError, ValueError) as error:
+            raise SystemExit(str(error)) from error
+        if result.divergence is not None:
+            print(f"the runs differ at {result.divergence} (after {result.steps} matching steps)")
+            return 1
+        print(f"the runs match over {result.steps} steps and {result.trajectories} trained trajectories")
         return 0
     if args.command == "check":
         return check(args.recipe, args.overrides, args)
