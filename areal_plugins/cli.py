@@ -182,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             result = compare_runs(args.first_run, args.second_run, args.rtol)
-        except (FileNotFoundError, ValueError) as error:
-            raise SystemExit(str(error)) from error
+        except (OSError, ValueError, KeyError) as error:  # exit status 2: neither "match" (0) nor "differ" (1)
+            print(f"areal-plugins compare: cannot compare: {error}", file=sys.stderr)
+            return 2
         if result.divergence is not None:
             print(f"the runs differ at {result.divergence} (after {result.steps} matching steps)")
             return 1

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import Counter
 from typing import Any
 
 from areal_plugins.core.buffer import BufferedGroup
 
 logger = logging.getLogger(__name__)
+
+#: This trainer process's attempt at the run: a step trained again after a resume is told from its earlier attempt.
+ATTEMPT = uuid.uuid4().hex[:8]
 
 
 def consumed_metrics(groups: list[BufferedGroup], trainer_version: int) -> dict[str, float]:
@@ -144,5 +148,7 @@ def write_samples(recorder: Any, groups: list[BufferedGroup], step: int, trainer
         for key, info in zip(group.keys, group.info, strict=True):
             recorder.write(
                 "areal_samples.jsonl",
-                {"step": step, "trainer_version": trainer_version, "group": group.group_id, "key": key} | info,
+                {"step": step, "attempt": ATTEMPT, "trainer_version": trainer_version, "group": group.group_id}
+                | {"key": key}
+                | info,
             )

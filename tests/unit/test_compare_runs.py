@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from areal_plugins.cli import main
 from areal_plugins.run.compare import Divergence, compare_runs
 
@@ -48,14 +46,22 @@ def test_identical_records_match_over_every_step_and_trajectory(tmp_path):
     assert main(["compare", str(first), str(second)]) == 0
 
 
-def test_the_first_trajectory_that_differs_is_named_with_both_values(tmp_path):
+def test_a_trajectory_trained_by_one_run_only_is_named_with_the_one_the_other_trained(tmp_path):
     other = [*SAMPLES[:3], sample(2, "p4", "r4-other")]
     first = write_run(tmp_path / "a", SAMPLES, METRICS)
     second = write_run(tmp_path / "b", other, [metrics(1, 0.5), metrics(2, 0.75)])
     result = compare_runs(first, second)
     # Step 2's loss differs too; the samples it was computed from come first.
-    assert result.divergence == Divergence(2, "response_digest", "r4", "r4-other", trajectory=1)
-    assert (result.steps, result.trajectories) == (1, 3)
+    assert result.divergence == Divergence(2, "trained (prompt, response) digests", ("p4", "r4"), ("p4", "r4-other"))
+    assert (result.steps, result.trajectories) == (1, 2)
+
+
+def test_the_same_trajectories_in_another_order_are_told_apart_from_other_trajectories(tmp_path):
+    first = write_run(tmp_path / "a", SAMPLES, METRICS)
+    second = write_run(tmp_path / "b", [*SAMPLES[:2], SAMPLES[3], SAMPLES[2]], METRICS)
+    assert compare_runs(first, second).divergence == Divergence(
+        2, "consumption order", ("p3", "r3"), ("p4", "r4"), trajectory=0
+    )
 
 
 def test_a_trajectory_interrupted_elsewhere_differs_even_with_the_same_tokens(tmp_path):
@@ -85,13 +91,28 @@ def test_a_tolerance_applies_to_floats_only(tmp_path):
 def test_a_step_with_a_different_number_of_trajectories_is_named(tmp_path):
     first = write_run(tmp_path / "a", SAMPLES, METRICS)
     second = write_run(tmp_path / "b", SAMPLES[:3], METRICS)
-    assert compare_runs(first, second).divergence == Divergence(2, "trajectories", 2, 1)
+    assert compare_runs(first, second).divergence == Divergence(
+        2, "trained (prompt, response) digests", ("p4", "r4"), None
+    )
 
 
-def test_a_run_without_records_or_digests_is_refused_saying_why(tmp_path):
-    with pytest.raises(SystemExit, match=r"areal_samples\.jsonl is missing"):
-        main(["compare", str(tmp_path), str(tmp_path)])
+def test_validation_lines_resumed_steps_and_nan_losses_are_read_as_a_run_wrote_them(tmp_path):
+    """verl logs validation without a training step; after a resume areal-plugins train keeps the earlier metrics
+    as metrics.before-*.jsonl and step 2 is trained again (its last attempt counts); a NaN loss equals a NaN."""
+    first = write_run(tmp_path / "a", SAMPLES, [metrics(1, 0.5), metrics(2, float("nan"))])
+    died = dict(sample(2, "p9", "lost"), attempt="dead")  # step 2's first attempt, then the resumed run's
+    retried = [*SAMPLES[:2], died, *(s | {"attempt": "resumed"} for s in SAMPLES[2:])]
+    second = write_run(tmp_path / "b", retried, [{"step": 0, "data": {"val-core/acc": 0.1}}, metrics(2, float("nan"))])
+    (second / "metrics.before-20261202-101010.jsonl").write_text(json.dumps(metrics(1, 0.5)) + "\n")
+    assert compare_runs(first, second).divergence is None
+    (second / "metrics.before-20261202-101010.jsonl").write_text(json.dumps(metrics(1, 0.4)) + "\n")
+    assert compare_runs(first, second).divergence == Divergence(1, "actor/pg_loss", 0.5, 0.4)
+
+
+def test_a_run_without_records_or_digests_is_refused_saying_why(tmp_path, capsys):
+    assert main(["compare", str(tmp_path), str(tmp_path)]) == 2  # neither "match" (0) nor "differ" (1)
+    assert "areal_samples.jsonl is missing" in capsys.readouterr().err
     old = [{key: value for key, value in s.items() if not key.endswith("_digest")} for s in SAMPLES]
     first = write_run(tmp_path / "old", old, METRICS)
-    with pytest.raises(SystemExit, match="predates the schedule record"):
-        main(["compare", str(first), str(first)])
+    assert main(["compare", str(first), str(first)]) == 2
+    assert "predates the schedule record" in capsys.readouterr().err
