@@ -16,44 +16,16 @@ group's ``master_port_range`` is not reachable from a recipe).
 
 from __future__ import annotations
 
-import random
-import socket
-from pathlib import Path
 from typing import Any
 
 from areal_plugins.patches._base import AttributePatch
 from packaging.specifiers import SpecifierSet
 
+from areal_plugins.run.ports import LOWEST_PORT, ephemeral_range, port_outside_ephemeral_range
+
 SUPPORTED_VERL = SpecifierSet(">=0.9.1,<0.9.2")
 MODULE = "verl.single_controller.ray.base"
-#: Above Ray's default worker ports (10002-19999).
-LOWEST_PORT = 20000
-TRIES = 200
-
-
-def ephemeral_range(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> tuple[int, int]:
-    """The node's ephemeral port range (Linux's default when it cannot be read)."""
-    try:
-        low, high = (int(part) for part in path.read_text().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def port_outside_ephemeral_range(low: int, high: int, tries: int = TRIES) -> int | None:
-    """A port in ``[low, high)`` that binds now, or None after ``tries`` random attempts (or for an empty range:
-    a node whose ephemeral range starts at or below ``low``)."""
-    if high <= low:
-        return None
-    for _ in range(tries):
-        port = random.randrange(low, high)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("", port))
-            except OSError:
-                continue
-            return port
-    return None
+__all__ = ["LOWEST_PORT", "MODULE", "apply", "ephemeral_range", "is_applied", "port_outside_ephemeral_range", "revert"]
 
 
 def _replacement(original: Any) -> Any:

@@ -94,10 +94,14 @@ def _make_engine_class() -> type:
             import ray
             from verl.utils.net_utils import get_free_port
 
+            from areal_plugins.run.ports import free_port_outside_ephemeral_range
+
             host = ray.util.get_node_ip_address().strip("[]")
-            port, sock = get_free_port(host)
-            if sock is not None:
-                sock.close()
+            port = free_port_outside_ephemeral_range()  # the group is built again at every update: see run/ports.py
+            if port is None:  # the node's ephemeral range starts too low: take verl's choice
+                port, sock = get_free_port(host)
+                if sock is not None:
+                    sock.close()
             return {"host": host, "port": port}
 
         @classmethod

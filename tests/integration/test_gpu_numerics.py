@@ -14,18 +14,20 @@ advantages |A| ≲ 2.5, moves by about mean|A|·|w - 1| ≈ 1e-3: tolerance 5e-3
 
 The gradient norm has no such bound: the gradient is a sum in which advantages of both signs cancel, so a
 0.5% change per term can move its norm by more. Step 1 trains the same weights in both runs: measured 0.3%
-and 0.6% (single-turn, this machine), 2.1% (single-turn, CI's machine: bf16 kernels differ by CPU
-instruction set), 1.9% (this pair): tolerance 5%. From step 2 on the runs train slightly different weights
-(Adam's first update is ~lr·sign(g), which flips wherever bf16 noise decides a sign): measured 3.4% (this
-pair), tolerance 10%. Both still catch a loss scaled by a wrong count (x2 for two micro-batches). In fp32
-the same comparison holds to 1e-3 relative (``test_async_trainer.py``).
+and 0.6% (single-turn, an AVX-512 machine), 2.1% (single-turn, another one: bf16 kernels differ by CPU
+instruction set), 1.9% (this pair) and 5.3% (this pair, an AVX2-only machine). From step 2 on the runs train
+slightly different weights (Adam's first update is ~lr·sign(g), which flips wherever bf16 noise decides a sign):
+measured 3.4% and 0.6% (this pair). Tolerance 15%: it still catches a loss scaled by a wrong count (x2 for two
+micro-batches). The different weights can also flip a sampled token from step 2 on (conftest.py,
+``assert_bf16_pair_trains_the_same_samples``); the score and loss bounds widen by the share of samples that
+differ. In fp32 the same comparison holds to 1e-3 relative (``test_async_trainer.py``).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import SYNC_STEPS, consumed_by_step, read_jsonl
+from tests.integration.conftest import SYNC_STEPS, assert_bf16_pair_trains_the_same_samples, read_jsonl
 
 pytestmark = pytest.mark.integration
 
@@ -37,22 +39,24 @@ def bf16_packed_pair(tool_runs):
 
 
 def test_bf16_packed_eta0_consumes_the_samples_of_synchronous_verl(bf16_packed_pair):
-    sync, eta0 = bf16_packed_pair
-    sync_samples, eta0_samples = consumed_by_step(sync), consumed_by_step(eta0)
-    assert sorted(sync_samples) == list(range(1, SYNC_STEPS + 1))
-    for step in sync_samples:
-        assert eta0_samples[step] == sync_samples[step], f"step {step}: different samples"
+    assert_bf16_pair_trains_the_same_samples(*bf16_packed_pair)
 
 
 def test_bf16_packed_eta0_losses_match_synchronous_verl(bf16_packed_pair):
+    differing = assert_bf16_pair_trains_the_same_samples(*bf16_packed_pair)
     sync, eta0 = (read_jsonl(run / "metrics.jsonl") for run in bf16_packed_pair)
     assert len(sync) == len(eta0) == SYNC_STEPS
     for a, b in zip(sync, eta0, strict=True):
         a, b = a["data"], b["data"]
-        assert a["critic/score/mean"] == b["critic/score/mean"]
-        assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], abs=5e-3)
-        tolerance = 0.05 if a["training/global_step"] == 1 else 0.10  # same weights at step 1 only
-        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=tolerance)
+        step = a["training/global_step"]
+        # A sample trained by one run only moves the mean score by at most its share times the reward's range,
+        # and the loss by about its share of the tokens times |A| (up to 3x the mean length).
+        scores = (a["critic/score/max"], b["critic/score/max"], a["critic/score/min"], b["critic/score/min"])
+        reward_range = max(scores) - min(scores)
+        advantage = max(abs(a["critic/advantages/max"]), abs(a["critic/advantages/min"]))
+        assert abs(a["critic/score/mean"] - b["critic/score/mean"]) <= differing[step] * reward_range + 1e-9
+        assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], abs=5e-3 + 3 * advantage * differing[step])
+        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=0.15)
 
 
 def test_bf16_noise_alone_keeps_the_behaviour_weights_near_one_and_uncapped(bf16_packed_pair):

@@ -13,6 +13,7 @@ import pytest
 
 from tests.integration.conftest import (
     SYNC_STEPS,
+    assert_bf16_pair_trains_the_same_samples,
     consumed_by_step,
     read_jsonl,
     train_tiny,
@@ -30,15 +31,14 @@ BATCH, GROUP = 16, 8
 
 def test_eta0_multi_turn_trains_the_episodes_and_losses_of_synchronous_verl(tool_runs):
     sync, eta0, _ = tool_runs
-    sync_samples, eta0_samples = consumed_by_step(sync), consumed_by_step(eta0)
-    assert sorted(sync_samples) == list(range(1, SYNC_STEPS + 1))
-    assert any("tool" in output for _, output in sync_samples[1]), "no episode called the tool"
-    for step in sync_samples:
-        assert eta0_samples[step] == sync_samples[step], f"step {step}: different episodes"
+    assert any("tool" in output for _, output in consumed_by_step(sync)[1]), "no episode called the tool"
+    # The same episodes (step 1 exactly; from step 2 up to bf16's token flips: conftest.py), the same scores where
+    # they are the same, and the losses within what bf16 allows: test_gpu_numerics.py (the pair runs in bf16).
+    differing = assert_bf16_pair_trains_the_same_samples(sync, eta0)
     for a, b in zip(read_jsonl(sync / "metrics.jsonl"), read_jsonl(eta0 / "metrics.jsonl"), strict=True):
         a, b = a["data"], b["data"]
-        assert a["critic/score/mean"] == b["critic/score/mean"]
-    # The losses, within what bf16 allows: test_gpu_numerics.py (the pair runs in bf16, packed).
+        if differing[a["training/global_step"]] == 0:
+            assert a["critic/score/mean"] == b["critic/score/mean"]
 
 
 def test_every_generated_token_is_trained_with_its_version_and_the_tools_answer_is_not(tool_runs, calculator_dir):

@@ -22,9 +22,11 @@ def weights() -> dict[str, torch.Tensor]:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from areal_plugins.run.ports import free_port_outside_ephemeral_range
+
+    port = free_port_outside_ephemeral_range()  # not port 0: an outbound connection could take it before the bind
+    assert port is not None
+    return port
 
 
 def run_rank(rank: int, world: int, port: int, out, corrupt_rank: int = -1) -> None:
@@ -102,3 +104,17 @@ def test_topology_has_one_sender_and_every_rollout_worker(world):
     actor, rollout = engine_cls.build_topology(3, 2, [{"host": "h", "port": 1}, {}, {}, {}, {}])
     assert actor["rank"] == [0, -1, -1] and rollout["rank"] == [1, 2]
     assert set(actor["world_size"] + rollout["world_size"]) == {3}
+
+
+def test_the_group_address_is_a_port_no_outbound_connection_can_take():
+    """The group is built again at every update: its port must not come from the ephemeral range, where any
+    outbound connection may take it between the choice and the bind (EADDRINUSE in CI, after 8 updates)."""
+    from areal_plugins.run.ports import LOWEST_PORT, ephemeral_range
+    from areal_plugins.weight_sync import gloo
+
+    engine_class = gloo._make_engine_class()
+    address = engine_class(bucket_size=5000, is_master=True).prepare()
+    assert LOWEST_PORT <= address["port"] < ephemeral_range()[0], address
+    with socket.socket() as probe:
+        probe.bind(("", address["port"]))  # free now
+    assert engine_class(bucket_size=5000, is_master=False).prepare() == {}
