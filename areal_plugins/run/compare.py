@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from areal_plugins.run.report import load_metrics
+
 #: Per trained trajectory, once both runs trained the same tokens in the same order: how they were generated and
 #: what they scored.
 SAMPLE_FIELDS = (
@@ -80,8 +82,7 @@ def read_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
     attempt as ``metrics.before-*.jsonl``; later lines win). Validation-only lines carry no training step."""
     metrics: dict[int, dict[str, Any]] = {}
     for path in [*sorted(run_dir.glob("metrics.before-*.jsonl")), run_dir / "metrics.jsonl"]:
-        for line in path.read_text().splitlines() if path.is_file() else []:
-            data = json.loads(line).get("data", {}) if line.strip() else {}
+        for _, data in load_metrics(path) if path.is_file() else []:
             if "training/global_step" in data:
                 metrics[int(data["training/global_step"])] = data
     return metrics
