@@ -109,8 +109,8 @@ def eta0_pair(sync_run, tiny_dir, distinct_prompts, tmp_path_factory) -> tuple[P
     return sync_run, eta0
 
 
-# The same guarantee runs in CI in bf16 with packed multi-turn episodes on this engine (test_gpu_numerics.py) and
-# in float32 at temperature 0.7 on verl's vLLM (test_verl_vllm.py); this float32 single-turn pair is the full tier's.
+# The same guarantee runs in CI in bf16 with packed multi-turn episodes on this engine (test_gpu_numerics.py); this
+# float32 single-turn pair, like the one on verl's vLLM at temperature 0.7 (test_verl_vllm.py), is the full tier's.
 @pytest.mark.full
 def test_eta0_consumes_the_samples_of_synchronous_verl(eta0_pair):
     sync, eta0 = eta0_pair

@@ -28,7 +28,7 @@ from tests.integration.conftest import (
     train_args,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.full]
 STEPS = 6
 LOST_AFTER_CHECKPOINT = 2
 MAX_STALENESS = 2  # the separate recipe's η

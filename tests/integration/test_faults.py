@@ -43,6 +43,7 @@ def assert_each_group_trained_once(failed_attempt: list[dict], run_dir, steps: i
     assert len(groups) == len(set(groups)), "a prompt group was trained twice across the restart"
 
 
+@pytest.mark.full
 def test_a_trainer_worker_error_is_named_and_the_run_resumes_by_itself_training_each_group_once(tiny_dir, tmp_path):
     """``--max-restarts 1``: a third party's policy loss (the example plugin's) raises once in the trainer worker, in
     step 3, after step 2 was checkpointed. The CLI's restart line names the worker's own error; verl restarts from
@@ -133,6 +134,7 @@ def test_a_failed_rollout_group_is_reissued_and_trained_not_lost(tiny_dir, tmp_p
     assert (accounting["rejected"], accounting["failed_groups"], accounting["reissued_groups"]) == (0, 3, 3)
 
 
+@pytest.mark.full
 def test_a_killed_cpu_rollout_server_stops_the_run_naming_it_instead_of_spinning(tiny_dir, tmp_path):
     """The areal_cpu server is not restarted: its death must end the run with a reason, within the watchdog."""
     import time
@@ -161,6 +163,7 @@ def test_a_killed_cpu_rollout_server_stops_the_run_naming_it_instead_of_spinning
     assert (run_dir / "train.log").stat().st_size < 20_000_000  # no error loop filling the disk
 
 
+@pytest.mark.full
 def test_ctrl_c_checkpoints_and_stops_the_run_within_seconds_leaving_no_process(tiny_dir, tmp_path):
     import os
     import signal
@@ -204,7 +207,7 @@ def test_ctrl_c_checkpoints_and_stops_the_run_within_seconds_leaving_no_process(
     assert not left, left
 
 
-# The same restart, after a process death instead of an error: the full tier's (CI runs the one above).
+# The same restart, after a process death instead of an error.
 @pytest.mark.full
 def test_a_trainer_worker_killed_once_is_resumed_automatically_and_the_run_finishes(tiny_dir, tmp_path):
     """``--max-restarts 1``: the trainer's worker process is SIGKILLed after the step-2 checkpoint; the CLI names
@@ -241,6 +244,7 @@ def test_a_trainer_worker_killed_once_is_resumed_automatically_and_the_run_finis
     assert_each_group_trained_once(killed_attempt, run_dir, steps, checkpoint=2)
 
 
+@pytest.mark.full
 def test_a_dead_replica_of_two_costs_capacity_not_the_run(tiny_dir, tmp_path):
     """``placement: separate`` with two areal_cpu replicas, 10 steps: one server is SIGKILLed just after the engines
     resumed generating under version 3, after step 3 (the admission loop has new groups to send then, so requests

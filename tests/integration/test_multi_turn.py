@@ -113,6 +113,7 @@ def two_turn_run(tiny_dir, long_response_model, tmp_path_factory) -> dict[str, P
     return paths
 
 
+@pytest.mark.full
 def test_an_episode_interrupted_in_its_second_turn_carries_both_versions_on_the_right_tokens(two_turn_run):
     episodes = read_jsonl(two_turn_run["episodes"])
     split_in_turn_two = []
@@ -139,6 +140,7 @@ def test_an_episode_interrupted_in_its_second_turn_carries_both_versions_on_the_
         assert set(turn_two[:cut]) == {turn_two[0]} and min(turn_two[cut:]) > turn_two[0]
 
 
+@pytest.mark.full
 def test_updates_between_turns_neither_lose_nor_repeat_the_environment_step(two_turn_run):
     episodes = read_jsonl(two_turn_run["episodes"])
     assert any(e["areal_updates_between_turns"] for e in episodes), "no weight update landed between two turns"
@@ -150,6 +152,7 @@ def test_updates_between_turns_neither_lose_nor_repeat_the_environment_step(two_
     assert all(calls[e["episode"]] == 1 for e in episodes)  # one environment step per finished episode
 
 
+@pytest.mark.full
 def test_a_raising_or_hanging_environment_costs_its_episode_a_counted_failure_not_the_run(two_turn_run):
     import os
 

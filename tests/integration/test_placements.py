@@ -62,6 +62,7 @@ def gpu_actors(run_dir) -> list[dict]:
     return [a for a in read_jsonl(run_dir / "ray_actors.jsonl") if gpus(a) > 0]
 
 
+@pytest.mark.full
 def test_separate_engines_hold_a_resource_pool_disjoint_from_the_trainers(separate_run):
     _, run_dir = separate_run
     actors = gpu_actors(run_dir)
@@ -79,6 +80,7 @@ def test_colocated_engines_live_in_the_trainers_workers(observed_run):
     assert len({a["placement_group_id"] for a in actors}) == 1  # one pool: the engines share the trainer's slots
 
 
+@pytest.mark.full
 def test_separate_weights_cross_by_the_checkpoint_engine_and_engines_never_sleep(separate_run):
     steps, run_dir = separate_run
     assert len(steps) == SEPARATE_STEPS
@@ -93,6 +95,7 @@ def test_separate_weights_cross_by_the_checkpoint_engine_and_engines_never_sleep
     assert_within_staleness_bound(samples, steps, 2)  # the recipe's η
 
 
+@pytest.mark.full
 def test_separate_throughput_counts_the_engines_devices_too(separate_run):
     """perf/throughput = tokens / (seconds x devices): 1 trainer + 1 rollout device in the separate recipe."""
 

@@ -53,6 +53,7 @@ def test_micro_batch_partitioner_and_reward_service_metrics(observed_run):
     assert all(s["areal/reward_latency_s_mean"] > 0 and s["areal/reward_failed"] == 0 for s in steps)
 
 
+@pytest.mark.full
 def test_a_users_recipe_is_routed_and_a_raising_plugin_stops_the_run_naming_plugin_and_hook(tiny_dir, tmp_path):
     # The recipe has no areal config group: only the routing at verl's startup turns areal.enable into
     # our areal_sync trainer (verl's sync trainer with our hooks), whose hook call then meets the failure.

@@ -1,7 +1,7 @@
 """Kill an async run's driver with SIGKILL after a checkpoint, resume it, and account for every prompt.
 
-Full tier (``tools/test.sh --full``): CI checks the same resume guarantees on test_cluster.py's run, which
-loses its engines' node instead; this one adds the crash of every process at once, at two more verl starts.
+Full tier (``tools/test.sh --full``), like test_cluster.py's run, which checks the same resume guarantees after
+losing its engines' node; this one adds the crash of every process at once.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from math_verify import parse, verify
 
 from tests.integration.conftest import SYNC_STEPS, read_jsonl
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.full]
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -118,6 +118,7 @@ def test_verls_vllm_trains_checks_every_update_and_stops_on_a_weight_corrupted_i
     assert all(len(s["chunks"]) >= 2 for s in spanning)
 
 
+@pytest.mark.full
 def test_verls_vllm_in_its_own_pool_gets_every_update_checked_and_stops_on_a_bad_load(tiny_dir, tmp_path):
     """``placement: separate``: verl's standalone vLLM replica in a pool of its own, weights broadcast by our
     ``areal_gloo`` checkpoint engine to verl's checkpoint-engine worker, whose adapter (ours) checks what each vLLM
@@ -176,6 +177,7 @@ def seeded_run(run_dir: Path, tiny_dir: Path, data: Path, *overrides: str) -> li
     return [json.loads(line)["data"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
 
 
+@pytest.mark.full
 def test_eta0_on_verls_vllm_trains_the_samples_and_losses_of_synchronous_verl_at_temperature_07(
     tiny_dir, distinct_prompts, tmp_path
 ):

@@ -29,7 +29,7 @@ def free_port() -> int:
     return port
 
 
-def run_rank(rank: int, world: int, port: int, out, corrupt_rank: int = -1) -> None:
+def run_rank(rank: int, world: int, port: int, out, read, corrupt_rank: int = -1) -> None:
     import asyncio
 
     from areal_plugins.weight_sync import gloo
@@ -54,17 +54,20 @@ def run_rank(rank: int, world: int, port: int, out, corrupt_rank: int = -1) -> N
             out.put((rank, {name: t.clone() for name, t in engine.receive_weights(global_steps=3)}))
     except Exception as error:
         out.put((rank, error))
+    # torch hands a queued tensor over by a file descriptor this process serves: stay until the parent has it.
+    read.wait(timeout=120)
     engine.finalize()
 
 
 def broadcast(corrupt_rank: int = -1) -> dict:
     context = multiprocessing.get_context("spawn")
-    out = context.Queue()
+    out, read = context.Queue(), context.Event()
     port = free_port()
-    processes = [context.Process(target=run_rank, args=(rank, 3, port, out, corrupt_rank)) for rank in range(3)]
+    processes = [context.Process(target=run_rank, args=(rank, 3, port, out, read, corrupt_rank)) for rank in range(3)]
     for process in processes:
         process.start()
     results = dict(out.get(timeout=120) for _ in processes)
+    read.set()
     for process in processes:
         process.join(timeout=60)
         assert process.exitcode == 0

@@ -198,6 +198,7 @@ def test_the_defaults_are_the_committed_fit():
 TABLE1_HOURS = {"1.5b": (16, 41.0, 14.8), "7b": (24, 57.7, 25.4), "14b": (32, 48.8, 21.9), "32b": (48, 51.1, 31.1)}
 
 
+@pytest.mark.full
 def test_planner_is_within_15_percent_of_every_table1_speedup():
     # Fitted on the 1.5B's two step times only; 7B, 14B and 32B are predictions (docs/simulator.md).
     predicted = {}
@@ -225,6 +226,7 @@ def test_plan_prints_a_recommendation_for_a_small_cluster(capsys):
     assert "x (range" in out
 
 
+@pytest.mark.full
 def test_plan_against_the_papers_baseline_at_its_split_is_within_15_percent_on_the_7b(capsys):
     """The paper's Table 1 setting through the CLI: 24 nodes of H800, 3/4 generating, η = 4, against synchronous
     AReaL. The 7B is held out of the fit (the 1.5B alone is fitted) and was the planner's worst case (+36%)."""
