@@ -32,7 +32,7 @@ ADAPTER_FQN = f"{__name__}.ArealServerAdapter"
 #: CPU share Ray reserves for each server actor: fractional so that it never starves verl's own
 #: actors on a 2-core machine; torch threads are set separately (``engine_kwargs.<backend>.num_threads``).
 SERVER_NUM_CPUS = 0.1
-ENGINE_OPTIONS = ("num_threads", "max_batch_size")
+ENGINE_OPTIONS = ("num_threads", "max_batch_size", "batch_invariant")
 
 
 def server_class(backend: str) -> type[RolloutServer]:
@@ -48,7 +48,7 @@ def server_actor_name(backend: str, replica_rank: int, name_suffix: str = "") ->
 
 
 def engine_options(rollout_config: Any) -> dict[str, Any]:
-    """Our knobs inside ``rollout.engine_kwargs.<backend>`` (num_threads, max_batch_size)."""
+    """Our knobs inside ``rollout.engine_kwargs.<backend>`` (num_threads, max_batch_size, batch_invariant)."""
     backend = rollout_config.name
     kwargs = getattr(rollout_config, "engine_kwargs", None) or {}
     options = dict(kwargs.get(backend, {}) or {})
@@ -151,6 +151,7 @@ def _replica_class() -> type:
                 replica_rank=self.replica_rank,
                 free_cache_engine=bool(self.config.free_cache_engine),
                 ignore_eos=bool(self.config.get("ignore_eos", False)),
+                batch_invariant=bool(options.get("batch_invariant", False)),
                 **extra,
             )
             await server.get_version.remote()  # surfaces constructor errors here, not at first use

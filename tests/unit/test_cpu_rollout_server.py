@@ -120,3 +120,20 @@ def test_a_request_reports_its_seed_and_that_seed_draws_the_same_tokens_on_anoth
     assert replayed.extra_fields[SEED_FIELD] == seed
     assert replayed.token_ids == original.token_ids and replayed.log_probs == original.log_probs
     assert unseeded.extra_fields[SEED_FIELD] != seed and unseeded.token_ids != original.token_ids
+
+
+def test_the_engine_knobs_of_a_recipe_reach_the_server_and_an_unknown_one_is_refused_naming_the_valid_ones(model_dir):
+    from omegaconf import OmegaConf
+
+    from areal_plugins.rollout.cpu.server import CPURolloutServer
+    from areal_plugins.rollout.verl_registration import engine_options
+
+    server = CPURolloutServer(str(model_dir), response_length=8, max_model_len=32, batch_invariant=True)
+    assert server.engine.batch_invariant and not make_server(model_dir, free_cache_engine=False).engine.batch_invariant
+
+    def rollout(**knobs):
+        return OmegaConf.create({"name": "areal_cpu", "engine_kwargs": {"areal_cpu": knobs}})
+
+    assert engine_options(rollout(batch_invariant=True, num_threads=1)) == {"batch_invariant": True, "num_threads": 1}
+    with pytest.raises(ValueError, match=r"unknown keys \['batch_invariance'\]; valid keys: .*batch_invariant"):
+        engine_options(rollout(batch_invariant=True, batch_invariance=True))

@@ -65,6 +65,10 @@ class ContinuousBatchingEngine:
             give the same samples whatever the batch they share or the order they arrive in (what
             makes η = 0 reproduce synchronous training sample for sample).
         version: policy version of the initial weights.
+        batch_invariant: decode and sample each request alone, so its tokens and log-probs are bit for bit the
+            same whatever else is in flight (a batched step left-pads the caches, and the kernels' results then
+            depend on the batch's shapes in the last bits: measured up to 4e-6 in a log-prob on the tiny model).
+            What a replay of an asynchronous run needs; costs the batching.
     """
 
     def __init__(
@@ -74,8 +78,10 @@ class ContinuousBatchingEngine:
         max_batch_size: int = 64,
         seed: int = 0,
         version: int = 0,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
         self.eos_token_ids = set(eos_token_ids)
         self.max_batch_size = max_batch_size
         self.version = version
@@ -270,15 +276,12 @@ class ContinuousBatchingEngine:
             decoding = [r for r in self._running if r not in fresh and not r.aborted]
             if decoding:
                 sampling.extend(decoding)
-                rows.append(self._decode(decoding))
+                if self.batch_invariant:
+                    rows.extend(self._decode([request]) for request in decoding)
+                else:
+                    rows.append(self._decode(decoding))
             if sampling:
-                drawn = sample_tokens(
-                    torch.cat(rows),
-                    [r.temperature for r in sampling],
-                    [r.top_p for r in sampling],
-                    [r.top_k for r in sampling],
-                    [r.generator for r in sampling],
-                )
+                drawn = self._sample(sampling, torch.cat(rows))
                 for request, (token, logprob) in zip(sampling, drawn, strict=True):
                     if self._append_token(request, token, logprob, version):
                         finished[request] = STOP_COMPLETED
@@ -286,6 +289,11 @@ class ContinuousBatchingEngine:
                 if request.aborted and request not in finished:
                     finished[request] = STOP_ABORTED
         return list(finished.items())
+
+    def _sample(self, requests: list[_Request], logits: torch.Tensor) -> list[tuple[int, float]]:
+        if self.batch_invariant:  # each row alone, as it was decoded
+            return [sample_requests([r], row)[0] for r, row in zip(requests, logits.split(1), strict=True)]
+        return sample_requests(requests, logits)
 
     def _prefill(self, request: _Request) -> torch.Tensor:
         ids = torch.tensor([request.prompt_ids], dtype=torch.long)
@@ -330,6 +338,16 @@ class ContinuousBatchingEngine:
         self.generated_tokens += 1
         ended = token in self.eos_token_ids and not request.ignore_eos
         return ended or len(request.token_ids) >= request.max_tokens
+
+
+def sample_requests(requests: list[_Request], logits: torch.Tensor) -> list[tuple[int, float]]:
+    return sample_tokens(
+        logits,
+        [r.temperature for r in requests],
+        [r.top_p for r in requests],
+        [r.top_k for r in requests],
+        [r.generator for r in requests],
+    )
 
 
 def sample_tokens(

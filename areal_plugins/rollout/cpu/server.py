@@ -46,6 +46,8 @@ class CPURolloutServer(RolloutServer):
         seed: sampling seed.
         replica_rank: this replica's index (names its records).
         free_cache_engine: verl's ``rollout.free_cache_engine``: whether sleep releases memory.
+        batch_invariant: each request decoded alone (:class:`ContinuousBatchingEngine`): the same tokens and
+            log-probs bit for bit whatever else is in flight.
     """
 
     backend_name = "areal_cpu"
@@ -62,6 +64,7 @@ class CPURolloutServer(RolloutServer):
         replica_rank: int = 0,
         free_cache_engine: bool = False,
         ignore_eos: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -72,7 +75,9 @@ class CPURolloutServer(RolloutServer):
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
             eos_ids.append(tokenizer.eos_token_id)
-        self.engine = ContinuousBatchingEngine(model.eval(), eos_ids, max_batch_size=max_batch_size, seed=seed)
+        self.engine = ContinuousBatchingEngine(
+            model.eval(), eos_ids, max_batch_size=max_batch_size, seed=seed, batch_invariant=batch_invariant
+        )
         self.response_length = response_length
         self.max_model_len = max_model_len
         self._init_gate(free_cache_engine)
