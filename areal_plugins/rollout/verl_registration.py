@@ -58,6 +58,11 @@ def engine_options(rollout_config: Any) -> dict[str, Any]:
             f"actor_rollout_ref.rollout.engine_kwargs.{backend} has unknown keys {sorted(unknown)}; "
             f"valid keys: {', '.join(ENGINE_OPTIONS)}"
         )
+    if not isinstance(options.get("batch_invariant", False), bool):  # a quoted "false" would read as true
+        raise ValueError(
+            f"actor_rollout_ref.rollout.engine_kwargs.{backend}.batch_invariant must be true or false, "
+            f"got {options['batch_invariant']!r}"
+        )
     return options
 
 

@@ -10,14 +10,19 @@ import torch
 
 from areal_plugins.rollout.base import WeightSyncError
 
-#: Relative tolerance of Σx and Σx² (float64 sums of the same values may differ in their last bits between the
+#: Relative tolerance of each sum (float64 sums of the same values may differ in their last bits between the
 #: reduction kernels of the sender and the receiver); a changed weight moves them by far more.
 RELATIVE_TOLERANCE = 1e-9
+#: Absolute tolerance of Σx and Σ wᵢxᵢ per unit of sqrt(n·Σx²), which bounds the sum of their terms' magnitudes
+#: (Cauchy-Schwarz): they may cancel to near zero, while their rounding error scales with the terms. float64
+#: summation errs by ~1e-16 x log n of that bound; 1e-12 leaves a 100x margin and still names one bf16 value moved
+#: by one unit in its last place on a 7B's embedding (5.4e8 values of ~0.02: tolerance 1.1e-5, the change 1.2e-4).
+SUMMATION_TOLERANCE = 1e-12
 
 
 #: Elements reduced at a time: a float64 copy of a whole embedding (1.1 GB in bf16 at 7B) would take 4.4 GB of
-#: device memory during the weight update; a chunk takes 128 MiB.
-CHUNK_ELEMENTS = 1 << 24
+#: device memory during the weight update; a chunk's float64 values and position weights take 64 MiB each.
+CHUNK_ELEMENTS = 1 << 23
 
 
 #: The position weight of element ``i`` is ``frac(i·φ) - 0.5`` (φ the golden ratio's fraction): spread evenly over
@@ -27,36 +32,38 @@ GOLDEN_FRACTION = (math.sqrt(5.0) - 1.0) / 2.0
 
 
 def position_weights(start: int, count: int, device: torch.device) -> torch.Tensor:
-    scaled = torch.arange(start, start + count, dtype=torch.float64, device=device) * GOLDEN_FRACTION
-    return scaled - scaled.floor() - 0.5
+    weights = torch.arange(start, start + count, dtype=torch.float64, device=device)
+    return weights.mul_(GOLDEN_FRACTION).frac_().sub_(0.5)  # in place: one chunk-sized tensor
 
 
-def tensor_checksum(tensor: torch.Tensor, as_dtype: torch.dtype | None = None) -> list[float]:
-    """``[elements, Σx, Σx², Σ w_i·x_i]`` of ``tensor`` (first rounded to ``as_dtype``, if given) in float64, reduced
-    on its own device chunk by chunk (one 3-number host copy at the end). Σx and Σx² do not see where a value sits;
-    the position-weighted sum (:func:`position_weights`) does: a transposed or shuffled tensor changes it."""
+def tensor_checksum(tensor: torch.Tensor, as_dtype: torch.dtype | None = None, positions: bool = True) -> list[float]:
+    """``[elements, Σx, Σx², Σ wᵢxᵢ]`` of ``tensor`` (first rounded to ``as_dtype``, if given) in float64, reduced
+    on its own device chunk by chunk (one small host copy at the end). Σx and Σx² do not see where a value sits;
+    the position-weighted sum (:func:`position_weights`) does: a transposed or shuffled tensor changes it.
+    ``positions=False``: ``[elements, Σx, Σx²]`` only, for comparisons that cannot use positions (after loading)."""
     flat = tensor.detach().reshape(-1)
-    sums = torch.zeros(3, dtype=torch.float64, device=flat.device)
+    sums = torch.zeros(3 if positions else 2, dtype=torch.float64, device=flat.device)
     start = 0
     for chunk in flat.split(CHUNK_ELEMENTS):
         values = (chunk if as_dtype is None else chunk.to(as_dtype)).to(torch.float64)
         sums[0] += values.sum()
-        sums[1] += values.square().sum()
-        sums[2] += (values * position_weights(start, values.numel(), values.device)).sum()
+        sums[1] += torch.dot(values, values)
+        if positions:
+            sums[2] += torch.dot(values, position_weights(start, values.numel(), values.device))
         start += values.numel()
-    total, squares, weighted = sums.tolist()
-    return [float(flat.numel()), float(total), float(squares), float(weighted)]
+    return [float(flat.numel()), *(float(value) for value in sums.tolist())]
 
 
 def same_checksum(sent: list[float], received: list[float]) -> bool:
     """The same elements, sums and position-weighted sum, up to float64 summation order."""
     if sent[0] != received[0] or len(sent) != len(received):
         return False
-    # Each sum's rounding error is relative to Σ|terms| <= sqrt(n·Σx²) (Cauchy-Schwarz), not to the sum itself,
-    # which may cancel to near zero.
-    scale = max(1e-3, math.sqrt(sent[0] * abs(sent[2])))
+    terms = math.sqrt(sent[0] * abs(sent[2]))  # bounds Σ|x| and Σ|wᵢxᵢ| (|wᵢ| <= 0.5)
     pairs = zip(sent[1:], received[1:], strict=True)
-    return all(math.isclose(a, b, rel_tol=RELATIVE_TOLERANCE, abs_tol=RELATIVE_TOLERANCE * scale) for a, b in pairs)
+    return all(
+        math.isclose(a, b, rel_tol=RELATIVE_TOLERANCE, abs_tol=max(1e-12, SUMMATION_TOLERANCE * terms))
+        for a, b in pairs
+    )
 
 
 def check_weight_reports(
@@ -97,9 +104,9 @@ NOT_COMPARED_EXAMPLES = 12
 
 
 def same_sums(expected: list[float], held: list[float]) -> bool:
-    """Σx and Σx² equal up to float64 summation order (element counts differ where vLLM pads). The position-weighted
-    sum is not compared: a parameter fused from several tensors, or split over tensor-parallel ranks, holds the
-    values at other positions than the tensors it was loaded from."""
+    """Σx and Σx² equal up to float64 summation order (element counts differ where vLLM pads). No position-weighted
+    sum: a parameter fused from several tensors, or split over tensor-parallel ranks, holds the values at other
+    positions than the tensors it was loaded from (the after-load checksums are taken with ``positions=False``)."""
     scale = max(1.0, abs(expected[2]))
     return all(
         math.isclose(a, b, rel_tol=RELATIVE_TOLERANCE, abs_tol=1e-12 * scale)

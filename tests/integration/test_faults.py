@@ -84,6 +84,7 @@ def test_a_trainer_worker_error_is_named_and_the_run_resumes_by_itself_training_
     assert_each_group_trained_once(failed_attempt, run_dir, steps, checkpoint=2)
 
 
+@pytest.mark.full
 def test_a_failed_rollout_group_is_reissued_and_trained_not_lost(tiny_dir, tmp_path):
     """A group whose agent loop raises is sent again from the prompt verl keeps, not dropped as rejected; the
     run's sample buffer is a third party's (the plugin guide's conformance-kit example)."""
@@ -244,7 +245,6 @@ def test_a_trainer_worker_killed_once_is_resumed_automatically_and_the_run_finis
     assert_each_group_trained_once(killed_attempt, run_dir, steps, checkpoint=2)
 
 
-@pytest.mark.full
 def test_a_dead_replica_of_two_costs_capacity_not_the_run(tiny_dir, tmp_path):
     """``placement: separate`` with two areal_cpu replicas, 10 steps: one server is SIGKILLed just after the engines
     resumed generating under version 3, after step 3 (the admission loop has new groups to send then, so requests

@@ -137,3 +137,5 @@ def test_the_engine_knobs_of_a_recipe_reach_the_server_and_an_unknown_one_is_ref
     assert engine_options(rollout(batch_invariant=True, num_threads=1)) == {"batch_invariant": True, "num_threads": 1}
     with pytest.raises(ValueError, match=r"unknown keys \['batch_invariance'\]; valid keys: .*batch_invariant"):
         engine_options(rollout(batch_invariant=True, batch_invariance=True))
+    with pytest.raises(ValueError, match=r"batch_invariant must be true or false, got 'false'"):
+        engine_options(rollout(batch_invariant="false"))

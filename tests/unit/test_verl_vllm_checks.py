@@ -165,3 +165,27 @@ def test_fewer_reports_than_the_replicas_workers_are_refused():
     check_weight_reports(reports, sent, "rollout replica 0", workers=1)
     with pytest.raises(WeightSyncError, match=r"the replica has 2 vLLM workers, but reports came from ranks \[0\]"):
         check_weight_reports(reports, sent, "rollout replica 0", workers=2)
+
+
+def test_one_bf16_value_one_unit_off_or_two_values_swapped_are_named_among_sixteen_million(monkeypatch):
+    # A 7B's embedding has 5.4e8 values: at this scale the tolerance must still see one bf16 value one unit in its
+    # last place off, and two honest reductions (other chunks) must still agree.
+    import numpy as np
+
+    from areal_plugins.weight_sync import checksums
+
+    values = (torch.randn((1 << 24) + 5, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    sent = tensor_checksum(values)
+    reference = values.double().numpy()  # numpy's own float64 reductions, not the code under test
+    assert sent[1] == pytest.approx(float(np.sum(reference)), rel=1e-12, abs=1e-9)
+    assert sent[2] == pytest.approx(float(np.dot(reference, reference)), rel=1e-12)
+    monkeypatch.setattr(checksums, "CHUNK_ELEMENTS", 1 << 20)  # 17 chunks instead of 3: another summation order
+    assert checksums.same_checksum(sent, tensor_checksum(values))
+    one_ulp = values.clone()
+    one_ulp.view(torch.int16)[12_345_678] += 1  # the next bf16 away from zero: ~1e-4 for a value of ~0.02
+    assert abs(float(one_ulp[12_345_678]) - float(values[12_345_678])) < 1e-3
+    assert not checksums.same_checksum(sent, tensor_checksum(one_ulp))
+    swapped = values.clone()
+    swapped[[10, (1 << 24) + 3]] = values[[(1 << 24) + 3, 10]]
+    assert swapped[10] != values[10]
+    assert not checksums.same_checksum(sent, tensor_checksum(swapped))

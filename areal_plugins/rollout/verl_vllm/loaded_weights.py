@@ -54,7 +54,8 @@ class ReceivedTensor:
     @classmethod
     def of(cls, tensor: torch.Tensor, engine_dtype: torch.dtype) -> ReceivedTensor:
         wider = tensor.dtype != engine_dtype and torch.promote_types(tensor.dtype, engine_dtype) == tensor.dtype
-        return cls(tensor_checksum(tensor), tensor.dtype, tensor_checksum(tensor, engine_dtype) if wider else None)
+        rounded = tensor_checksum(tensor, engine_dtype, positions=False) if wider else None  # for after loading only
+        return cls(tensor_checksum(tensor), tensor.dtype, rounded)
 
     def held_in(self, dtype: torch.dtype, engine_dtype: torch.dtype) -> list[float] | None:
         """Its checksum as a parameter of ``dtype`` holds it, or None where that cannot be known from the checksums."""
@@ -85,9 +86,9 @@ def fused_experts_on_path(modules: dict[str, Any], parts: list[str]) -> str | No
 
 
 def sums(checksums: Iterable[list[float]]) -> list[float]:
-    total = [0.0, 0.0, 0.0, 0.0]  # tensor_checksum's four numbers
+    total = [0.0, 0.0, 0.0]  # elements, Σx, Σx²: what after-load comparisons use
     for checksum in checksums:
-        total = [a + b for a, b in zip(total, checksum, strict=True)]
+        total = [a + b for a, b in zip(total, checksum[:3], strict=True)]
     return total
 
 
@@ -129,7 +130,7 @@ def loaded_report(
                 unchecked.append(name)
                 continue
             expected = sums(checksum for checksum in as_held if checksum is not None)
-            held = tensor_checksum(parameter)
+            held = tensor_checksum(parameter, positions=False)
             entries[name] = {"held": held, "expected": expected, "sharded": held[0] < expected[0]}
     modules = dict(model.named_modules())
     packed_into = {source: packed for packed, sources in mapping.items() for source in sources}

@@ -3,8 +3,8 @@
 verl's extension (``vLLMColocateWorkerExtension``) receives the trainer's weights in buckets (CUDA IPC on a GPU,
 shared memory elsewhere) and loads each bucket with the model's ``load_weights``. Ours adds:
 
-* a checksum per received tensor, ``[elements, Σx, Σx²]`` in float64, computed where the tensor lies (on a GPU,
-  a reduction kernel on the device; one small host copy of three numbers per tensor), after the transport and
+* a checksum per received tensor, ``[elements, Σx, Σx², Σ wᵢxᵢ]`` in float64 (weights/checksums.py), computed where
+  the tensor lies (on a GPU, reduction kernels on the device; one small host copy per tensor), after the transport and
   before loading. The trainer compares it with the same numbers computed from what it sent, so a tensor
   corrupted or lost on the way to any rank is named (the worker's rank, the tensor's name).
 * after loading, a checksum of every parameter the worker holds, beside the sum of the checksums of the tensors it
