@@ -133,6 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--rtol", type=float, default=0.0, help="relative tolerance for floats (rewards, losses); default exact"
     )
+    replay = commands.add_parser(
+        "replay",
+        help="run a recorded async run again by its record (bit for bit on areal_cpu) and say where it differs",
+    )
+    replay.add_argument("run_dir", type=Path, help="the recorded run's directory (made by areal-plugins train)")
+    replay.add_argument(
+        "overrides", nargs="*", help="Hydra overrides to change a setting, e.g. actor_rollout_ref.actor.optim.lr=2e-5"
+    )
+    replay.add_argument("--until", type=int, default=None, help="last step to replay (default: every recorded step)")
+    replay.add_argument("--out", type=Path, default=None, help="the replay's run directory (default: RUN_DIR-replay)")
     commands.add_parser("bench", help="async vs sync benchmark (tools/bench.py; --help there)", add_help=False)
     add_plan_arguments(
         commands.add_parser("plan", help="recommend η, the GPU split and the recipe keys for a GPU cluster")
@@ -156,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return _run_tool("bench.py", rest)
-    if args.command in ("train", "check"):  # overrides after the options: argparse leaves them over
+    if args.command in ("train", "check", "replay"):  # overrides after the options: argparse leaves them over
         late = [arg for arg in rest if "=" in arg and not arg.startswith("-")]
         args.overrides += late
         rest = [arg for arg in rest if arg not in late]
@@ -192,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "check":
         return check(args.recipe, args.overrides, args)
+    if args.command == "replay":
+        from areal_plugins.run.replay import replay
+
+        return replay(args.run_dir, args.out, args.until, args.overrides)
     if args.command == "build-tiny":
         ensure_tiny_assets(args.out, force=args.force, workload=args.workload)
         logger.info("tiny model and data in %s", args.out)

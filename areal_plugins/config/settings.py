@@ -121,6 +121,23 @@ class EpisodesConfig:
 
 
 @dataclass(frozen=True)
+class ReplayConfig:
+    """``areal.replay``: re-run a recorded asynchronous run by its record instead of the clock (docs/replay.md)."""
+
+    run_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "the recorded run's directory; null: not a replay. Set by areal-plugins replay, which also "
+            "compares the two runs"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.run_dir is not None and not isinstance(self.run_dir, str):
+            raise ArealConfigError(f"areal.replay.run_dir must be a run directory's path or null, got {self.run_dir!r}")
+
+
+@dataclass(frozen=True)
 class PluginsConfig:
     """``areal.plugins``: which installed third-party plugins to load."""
 
@@ -194,6 +211,7 @@ class ArealConfig:
     micro_batch: MicroBatchConfig = field(default_factory=MicroBatchConfig)
     episodes: EpisodesConfig = field(default_factory=EpisodesConfig)
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable, bool):

@@ -22,6 +22,7 @@ from areal_plugins.run.report import load_metrics
 #: what they scored.
 SAMPLE_FIELDS = (
     "chunks",
+    "logprobs_digest",
     "response_tokens",
     "head_version",
     "tail_version",

@@ -171,6 +171,7 @@ def train(
     for variable, (workload, chosen) in tiny_assets.items():
         env[variable] = str(ensure_tiny_assets(chosen, workload=workload).resolve())
     run_dir = (run_dir or Path("runs") / f"{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    write_run_args(run_dir, recipe, overrides, tiny_dir)
     fixed = [
         f"--config-path={recipe.parent}",
         f"--config-name={recipe.stem}",
@@ -223,6 +224,20 @@ def train(
             return 128 + cancelled
         if RESUME_OVERRIDE not in attempt_overrides:
             attempt_overrides.append(RESUME_OVERRIDE)
+
+
+RUN_ARGS_FILE = "run_args.json"
+
+
+def write_run_args(run_dir: Path, recipe: Path, overrides: list[str], tiny_dir: Path | None) -> None:
+    """What ``areal-plugins train`` was given (``run_args.json``): what ``areal-plugins replay`` runs again."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    args = {
+        "recipe": str(recipe),
+        "overrides": list(overrides),
+        "tiny_dir": str(tiny_dir.resolve()) if tiny_dir else None,
+    }
+    (run_dir / RUN_ARGS_FILE).write_text(json.dumps(args, indent=1) + "\n")
 
 
 def run_verl(

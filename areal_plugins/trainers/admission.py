@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ from typing import Any
 from areal_plugins.core.buffer import BufferedGroup, SampleBuffer
 from areal_plugins.core.staleness import StalenessController
 from areal_plugins.core.trajectory import Trajectory
+from areal_plugins.run.replay_schedule import REPLAY_OF
 from areal_plugins.trainers.episodes import CHUNKS_FIELD
 
 logger = logging.getLogger(__name__)
@@ -299,23 +301,33 @@ def require_single_prompt_fetches(data_config: Any) -> None:
 
 def schedule_fields(trajectory: Trajectory) -> dict[str, Any]:
     """What a replay of this trajectory follows and checks: its requests (``chunks``: first response token, version,
-    seed) and digests of its prompt and response tokens."""
+    seed), digests of its prompt and response tokens and of its behaviour log-probs, and in a replay the recorded
+    trajectory it followed."""
     kept = len(trajectory.response_ids)
     chunks = [
         [int(start), int(version), None if seed is None else int(seed)]
         for start, version, seed in trajectory.extra.get(CHUNKS_FIELD) or []
         if start < kept
     ]
-    return {
+    fields = {
         "chunks": chunks,
         "prompt_digest": token_digest(trajectory.prompt_ids),
         "response_digest": token_digest(trajectory.response_ids),
+        "logprobs_digest": logprobs_digest(trajectory.behav_logprobs),
     }
+    if REPLAY_OF in trajectory.extra:  # a replayed trajectory: which recorded one it followed
+        fields[REPLAY_OF] = trajectory.extra[REPLAY_OF]
+    return fields
 
 
 def token_digest(token_ids: list[int]) -> str:
     """A short, stable digest of a token sequence (16 hex digits of its SHA-256)."""
     return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
+
+
+def logprobs_digest(logprobs: list[float]) -> str:
+    """A short digest of behaviour log-probs, exact to the last bit (the float32 values the engine returned)."""
+    return hashlib.sha256(struct.pack(f"<{len(logprobs)}f", *logprobs)).hexdigest()[:16]
 
 
 def reward_report(extra: dict[str, Any]) -> dict[str, float]:

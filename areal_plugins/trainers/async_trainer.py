@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -55,6 +56,7 @@ from areal_plugins.trainers.engine_stats import EngineStats
 from areal_plugins.trainers.hooked import HookedTrainerMixin
 from areal_plugins.trainers.llm_client import InterruptibleLLMClient
 from areal_plugins.trainers.placements import placement_for
+from areal_plugins.trainers.replay_driver import ReplayDriver
 from areal_plugins.trainers.replica_pool import ReplicaPool, RolloutServerDiedError, weight_group_rebuilt_each_sync
 from areal_plugins.trainers.step_metrics import (
     admission_metrics,
@@ -137,6 +139,10 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         survives = self.placement.name == "separate" and weight_group_rebuilt_each_sync(
             config.actor_rollout_ref.rollout
         )
+        # A replay follows the record of an earlier run (replay_driver.py); built before the engines start.
+        self.replay = (
+            ReplayDriver(config, Path(self.areal.replay.run_dir), self.recorder) if self.areal.replay.run_dir else None
+        )
         self.replica_pool = ReplicaPool(lambda: self.rollout_servers, self.recorder, survives, backend)
         self.engine_stats = EngineStats(backend, self.replica_pool, self.recorder)
         self.supervisor = Supervisor(
@@ -192,11 +198,16 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     def on_init_end(self) -> None:
         self.weight_sync.update_weights(self.global_steps)
         self.version = self.global_steps
+        if self.replay is not None:
+            self.replay.served(self.version)
         super().on_init_end()  # HookedTrainerMixin: areal_on_weights_updated(version)
 
     def on_train_begin(self) -> None:
         # Built here, not in __init__: the plugin set is configured in init() (areal.plugins).
-        self.sample_buffer = call_hook("areal_make_sample_buffer", config=self.config)
+        if self.replay is not None:  # the record says which groups each step trains
+            self.sample_buffer = self.replay.buffer
+        else:
+            self.sample_buffer = call_hook("areal_make_sample_buffer", config=self.config)
         require_contract(self.sample_buffer, SampleBufferContract, "areal_make_sample_buffer")
         self.manager = call_hook(
             "areal_make_rollout_manager",
@@ -229,6 +240,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self._step_started = time.time()
 
     def on_sample_end(self) -> None:
+        if self.replay is not None and self.placement.hybrid_replicas:  # colocated engines stop serving this version
+            self.replay.finish_version(self.version, self.supervisor.waiting())
         self.placement.after_sampling(self)
 
     def step(self, metrics: dict, timing_raw: dict) -> KVBatchMeta:
@@ -238,6 +251,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     def on_step_end(self) -> None:
         new_version = self.global_steps
         with marked_timer("update_weights", self.timing_raw, color="red"), self.recorder.span("trainer", "update"):
+            if self.replay is not None:
+                self.replay.finish_version(self.version, self.supervisor.waiting())
             self.manager.pause()
             call_hook("areal_before_weight_update", version=new_version)
             # Interruption: colocated engines were aborted and put to sleep after sampling; verl's
@@ -251,6 +266,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 self._write_step_line(self._step_metrics, self.timing_raw, new_version, time.time())
                 raise
             self.version = new_version
+            if self.replay is not None:
+                self.replay.served(new_version)
             if self.weight_sync.backend == "naive":  # verl's other checkpoint engines resume the replicas themselves
                 self.weight_sync.resume_generation_replicas()
             self.manager.resume(new_version)
@@ -372,7 +389,10 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             self._write_step_line(metrics, timing_raw, global_steps, now)
             raise
         self._write_step_line(metrics, timing_raw, global_steps, now)
-        return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+        result = super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+        if self.replay is not None:
+            self.replay.check_step(global_steps, metrics)
+        return result
 
     def _write_step_line(self, metrics: dict, timing_raw: dict, global_steps: int, now: float) -> None:
         metrics["areal/rollout_stats_errors"] = float(self.engine_stats.errors)

@@ -22,6 +22,7 @@ from verl.workers.rollout.llm_server import LLMServerClient
 
 from areal_plugins.rollout.base import SEED_FIELD
 from areal_plugins.trainers.episodes import CHUNKS_FIELD, CURRENT_EPISODE, version_fields
+from areal_plugins.trainers.replay_client import claim_recorded, follow_record, replaying
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,12 @@ class InterruptibleLLMClient(LLMServerClient):
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any):
         from verl.workers.rollout.replica import TokenOutput
 
+        if replaying(self.config):  # a replay: the request follows a recorded trajectory, where the record has one
+            recorded = await claim_recorded(prompt_ids)
+            if recorded is not None:
+                return await follow_record(
+                    self._generate_once, request_id, prompt_ids, sampling_params, recorded, **kwargs
+                )
         params = dict(sampling_params)  # the caller reuses its dict across turns
         limit_key = "max_new_tokens" if "max_new_tokens" in params else "max_tokens"
         budget = params.get(limit_key) or self.config.actor_rollout_ref.rollout.response_length
@@ -77,7 +84,7 @@ class InterruptibleLLMClient(LLMServerClient):
         while True:
             params[limit_key] = budget - len(token_ids)
             try:
-                output = await super().generate(
+                output = await self._generate_once(
                     request_id, prompt_ids=list(prompt_ids) + token_ids, sampling_params=params, **kwargs
                 )
             except ray.exceptions.ActorDiedError as error:  # the server is gone for good (never restarted)
@@ -114,3 +121,7 @@ class InterruptibleLLMClient(LLMServerClient):
             num_preempted=output.num_preempted,
             extra_fields=extra,
         )
+
+    async def _generate_once(self, request_id: str, **kwargs: Any) -> Any:
+        """One request to a server (verl's client): what a replay asks for each recorded request."""
+        return await super().generate(request_id, **kwargs)

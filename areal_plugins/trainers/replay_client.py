@@ -1,0 +1,101 @@
+"""The rollout client's side of a replay: a request asks for its recorded trajectory's requests, in turn.
+
+Each recorded request runs once the engines serve its recorded version, with its recorded seed and ``max_tokens``
+up to where the record cut it (docs/replay.md). A request that cannot follow (its version is past, or the engine
+returned fewer tokens than recorded) stops there and returns what it has: the trainer finds the tokens differ
+from the record and reports the divergence. Its remaining requests are marked generated all the same, so the
+trainer never waits for them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from areal_plugins.rollout.base import SEED_FIELD
+from areal_plugins.run.replay_conductor import find_conductor
+from areal_plugins.run.replay_schedule import REPLAY_OF
+from areal_plugins.trainers.admission import token_digest
+from areal_plugins.trainers.episodes import CHUNKS_FIELD, CURRENT_EPISODE, version_fields
+
+logger = logging.getLogger(__name__)
+
+_found: dict[str, Any] = {}
+
+
+def replaying(config: Any) -> bool:
+    return bool(OmegaConf.select(config, "areal.replay.run_dir", default=None))
+
+
+def _conductor() -> Any:
+    if "handle" not in _found:
+        _found["handle"] = find_conductor()
+        if _found["handle"] is None:
+            raise RuntimeError("areal.replay.run_dir is set but the replay's conductor actor is not running")
+    return _found["handle"]
+
+
+async def claim_recorded(prompt_ids: list[int]) -> dict[str, Any] | None:
+    """The recorded trajectory this request follows (``name`` and ``plan``), or None for a prompt the recorded
+    run never trained (it generates freely; no step trains it)."""
+    return await _conductor().claim.remote(token_digest(list(prompt_ids)))
+
+
+async def follow_record(
+    generate_once: Callable[..., Awaitable[Any]],
+    request_id: str,
+    prompt_ids: list[int],
+    sampling_params: dict[str, Any],
+    recorded: dict[str, Any],
+    **kwargs: Any,
+) -> Any:
+    """Generate the recorded trajectory ``recorded`` request by request; verl's ``TokenOutput``."""
+    from verl.workers.rollout.replica import TokenOutput
+
+    conductor = _conductor()
+    episode = CURRENT_EPISODE.get()
+    if episode is not None:  # waiting for a version is the engine's time, as a request parked at its gate
+        episode.enter_engine()
+    limit_key = "max_new_tokens" if "max_new_tokens" in sampling_params else "max_tokens"
+    tokens: list[int] = []
+    log_probs: list[float] = []
+    versions: list[int] = []
+    chunks: list[list[Any]] = []
+    output = None
+    plan = recorded["plan"]
+    for index, (start, max_tokens, version, seed) in enumerate(plan):
+        following = len(tokens) == start and await conductor.serve.remote(version)
+        if following:
+            params = {**sampling_params, limit_key: max_tokens, "seed": seed}
+            output = await generate_once(
+                request_id, prompt_ids=[*prompt_ids, *tokens], sampling_params=params, **kwargs
+            )
+            chunk_versions = output.extra_fields.get("token_versions") or [version] * len(output.token_ids)
+            if output.token_ids:
+                chunks.append([len(tokens), chunk_versions[0], output.extra_fields.get(SEED_FIELD)])
+            tokens.extend(output.token_ids)
+            log_probs.extend(output.log_probs or [])
+            versions.extend(chunk_versions)
+            following = len(output.token_ids) == max_tokens
+        await conductor.generated.remote(version)
+        if not following:  # the rest cannot run as recorded: count them so that nobody waits for them
+            logger.warning("replay: %s left its record at request %d of %d", recorded["name"], index + 1, len(plan))
+            for _, _, later_version, _ in plan[index + 1 :]:
+                await conductor.generated.remote(later_version)
+            break
+    if episode is not None:
+        episode.add_turn(versions, max(len(chunks) - 1, 0), chunks)
+    extra = dict(output.extra_fields) if output is not None else {}
+    extra.pop(SEED_FIELD, None)
+    extra |= version_fields(versions) | {"num_interrupts": max(len(chunks) - 1, 0), CHUNKS_FIELD: chunks}
+    extra[REPLAY_OF] = recorded["name"]
+    stop_reason = output.stop_reason if output is not None else "aborted"
+    return TokenOutput(
+        token_ids=tokens,
+        log_probs=log_probs,
+        stop_reason="length" if stop_reason in ("aborted", "abort") else stop_reason,
+        extra_fields=extra,
+    )

@@ -1,0 +1,242 @@
+"""A replay's parts without Ray or verl: the schedule read from a record, the conductor's versions and counts, the
+buffer's recorded order and comparison, and the client following a recorded trajectory request by request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from areal_plugins.core.buffer import BufferedGroup
+from areal_plugins.run.replay_conductor import ReplayConductor
+from areal_plugins.run.replay_requests import ReplayError
+from areal_plugins.run.replay_schedule import REPLAY_OF, ReplaySchedule
+from areal_plugins.trainers import replay_client
+from areal_plugins.trainers.episodes import CURRENT_EPISODE, EpisodeRecord
+from areal_plugins.trainers.replay_driver import ReplaySampleBuffer
+
+
+def sample(step: int, group: str, key: str, prompt: str, chunks: list[list], tokens: int = 6, **extra) -> dict:
+    return {
+        "step": step,
+        "group": group,
+        "key": key,
+        "prompt_digest": prompt,
+        "response_digest": f"r-{key}",
+        "logprobs_digest": f"l-{key}",
+        "response_tokens": tokens,
+        "chunks": chunks,
+        "head_version": chunks[0][1],
+        "tail_version": chunks[-1][1],
+        "reward": 1.0,
+        **extra,
+    }
+
+
+# Two answers per prompt. Step 1 trains g1 (both answers one request under v0) and g2 (one answer cut after 2
+# tokens, continued under v1); step 2 trains g3, the prompt of g1 asked again.
+RECORD = [
+    sample(1, "g1", "a", "P", [[0, 0, 11]]),
+    sample(1, "g1", "b", "P", [[0, 0, 12]]),
+    sample(1, "g2", "c", "Q", [[0, 0, 13], [2, 1, 14]]),
+    sample(1, "g2", "d", "Q", [[0, 0, 15]]),
+    sample(2, "g3", "e", "P", [[0, 1, 16]]),
+    sample(2, "g3", "f", "P", [[0, 1, 17], [5, 2, 18]]),
+]
+
+
+def write_record(run_dir: Path, samples: list[dict]) -> Path:
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "areal_samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return run_dir
+
+
+def test_the_schedule_lists_each_steps_groups_and_hands_out_a_prompts_trajectories_in_step_order(tmp_path):
+    schedule = ReplaySchedule.from_run(write_record(tmp_path / "run", RECORD), answers_per_prompt=2)
+    assert [[g.group for g in step] for step in schedule.steps] == [["g1", "g2"], ["g3"]]
+    # Requests per version, counted by hand from RECORD: v0 a, b, c, d; v1 c's second, e, f; v2 f's second.
+    assert dict(schedule.chunks_per_version) == {0: 4, 1: 3, 2: 1}
+    claimed = [schedule.claim("P") for _ in range(4)]
+    assert [t.name for t in claimed] == ["g1/a", "g1/b", "g3/e", "g3/f"]
+    assert schedule.claim("P") is None and schedule.claim("unknown") is None
+    c = schedule.claim("Q")
+    assert [(r.start, r.max_tokens, r.version, r.seed) for r in c.plan] == [(0, 2, 0, 13), (2, 4, 1, 14)]
+
+
+@pytest.mark.parametrize(
+    ("samples", "message"),
+    [
+        (RECORD[:5], "trained 1 of group g3's answers where rollout.n is 2"),
+        ([sample(1, "g", "a", "P", [[0, 0, 1]], turns=2), sample(1, "g", "b", "P", [[0, 0, 2]])], "episode of 2 turns"),
+        ([sample(2, "g", "a", "P", [[0, 0, 1]]), sample(2, "g", "b", "P", [[0, 0, 2]])], "a replay needs every step"),
+        ([sample(1, "g", "a", "P", [[0, 0, None]]), sample(1, "g", "b", "P", [[0, 0, 2]])], "did not seed"),
+    ],
+)
+def test_a_record_a_replay_could_not_follow_is_refused_saying_why(tmp_path, samples, message):
+    with pytest.raises(ReplayError, match=message):
+        ReplaySchedule.from_run(write_record(tmp_path / "run", samples), answers_per_prompt=2)
+
+
+def test_the_conductor_holds_requests_until_their_version_and_counts_what_is_pending(tmp_path):
+    conductor = ReplayConductor(ReplaySchedule.from_run(write_record(tmp_path / "run", RECORD), 2))
+
+    async def go():
+        await conductor.set_version(0)
+        waiting = asyncio.create_task(conductor.serve(1))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # version 1 is not served yet
+        assert await conductor.serve(0) is True
+        for _ in range(3):
+            await conductor.generated(0)
+        assert conductor.pending(0) == 1 and conductor.pending(1) == 4 and conductor.pending(2) == 5
+        await conductor.generated(0)
+        assert conductor.pending(0) == 0
+        await conductor.set_version(2)
+        assert await waiting is False  # its version is past: the replay left the record
+        assert await conductor.serve(2) is True
+
+    asyncio.run(go())
+
+
+def buffered(group_id: str, members: list[tuple[str, str]]) -> BufferedGroup:
+    """A replayed group whose members followed the recorded ``(name, response digest)``s, in that order."""
+    info = []
+    for name, response in members:
+        recorded = next(s for s in RECORD if f"{s['group']}/{s['key']}" == name)
+        info.append({**recorded, "response_digest": response, REPLAY_OF: name})
+    return BufferedGroup(group_id, [0] * len(members), [f"k-{n}" for n, _ in members], [{}] * len(members), info)
+
+
+def recorded_by_step() -> dict[int, list[dict]]:
+    return {1: RECORD[:4], 2: RECORD[4:]}
+
+
+def test_the_buffer_hands_each_step_the_recorded_groups_in_the_recorded_order(tmp_path):
+    schedule = ReplaySchedule.from_run(write_record(tmp_path / "run", RECORD), 2)
+    divergences = []
+    buffer = ReplaySampleBuffer(schedule, recorded_by_step(), divergences.append)
+    buffer.put(buffered("u2", [("g2/d", "r-d"), ("g2/c", "r-c")]))  # finished first, members out of order
+    assert buffer.take(2, 0, timeout=0.01) == ([], [])  # g1 is not generated yet
+    buffer.put(BufferedGroup("free", [0], ["k-free"], [{}], [{"response_digest": "x"}]))  # never trained: stays
+    buffer.put(buffered("u1", [("g1/a", "r-a"), ("g1/b", "r-b")]))
+    taken, stale = buffer.take(2, 0, timeout=0.01)
+    assert stale == [] and divergences == []
+    assert [g.group_id for g in taken] == ["u1", "u2"]
+    assert [k for g in taken for k in g.keys] == ["k-g1/a", "k-g1/b", "k-g2/c", "k-g2/d"]
+    assert len(buffer) == 1  # the free group
+    with pytest.raises(ReplayError, match="asks for 2 groups where the record trained 1"):
+        buffer.take(2, 1, timeout=0.01)
+
+
+def test_the_buffer_names_a_trajectory_whose_tokens_differ_from_the_record(tmp_path):
+    schedule = ReplaySchedule.from_run(write_record(tmp_path / "run", RECORD), 2)
+    divergences = []
+    buffer = ReplaySampleBuffer(schedule, recorded_by_step(), divergences.append)
+    buffer.put(buffered("u1", [("g1/a", "r-a"), ("g1/b", "r-b")]))
+    buffer.put(buffered("u2", [("g2/c", "r-c"), ("g2/d", "other tokens")]))
+    buffer.take(2, 0, timeout=0.01)
+    (divergence,) = divergences
+    assert (divergence.step, divergence.field) == (1, "trained (prompt, response) digests")
+    assert (divergence.first, divergence.second) == (("Q", "r-d"), ("Q", "other tokens"))
+
+
+class _Remote:
+    """A Ray actor handle's ``.method.remote(...)`` on a local object (what the client awaits)."""
+
+    def __init__(self, target) -> None:
+        self.target = target
+
+    def __getattr__(self, name):
+        method = getattr(self.target, name)
+
+        async def call(*args):
+            result = method(*args)
+            return await result if asyncio.iscoroutine(result) else result
+
+        return SimpleNamespace(remote=lambda *args: call(*args))
+
+
+def follow(tmp_path, produce) -> tuple[object, list[dict], ReplayConductor]:
+    """Follow recorded trajectory g3/f (v1 for 5 tokens, then v2) with ``produce(max_tokens)`` tokens per request."""
+    conductor = ReplayConductor(ReplaySchedule.from_run(write_record(tmp_path / "run", RECORD), 2))
+    replay_client._found["handle"] = _Remote(conductor)
+    asked: list[dict] = []
+    episode = EpisodeRecord()
+
+    async def generate_once(request_id, *, prompt_ids, sampling_params):
+        asked.append({"prompt": list(prompt_ids), **sampling_params, "version": conductor.version})
+        n = produce(sampling_params["max_tokens"])
+        versions = [conductor.version] * n
+        extra = {"token_versions": versions, "areal_seed": sampling_params["seed"], "global_steps": conductor.version}
+        return SimpleNamespace(token_ids=list(range(n)), log_probs=[-0.5] * n, stop_reason="length", extra_fields=extra)
+
+    async def go():
+        await conductor.set_version(1)
+        recorded = await replay_client.claim_recorded([])  # the digest of no tokens: not in RECORD
+        assert recorded is None
+        schedule_claim = conductor.claim("P")
+        for _ in range(2):  # g1's and g3's first answers go to other requests
+            conductor.claim("P")
+        recorded = conductor.claim("P")
+        assert recorded["name"] == "g3/f"
+        CURRENT_EPISODE.set(episode)  # the agent-loop worker's record of this episode
+        task = asyncio.create_task(
+            replay_client.follow_record(generate_once, "r", [7, 8], {"max_tokens": 99, "temperature": 0.7}, recorded)
+        )
+        await asyncio.sleep(0.01)
+        assert task.done() or episode.seconds_outside_engine() == 0.0  # waiting for version 2 in the client
+        await conductor.set_version(2)
+        return schedule_claim, await task
+
+    try:
+        _, output = asyncio.run(go())
+    finally:
+        replay_client._found.clear()
+    # The episode counts the wait for a version as time in the engine, and the turn as the normal path does.
+    assert episode.turns == 1 and episode.chunks == output.extra_fields["areal_chunks"]
+    return output, asked, conductor
+
+
+def test_the_client_asks_for_each_recorded_request_under_its_version_seed_and_length(tmp_path):
+    output, asked, conductor = follow(tmp_path, produce=lambda max_tokens: max_tokens)
+    assert [(a["prompt"], a["max_tokens"], a["seed"], a["version"]) for a in asked] == [
+        ([7, 8], 5, 17, 1),
+        ([7, 8, 0, 1, 2, 3, 4], 1, 18, 2),
+    ]
+    assert all(a["temperature"] == 0.7 for a in asked)
+    assert output.token_ids == [0, 1, 2, 3, 4, 0]
+    assert output.extra_fields["token_versions"] == [1] * 5 + [2]
+    assert output.extra_fields["areal_chunks"] == [[0, 1, 17], [5, 2, 18]]
+    assert output.extra_fields[REPLAY_OF] == "g3/f" and output.extra_fields["num_interrupts"] == 1
+    assert conductor.done == {1: 1, 2: 1}
+
+
+def test_a_request_that_leaves_its_record_stops_and_still_counts_its_later_requests(tmp_path):
+    output, asked, conductor = follow(tmp_path, produce=lambda max_tokens: max_tokens - 2)  # stops 2 tokens early
+    assert len(asked) == 1 and output.token_ids == [0, 1, 2]
+    assert conductor.done == {1: 1, 2: 1}  # nobody waits for the request it could not make
+
+
+@pytest.mark.parametrize(
+    ("rollout", "message"),
+    [
+        ({"name": "vllm"}, "rollout.name=vllm batches requests"),
+        ({"name": "areal_cpu"}, "needs actor_rollout_ref.rollout.engine_kwargs.areal_cpu.batch_invariant=true"),
+        (
+            {"name": "areal_cpu", "engine_kwargs": {"areal_cpu": {"batch_invariant": False}}},
+            "batch_invariant=true",
+        ),
+    ],
+)
+def test_a_replay_on_an_engine_that_cannot_regenerate_a_request_is_refused(rollout, message):
+    from omegaconf import OmegaConf
+
+    from areal_plugins.trainers.replay_driver import require_replayable
+
+    with pytest.raises(ReplayError, match=message):
+        require_replayable(OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}}))
+    fine = {"name": "areal_cpu", "engine_kwargs": {"areal_cpu": {"batch_invariant": True}}}
+    require_replayable(OmegaConf.create({"actor_rollout_ref": {"rollout": fine}}))
