@@ -27,7 +27,11 @@ _found: dict[str, Any] = {}
 
 
 def replaying(config: Any) -> bool:
-    return bool(OmegaConf.select(config, "areal.replay.run_dir", default=None))
+    """Whether this run replays a record (``areal.replay.run_dir`` of verl's config, or of a plain object's)."""
+    if OmegaConf.is_config(config):
+        return bool(OmegaConf.select(config, "areal.replay.run_dir", default=None))
+    replay = getattr(getattr(config, "areal", None), "replay", None)
+    return bool(getattr(replay, "run_dir", None))
 
 
 def _conductor() -> Any:

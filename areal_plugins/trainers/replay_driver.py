@@ -115,7 +115,7 @@ def in_recorded_order(group: BufferedGroup, recorded: RecordedGroup) -> Buffered
     """``group``'s trajectories in the order the recorded step consumed the ones they follow (where each follows
     one of ``recorded``'s; otherwise as they are, and the comparison names the difference)."""
     position = {t.name: index for index, t in enumerate(recorded.trajectories)}
-    order = sorted(range(len(group.keys)), key=lambda i: position.get(group.info[i].get(REPLAY_OF), len(position)))
+    order = sorted(range(len(group.keys)), key=lambda i: position.get(str(group.info[i].get(REPLAY_OF)), len(position)))
     return BufferedGroup(
         group_id=group.group_id,
         head_versions=[group.head_versions[i] for i in order],

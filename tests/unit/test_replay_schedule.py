@@ -240,3 +240,40 @@ def test_a_replay_on_an_engine_that_cannot_regenerate_a_request_is_refused(rollo
         require_replayable(OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}}))
     fine = {"name": "areal_cpu", "engine_kwargs": {"areal_cpu": {"batch_invariant": True}}}
     require_replayable(OmegaConf.create({"actor_rollout_ref": {"rollout": fine}}))
+
+
+def trainer_stub(calls: list, hybrid: bool) -> SimpleNamespace:
+    """What ``ArealAsyncTrainer``'s sampling end and weight update use; each call is written to ``calls``."""
+    from contextlib import nullcontext
+
+    def note(*what):
+        return lambda *args, **kwargs: calls.append((*what, *args))
+
+    return SimpleNamespace(
+        replay=SimpleNamespace(finish_version=lambda v, check: calls.append(("hold", v)), served=note("served")),
+        placement=SimpleNamespace(hybrid_replicas=hybrid, after_sampling=lambda trainer: calls.append(("sleep",))),
+        supervisor=SimpleNamespace(waiting=lambda: None),
+        manager=SimpleNamespace(pause=note("pause"), resume=note("resume")),
+        replica_pool=SimpleNamespace(prune=lambda: None),
+        weight_sync=SimpleNamespace(
+            update_weights=note("update"), backend="naive", resume_generation_replicas=note("wake")
+        ),
+        recorder=SimpleNamespace(span=lambda *args, **kwargs: nullcontext()),
+        timing_raw={},
+        version=3,
+        global_steps=4,
+    )
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_the_trainer_holds_each_version_until_its_recorded_requests_are_generated(hybrid):
+    """Colocated engines stop serving a version when they sleep after sampling; separate ones at the update. The
+    hold must come before either, and the new version is announced only once the engines hold it."""
+    from areal_plugins.trainers.async_trainer import ArealAsyncTrainer
+
+    calls: list = []
+    stub = trainer_stub(calls, hybrid)
+    ArealAsyncTrainer.on_sample_end(stub)
+    ArealAsyncTrainer.on_step_end(stub)
+    at_sampling_end = [("hold", 3), ("sleep",)] if hybrid else [("sleep",)]
+    assert calls == [*at_sampling_end, ("hold", 3), ("pause",), ("update", 4), ("served", 4), ("wake",), ("resume", 4)]
