@@ -83,3 +83,28 @@ def test_a_replay_with_another_learning_rate_names_the_first_step_it_changes(rec
     assert report[0]["step"] == 1 and report[0]["field"] == "actor/lr", report
     assert (report[0]["recorded"], report[0]["replayed"]) == (2e-4, 1e-3)
     assert "step 1, actor/lr: 0.0002 (recorded) vs 0.001 (replayed)" in result.stdout
+
+
+@pytest.mark.full
+def test_a_separate_placement_run_replays_bit_for_bit(tiny_dir, long_response_model, tmp_path_factory):
+    """Engines in their own pool generate while the trainer trains; the replay holds each version until the
+    weight update instead of until the end of sampling. The random-weights model answers at length, so updates
+    find requests mid-generation (the tiny model's short answers finish first in this placement)."""
+    run_dir = tmp_path_factory.mktemp("replay_separate") / "recorded"
+    train_tiny(
+        "grpo_cpu_async_separate.yaml",
+        run_dir,
+        tiny_dir,
+        STEPS,
+        f"areal.max_staleness={ETA}",
+        f"actor_rollout_ref.model.path={long_response_model}",
+        "data.max_response_length=24",
+        "+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.max_batch_size=24",
+        "+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.batch_invariant=true",
+    )
+    assert any(len({version for _, version, _ in chunks}) > 1 for *_, chunks in trained(run_dir))
+    out = run_dir.parent / "replayed"
+    result = run_cli("replay", str(run_dir), "--out", str(out))
+    assert f"matched the record over {STEPS} steps" in result.stdout, result.stdout
+    assert trained(out) == trained(run_dir)
+    assert learned(out) == learned(run_dir)
