@@ -124,6 +124,8 @@ def step_divergence(step: int, ours: list[dict], theirs: list[dict], rtol: float
             return Divergence(step, "consumption order", tokens_of(a), tokens_of(b), trajectory=position)
     for position, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         for name in SAMPLE_FIELDS:
+            if name not in a or name not in b:  # a record that predates the field: nothing to compare
+                continue
             if not same(a.get(name), b.get(name), rtol):
                 return Divergence(step, name, a.get(name), b.get(name), trajectory=position)
     return None

@@ -230,8 +230,11 @@ RUN_ARGS_FILE = "run_args.json"
 
 
 def write_run_args(run_dir: Path, recipe: Path, overrides: list[str], tiny_dir: Path | None) -> None:
-    """What ``areal-plugins train`` was given (``run_args.json``): what ``areal-plugins replay`` runs again."""
+    """What ``areal-plugins train`` was given (``run_args.json``): what ``areal-plugins replay`` runs again. Kept
+    from the first start: a later start in the same directory resumes the run that step 1 began."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    if (run_dir / RUN_ARGS_FILE).exists():
+        return
     args = {
         "recipe": str(recipe),
         "overrides": list(overrides),

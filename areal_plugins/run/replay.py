@@ -22,34 +22,73 @@ logger = logging.getLogger(__name__)
 MATCHED, DIVERGED = 0, 1
 
 
+#: Settings a replay may not change: they decide which prompts are drawn and when, or how a request is generated,
+#: so the record could no longer be followed (the replay would wait for requests whose prompts never come).
+FIXED_SETTINGS = (
+    "data.",
+    "areal.max_staleness",
+    "areal.max_concurrent_rollouts",
+    "areal.on_stale",
+    "areal.placement",
+    "areal.replay.",
+    "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.name",
+    "actor_rollout_ref.rollout.engine_kwargs",
+    "trainer.total_training_steps",
+    "trainer.resume_mode",
+)
+#: A replay does not validate: verl's validation asks the same agent loop, whose requests would take the recorded
+#: trajectories of prompts the validation set shares with the training set.
+NO_VALIDATION = ("trainer.val_before_train=false", "trainer.test_freq=-1")
+
+
+def refused_overrides(overrides: list[str]) -> list[str]:
+    """The overrides that change a setting a replay keeps as recorded."""
+    keys = {override: override.split("=", 1)[0].lstrip("+~") for override in overrides}
+    return [override for override, key in keys.items() if any(key.startswith(fixed) for fixed in FIXED_SETTINGS)]
+
+
 def replay(run_dir: Path, out: Path | None, until: int | None, overrides: list[str]) -> int:
     """Replay ``run_dir`` into ``out`` up to step ``until`` (default: every recorded step) with ``overrides`` added
     (a changed setting); 0 when the replay matched the record, 1 when it left it, else verl's exit code."""
     run_dir = run_dir.resolve()
     args_path = run_dir / RUN_ARGS_FILE
     if not args_path.is_file():
-        raise SystemExit(f"{args_path} is missing: replay needs a run directory written by areal-plugins train")
+        raise SystemExit(
+            f"{args_path} is missing: replay needs a run directory written by areal-plugins train (by a version that "
+            "records run_args.json, 2026-12-02 or later)"
+        )
+    if refused := refused_overrides(overrides):
+        raise SystemExit(
+            f"a replay keeps what decides which prompts are drawn, when, and how they are generated: drop {refused} "
+            f"(allowed: the optimizer, the loss, the trainer's micro-batches and the like; use --until for the steps)"
+        )
     recorded = json.loads(args_path.read_text())
-    steps = len(read_samples(run_dir / "areal_samples.jsonl"))
+    try:
+        steps = len(read_samples(run_dir / "areal_samples.jsonl"))
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"cannot replay {run_dir}: {error}") from None
     until = steps if until is None else until
     if not 1 <= until <= steps:
         raise SystemExit(f"--until {until}: the record holds steps 1-{steps}")
     out = (out or run_dir.parent / f"{run_dir.name}-replay").resolve()
-    if (out / "areal_samples.jsonl").exists():
-        raise SystemExit(f"{out} already holds a run: pass another --out")
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"{out} is not empty (an earlier replay?): pass another --out, or remove it")
     tiny_dir = Path(recorded["tiny_dir"]) if recorded.get("tiny_dir") else None
     started = time.monotonic()
     code = train(
         Path(recorded["recipe"]),
         [
             *recorded["overrides"],
+            *overrides,
+            *NO_VALIDATION,
             f"areal.replay.run_dir={run_dir}",
             f"trainer.total_training_steps={until}",
             "trainer.resume_mode=disable",
-            *overrides,
         ],
         out,
         tiny_dir,
+        max_restarts=0,  # a restart would resume mid-record, where the replay cannot pick up
     )
     elapsed = time.monotonic() - started
     diverged = [line for line in read_jsonl(out / "areal_replay.jsonl") if line.get("matched") is False]

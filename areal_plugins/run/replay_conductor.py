@@ -26,6 +26,7 @@ class ReplayConductor:
         self.version = -1  # none served yet
         self.done: Counter[int] = Counter()  # recorded requests generated, by version
         self._changed = asyncio.Condition()
+        self.failures: list[tuple[str, str]] = []  # (recorded trajectory, error) of requests that failed
 
     def claim(self, prompt_digest: str) -> dict[str, Any] | None:
         trajectory = self.schedule.claim(prompt_digest)
@@ -51,6 +52,13 @@ class ReplayConductor:
         async with self._changed:
             self.version = version
             self._changed.notify_all()
+
+    def failed(self, name: str, error: str) -> None:
+        """A request following recorded trajectory ``name`` failed: the replay cannot follow it."""
+        self.failures.append((name, error))
+
+    def first_failure(self) -> tuple[str, str] | None:
+        return self.failures[0] if self.failures else None
 
     def pending(self, version: int) -> int:
         """Recorded requests under versions up to ``version`` not generated yet."""

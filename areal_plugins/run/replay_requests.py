@@ -5,7 +5,8 @@ produced it: where each started in the response, under which weight version and 
 the last was cut by an interruption where the next one starts. Asking the engine for the same requests (prompt plus
 the tokens so far, ``max_tokens`` up to the next cut, the recorded seed, after the engine serves the recorded
 version) regenerates the trajectory bit for bit on an engine whose output depends on the request alone
-(``areal_cpu`` with ``batch_invariant``). The admission and the trainer's side of a replay are not built yet.
+(``areal_cpu`` with ``batch_invariant``). A whole run's replay does the same request by request inside verl's
+agent loop (:mod:`areal_plugins.trainers.replay_client`), which also counts its requests for the trainer's holds.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """What a replay follows: the recorded run's trained groups by step, each trajectory's requests, the version sequence.
 
 Built from the recorded run's ``areal_samples.jsonl`` (docs/reference/run_records.md). A replay hands each request
-the next recorded trajectory of its prompt (:meth:`ReplaySchedule.claim`), asks the engine for that trajectory's
+the members of its prompt's next recorded group, in the order the recorded run submitted them
+(:meth:`ReplaySchedule.claim`), asks the engine for that trajectory's
 requests under their recorded versions, and trains each step on the groups the record says, in its order.
 Pure Python: the Ray side is :mod:`areal_plugins.run.replay_conductor`.
 """
@@ -11,8 +12,10 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from areal_plugins.run.compare import read_samples
+from areal_plugins.run.records import read_jsonl
 from areal_plugins.run.replay_requests import ChunkRequest, ReplayError, chunk_requests
 
 #: The sample field naming the recorded trajectory a replayed one follows (``group/key``).
@@ -34,19 +37,30 @@ class RecordedGroup:
 
 
 class ReplaySchedule:
-    """The recorded steps (groups in consumption order) and the queue of recorded trajectories per prompt.
+    """The recorded steps (groups in consumption order) and, per prompt, its recorded groups in submission order.
 
     Args:
         steps: per trained step, in step order, its groups in the order the step consumed them.
+        answers_per_prompt: requests per prompt group (``rollout.n``).
+        submitted: per prompt (token digest), the groups the recorded run submitted, in order; None for a group it
+            never trained (rejected, or in flight when it ended). Default: the trained groups in training order.
     """
 
-    def __init__(self, steps: list[list[RecordedGroup]]) -> None:
+    def __init__(
+        self,
+        steps: list[list[RecordedGroup]],
+        answers_per_prompt: int,
+        submitted: dict[str, list[RecordedGroup | None]] | None = None,
+    ) -> None:
         self.steps = steps
-        self._unclaimed: dict[str, deque[RecordedTrajectory]] = {}
-        for groups in steps:  # a prompt trained in several steps is claimed in step order
-            for group in groups:
-                for trajectory in group.trajectories:
-                    self._unclaimed.setdefault(trajectory.prompt_digest, deque()).append(trajectory)
+        self.answers = answers_per_prompt
+        if submitted is None:
+            submitted = {}
+            for groups in steps:
+                for group in groups:
+                    submitted.setdefault(group.trajectories[0].prompt_digest, []).append(group)
+        self._queues = {digest: deque(groups) for digest, groups in submitted.items()}
+        self._current: dict[str, tuple[RecordedGroup | None, int]] = {}  # the group being handed out, members handed
         self.chunks_per_version = Counter(
             request.version for groups in steps for g in groups for t in g.trajectories for request in t.plan
         )
@@ -83,14 +97,43 @@ class ReplaySchedule:
                 if len(members) != answers_per_prompt:
                     raise ReplayError(
                         f"step {step} trained {len(members)} of group {group}'s answers where rollout.n is "
-                        f"{answers_per_prompt}: the record does not say which request each trained answer was "
-                        "(an areal_accept_trajectory hook dropped some), so a replay cannot follow it"
+                        f"{answers_per_prompt}: either an areal_accept_trajectory hook dropped some (the record then "
+                        "does not say which request each kept answer was, so a replay cannot follow it), or the "
+                        "replay's actor_rollout_ref.rollout.n differs from the recorded run's"
                     )
             steps.append([RecordedGroup(group, tuple(members)) for group, members in groups.items()])
-        return cls(steps)
+        submissions = read_jsonl(run_dir / "areal_submissions.jsonl")
+        return cls(steps, answers_per_prompt, submission_order(steps, submissions) if submissions else None)
 
     def claim(self, prompt_digest: str) -> RecordedTrajectory | None:
-        """The next recorded trajectory of this prompt not handed out yet; None when the record has none left (a
-        prompt the recorded run generated but never trained)."""
-        queue = self._unclaimed.get(prompt_digest)
-        return queue.popleft() if queue else None
+        """What the next request of this prompt follows: the members of the prompt's next recorded group, handed
+        to its ``rollout.n`` requests in turn; None for a group the recorded run never trained (it generates
+        freely, and no step trains it) or a prompt the record has no more groups of."""
+        group, handed = self._current.get(prompt_digest, (None, self.answers))
+        if handed == self.answers:
+            queue = self._queues.get(prompt_digest)
+            if not queue:
+                return None
+            group, handed = queue.popleft(), 0
+        self._current[prompt_digest] = (group, handed + 1)
+        return group.trajectories[handed] if group is not None else None
+
+
+def submission_order(
+    steps: list[list[RecordedGroup]], submissions: list[dict[str, Any]]
+) -> dict[str, list[RecordedGroup | None]]:
+    """Per prompt (token digest), the recorded run's groups in the order it submitted them (``areal_submissions``:
+    uids with the digests of their prompts' text); None for a submitted group no step trained."""
+    trained = {group.group: group for groups in steps for group in groups}
+    token_digest_of_text: dict[str, str] = {}
+    for submission in submissions:
+        for uid, text in zip(submission["uids"], submission["prompts"], strict=True):
+            if uid in trained:
+                token_digest_of_text[text] = trained[uid].trajectories[0].prompt_digest
+    order: dict[str, list[RecordedGroup | None]] = {}
+    for submission in submissions:
+        for uid, text in zip(submission["uids"], submission["prompts"], strict=True):
+            digest = token_digest_of_text.get(text)
+            if digest is not None:  # a prompt no step trained: its requests find no queue and generate freely
+                order.setdefault(digest, []).append(trained.get(uid))
+    return order

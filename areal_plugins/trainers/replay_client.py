@@ -3,8 +3,9 @@
 Each recorded request runs once the engines serve its recorded version, with its recorded seed and ``max_tokens``
 up to where the record cut it (docs/replay.md). A request that cannot follow (its version is past, or the engine
 returned fewer tokens than recorded) stops there and returns what it has: the trainer finds the tokens differ
-from the record and reports the divergence. Its remaining requests are marked generated all the same, so the
-trainer never waits for them.
+from the record and reports the divergence. Its remaining requests are marked generated all the same (also when it
+fails), so the trainer never waits for them. A request that fails is not retried by the record: the conductor keeps its
+error, and the trainer stops the replay naming the trajectory and the error.
 """
 
 from __future__ import annotations
@@ -70,26 +71,33 @@ async def follow_record(
     chunks: list[list[Any]] = []
     output = None
     plan = recorded["plan"]
-    for index, (start, max_tokens, version, seed) in enumerate(plan):
-        following = len(tokens) == start and await conductor.serve.remote(version)
-        if following:
-            params = {**sampling_params, limit_key: max_tokens, "seed": seed}
-            output = await generate_once(
-                request_id, prompt_ids=[*prompt_ids, *tokens], sampling_params=params, **kwargs
-            )
-            chunk_versions = output.extra_fields.get("token_versions") or [version] * len(output.token_ids)
-            if output.token_ids:
-                chunks.append([len(tokens), chunk_versions[0], output.extra_fields.get(SEED_FIELD)])
-            tokens.extend(output.token_ids)
-            log_probs.extend(output.log_probs or [])
-            versions.extend(chunk_versions)
-            following = len(output.token_ids) == max_tokens
-        await conductor.generated.remote(version)
-        if not following:  # the rest cannot run as recorded: count them so that nobody waits for them
-            logger.warning("replay: %s left its record at request %d of %d", recorded["name"], index + 1, len(plan))
-            for _, _, later_version, _ in plan[index + 1 :]:
-                await conductor.generated.remote(later_version)
-            break
+    counted = 0  # the plan's requests counted as generated, so that no hold waits for them
+    try:
+        for index, (start, max_tokens, version, seed) in enumerate(plan):
+            following = len(tokens) == start and await conductor.serve.remote(version)
+            if following:
+                params = {**sampling_params, limit_key: max_tokens, "seed": seed}
+                output = await generate_once(
+                    request_id, prompt_ids=[*prompt_ids, *tokens], sampling_params=params, **kwargs
+                )
+                chunk_versions = output.extra_fields.get("token_versions") or [version] * len(output.token_ids)
+                if output.token_ids:
+                    chunks.append([len(tokens), chunk_versions[0], output.extra_fields.get(SEED_FIELD)])
+                tokens.extend(output.token_ids)
+                log_probs.extend(output.log_probs or [])
+                versions.extend(chunk_versions)
+                following = len(output.token_ids) == max_tokens
+            await conductor.generated.remote(version)
+            counted += 1
+            if not following:  # the rest cannot run as recorded
+                logger.warning("replay: %s left its record at request %d of %d", recorded["name"], index + 1, len(plan))
+                break
+    except BaseException as error:  # failed or cancelled: the trainer stops the replay, naming it
+        await conductor.failed.remote(recorded["name"], f"{type(error).__name__}: {error}")
+        raise
+    finally:  # no hold waits for the requests it will not make
+        for _, _, later_version, _ in plan[counted:]:
+            await conductor.generated.remote(later_version)
     if episode is not None:
         episode.add_turn(versions, max(len(chunks) - 1, 0), chunks)
     extra = dict(output.extra_fields) if output is not None else {}

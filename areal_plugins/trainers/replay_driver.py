@@ -65,11 +65,17 @@ class ReplaySampleBuffer:
     over_stale_kept = 0
 
     def __init__(
-        self, schedule: ReplaySchedule, recorded: dict[int, list[dict]], on_divergence: Callable[[Divergence], None]
+        self,
+        schedule: ReplaySchedule,
+        recorded: dict[int, list[dict]],
+        on_divergence: Callable[[Divergence], None],
+        first_failure: Callable[[], tuple[str, str] | None] = lambda: None,
     ) -> None:
         self.schedule = schedule
         self.recorded = recorded
         self.on_divergence = on_divergence
+        self.first_failure = first_failure  # (recorded trajectory, error) of a replayed request that failed
+        self._mixed: tuple[str, list[str]] | None = None  # a group whose members followed other recorded groups
         self.steps_taken = 0
         self._groups: dict[str, BufferedGroup] = {}  # by the recorded group its members follow
         self._free = 0  # groups of prompts the recorded run never trained
@@ -80,12 +86,15 @@ class ReplaySampleBuffer:
             return len(self._groups) + self._free
 
     def put(self, group: BufferedGroup) -> None:
-        followed = group.info[0].get(REPLAY_OF) if group.info else None
+        followed = [str(info.get(REPLAY_OF)).split("/", 1)[0] for info in group.info if info.get(REPLAY_OF)]
         with self._ready:
-            if followed is None:
+            if not followed:
                 self._free += 1
                 return
-            self._groups[followed.split("/", 1)[0]] = group
+            if len(set(followed)) > 1 or len(followed) != len(group.info) or followed[0] in self._groups:
+                self._mixed = (group.group_id, followed)  # the take that waits for it reports it
+            else:
+                self._groups[followed[0]] = group
             self._ready.notify_all()
 
     def take(
@@ -99,8 +108,14 @@ class ReplaySampleBuffer:
         wanted = self.schedule.steps[step - 1]
         if count != len(wanted):
             raise ReplayError(f"step {step} asks for {count} groups where the record trained {len(wanted)}")
+        failure = self.first_failure()
+        if failure is not None:
+            self.on_divergence(Divergence(step, "a replayed request failed", failure[0], failure[1]))
         with self._ready:
             if not self._ready.wait_for(lambda: all(g.group in self._groups for g in wanted), timeout):
+                if self._mixed is not None:
+                    group_id, followed = self._mixed
+                    self.on_divergence(Divergence(step, f"group {group_id} followed recorded groups", None, followed))
                 return [], []
             taken = [in_recorded_order(self._groups.pop(g.group), g) for g in wanted]
             self.steps_taken = step
@@ -137,7 +152,10 @@ class ReplayDriver:
         self.recorded_metrics = read_metrics(recorded_dir)
         self.conductor = start_conductor(self.schedule)
         self.buffer = ReplaySampleBuffer(
-            self.schedule, read_samples(recorded_dir / "areal_samples.jsonl"), self.diverged
+            self.schedule,
+            read_samples(recorded_dir / "areal_samples.jsonl"),
+            self.diverged,
+            lambda: ray.get(self.conductor.first_failure.remote()),
         )
         logger.info(
             "areal: replaying %s: %d recorded steps, %d recorded requests",

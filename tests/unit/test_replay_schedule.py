@@ -277,3 +277,78 @@ def test_the_trainer_holds_each_version_until_its_recorded_requests_are_generate
     ArealAsyncTrainer.on_step_end(stub)
     at_sampling_end = [("hold", 3), ("sleep",)] if hybrid else [("sleep",)]
     assert calls == [*at_sampling_end, ("hold", 3), ("pause",), ("update", 4), ("served", 4), ("wake",), ("resume", 4)]
+
+
+def submissions(*groups: tuple[str, str]) -> list[dict]:
+    """``areal_submissions.jsonl`` lines, one per submitted (uid, prompt text digest)."""
+    return [{"version": 0, "uids": [uid], "prompts": [text]} for uid, text in groups]
+
+
+def test_requests_take_a_prompts_recorded_groups_in_the_order_the_recorded_run_submitted_them(tmp_path):
+    """Prompt P was submitted three times: g3 first (trained at step 2), then a group never trained (rejected),
+    then g1 (trained at step 1). The replay's first group of P follows g3, the second generates freely, the
+    third follows g1: training order would have sent the first to g1, whose requests run under other versions."""
+    run = write_record(tmp_path / "run", RECORD)
+    lines = submissions(("g3", "text-P"), ("rejected", "text-P"), ("g2", "text-Q"), ("g1", "text-P"))
+    (run / "areal_submissions.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    schedule = ReplaySchedule.from_run(run, answers_per_prompt=2)
+    claims = [schedule.claim("P") for _ in range(6)]
+    assert [c.name if c else None for c in claims] == ["g3/e", "g3/f", None, None, "g1/a", "g1/b"]
+    assert schedule.claim("P") is None  # no more groups of P in the record
+    assert [c.name for c in (schedule.claim("Q"), schedule.claim("Q"))] == ["g2/c", "g2/d"]
+
+
+def test_a_group_whose_answers_followed_another_recorded_group_or_a_failed_request_stops_the_replay(tmp_path):
+    schedule = ReplaySchedule.from_run(write_record(tmp_path / "run", RECORD), 2)
+    divergences: list = []
+
+    def record(divergence):
+        divergences.append(divergence)
+        raise RuntimeError("stopped")
+
+    buffer = ReplaySampleBuffer(schedule, recorded_by_step(), record)
+    buffer.put(buffered("u1", [("g1/a", "r-a"), ("g3/e", "r-e")]))  # members of two recorded groups
+    with pytest.raises(RuntimeError):
+        buffer.take(2, 0, timeout=0.01)
+    assert divergences[0].field == "group u1 followed recorded groups" and divergences[0].second == ["g1", "g3"]
+    failing = ReplaySampleBuffer(schedule, recorded_by_step(), record, lambda: ("g2/c", "ActorDiedError: gone"))
+    with pytest.raises(RuntimeError):
+        failing.take(2, 0, timeout=0.01)
+    assert (divergences[1].field, divergences[1].first) == ("a replayed request failed", "g2/c")
+
+
+def test_a_failing_request_is_reported_and_counts_its_requests(tmp_path):
+    conductor = ReplayConductor(ReplaySchedule.from_run(write_record(tmp_path / "run", RECORD), 2))
+    replay_client._found["handle"] = _Remote(conductor)
+
+    async def failing(request_id, **kwargs):
+        raise ConnectionError("the server went away")
+
+    async def go():
+        await conductor.set_version(1)
+        for _ in range(3):
+            conductor.claim("P")
+        recorded = conductor.claim("P")  # g3/f: requests under versions 1 and 2
+        with pytest.raises(ConnectionError):
+            await replay_client.follow_record(failing, "r", [7], {"max_tokens": 9}, recorded)
+
+    try:
+        asyncio.run(go())
+    finally:
+        replay_client._found.clear()
+    assert conductor.first_failure() == ("g3/f", "ConnectionError: the server went away")
+    assert conductor.done == {1: 1, 2: 1}  # no hold waits for the requests it will not make
+
+
+def test_a_replay_refuses_to_change_what_decides_which_prompts_are_drawn_when():
+    from areal_plugins.run.replay import refused_overrides
+
+    overrides = [
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "areal.max_staleness=1",
+        "data.seed=3",
+        "+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.batch_invariant=true",
+        "actor_rollout_ref.rollout.n=4",
+        "areal.loss.eps_clip=0.3",
+    ]
+    assert refused_overrides(overrides) == overrides[1:5]
