@@ -146,6 +146,7 @@ class ReplayDriver:
     def __init__(self, config: Any, recorded_dir: Path, recorder: RunRecorder) -> None:
         require_replayable(config)
         self.recorded_dir = recorded_dir
+        self.stuck_s = float(OmegaConf.select(config, "areal.watchdog_s", default=900.0))
         self.recorder = recorder
         answers = int(OmegaConf.select(config, "actor_rollout_ref.rollout.n", default=1) or 1)
         self.schedule = ReplaySchedule.from_run(recorded_dir, answers)
@@ -164,16 +165,32 @@ class ReplayDriver:
             sum(self.schedule.chunks_per_version.values()),
         )
 
+    def pending(self, version: int) -> int:
+        """Recorded requests under versions up to ``version`` not generated yet."""
+        return int(ray.get(self.conductor.pending.remote(version)))
+
     def served(self, version: int) -> None:
         """The engines serve ``version`` now: recorded requests under it may run."""
         ray.get(self.conductor.set_version.remote(version))
 
     def finish_version(self, version: int, check: Callable[[], None]) -> None:
         """Return once every recorded request under versions up to ``version`` has been generated; ``check``
-        (the trainer's supervisor) raises when the run cannot go on."""
-        started = time.monotonic()
-        while int(ray.get(self.conductor.pending.remote(version))) > 0:
+        (the trainer's supervisor) raises when the run cannot go on. Stops the replay, saying what it waited for,
+        when no such request has been generated for ``areal.watchdog_s`` (:attr:`stuck_s`)."""
+        started = last_change = time.monotonic()
+        last = None
+        while (pending := self.pending(version)) > 0:
             check()
+            now = time.monotonic()
+            if pending != last:
+                last, last_change = pending, now
+            elif now - last_change > self.stuck_s:
+                raise ReplayDivergedError(
+                    f"areal: the replay waited {self.stuck_s:.0f} s (areal.watchdog_s) for {pending} recorded requests "
+                    f"under weight versions up to {version} and none came: their prompts were not drawn when the record "
+                    "drew them "
+                    "(another dataset or data order than the recorded run's?), so the record cannot be followed"
+                )
             time.sleep(BARRIER_POLL_S)
         self.recorder.write(REPLAY_RECORD, {"version": version, "barrier_s": time.monotonic() - started})
 

@@ -352,3 +352,21 @@ def test_a_replay_refuses_to_change_what_decides_which_prompts_are_drawn_when():
         "areal.loss.eps_clip=0.3",
     ]
     assert refused_overrides(overrides) == overrides[1:5]
+
+
+def test_a_hold_that_sees_no_recorded_request_come_stops_the_replay_saying_what_it_waited_for(monkeypatch):
+    from areal_plugins.trainers import replay_driver
+
+    monkeypatch.setattr(replay_driver, "BARRIER_POLL_S", 0.01)
+    driver = object.__new__(replay_driver.ReplayDriver)
+    driver.stuck_s = 0.2
+    written: list = []
+    driver.recorder = SimpleNamespace(write=lambda name, record: written.append(record))
+    counts = iter([5, 4, 3])  # three requests arrive, then none
+    driver.pending = lambda version: next(counts, 3)
+    with pytest.raises(replay_driver.ReplayDivergedError, match="3 recorded requests under weight versions up to 2"):
+        driver.finish_version(2, check=lambda: None)
+    finishing = iter([2, 1, 0])
+    driver.pending = lambda version: next(finishing)
+    driver.finish_version(2, check=lambda: None)
+    assert written[-1]["version"] == 2
