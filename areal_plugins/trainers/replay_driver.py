@@ -187,9 +187,9 @@ class ReplayDriver:
             elif now - last_change > self.stuck_s:
                 raise ReplayDivergedError(
                     f"areal: the replay waited {self.stuck_s:.0f} s (areal.watchdog_s) for {pending} recorded requests "
-                    f"under weight versions up to {version} and none came: their prompts were not drawn when the record "
-                    "drew them "
-                    "(another dataset or data order than the recorded run's?), so the record cannot be followed"
+                    f"under weight versions up to {version} and none came: their prompts were not drawn when the "
+                    "record drew them (another dataset or data order than the recorded run's?), so the record cannot "
+                    "be followed"
                 )
             time.sleep(BARRIER_POLL_S)
         self.recorder.write(REPLAY_RECORD, {"version": version, "barrier_s": time.monotonic() - started})
