@@ -191,7 +191,7 @@ class RolloutWorker:
     writes the trajectories as verl's agent loop does (``agent_loop_tq.py``, ``_run_prompt`` and
     ``_agent_loop_postprocess``). ``store`` is TransferQueue's module (None: attach to the running one)."""
 
-    def __init__(self, load_balancer: Any, response_length: int, store: Any = None) -> None:
+    def __init__(self, load_balancer: Any, response_length: int, store: Any = None, report: bool = False) -> None:
         from omegaconf import OmegaConf
 
         from areal_plugins.trainers.llm_client import InterruptibleLLMClient
@@ -206,6 +206,7 @@ class RolloutWorker:
         self.client = InterruptibleLLMClient(OmegaConf.create(config), load_balancer)
         self.tasks: set[asyncio.Task] = set()
         self.failures = 0
+        self.report = report  # tell the admission loop of each settled group, as our agent-loop workers do
 
     async def generate_sequences(self, groups: list[tuple[str, int, list[int]]], version: int) -> None:
         """Start each ``(uid, group index, response lengths)`` group in the background, as verl's worker does."""
@@ -224,17 +225,23 @@ class RolloutWorker:
             for i, length in enumerate(lengths)
         ]
         outputs = await asyncio.gather(*calls, return_exceptions=True)
+        keys: list[str] = []
         if any(isinstance(output, BaseException) for output in outputs):
             self.failures += 1
             await self.store.async_kv_put(key=uid, partition_id=PARTITION, tag={"status": "failure"})
-            return
-        await self.store.async_kv_batch_put(
-            keys=[f"{uid}_{i}_0" for i in range(len(outputs))],
-            fields=trajectory_fields(prompt, outputs),
-            tags=[trajectory_tag(prompt, output, version) for output in outputs],
-            partition_id=PARTITION,
-        )
-        await self.store.async_kv_put(key=uid, partition_id=PARTITION, tag={"status": "finished"})
+        else:
+            keys = [f"{uid}_{i}_0" for i in range(len(outputs))]
+            await self.store.async_kv_batch_put(
+                keys=keys,
+                fields=trajectory_fields(prompt, outputs),
+                tags=[trajectory_tag(prompt, output, version) for output in outputs],
+                partition_id=PARTITION,
+            )
+            await self.store.async_kv_put(key=uid, partition_id=PARTITION, tag={"status": "finished"})
+        if self.report:
+            from areal_plugins.trainers.settled_groups import report_settled
+
+            await report_settled(uid, keys)
 
     def stats(self) -> dict[str, int]:
         return {"groups_running": len(self.tasks), "failures": self.failures}
@@ -308,6 +315,10 @@ class RayRig:
         self.workers: list[Any] = []
         self.engines: list[Any] = []
         self._rollout_side = (workers, response_length)
+        from areal_plugins.trainers.settled_groups import drain_reports, start_inbox
+
+        inbox = start_inbox()
+        self.settled_reports = lambda: drain_reports(inbox)  # the workers report settled groups, as in a run
 
     def _start_rollout_side(self) -> None:
         """verl's load balancer and the rollout workers, once (each imports verl: ~10 s of CPU)."""
@@ -316,7 +327,7 @@ class RayRig:
         workers, response_length = self._rollout_side
         self.balancer = get_router_handle(servers={})
         worker_cls = self.ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=100_000)
-        self.workers = [worker_cls.remote(self.balancer, response_length) for _ in range(workers)]
+        self.workers = [worker_cls.remote(self.balancer, response_length, report=True) for _ in range(workers)]
         self.ray.get([worker.stats.remote() for worker in self.workers])
 
     def start_engines(self, count: int, tokens_per_s: float, slots: int) -> None:
@@ -373,6 +384,7 @@ class LocalRig:
         balancer = LocalHandle(self._balancer)
         self.workers = [RolloutWorker(balancer, response_length, store=self.store) for _ in range(workers)]
         self.engines: list[Any] = []
+        self.settled_reports = None  # no Ray: the admission loop lists the in-memory store
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
@@ -453,6 +465,10 @@ class LockedMemoryStore:
         with self.lock:
             self.queue.kv_clear(keys, partition_id)
 
+    def kv_tags(self, keys: list[str], partition_id: str) -> Any:
+        with self.lock:
+            return self.queue.kv_tags(keys, partition_id)
+
     def kv_batch_put(self, keys: list[str], partition_id: str, tags: list[dict], fields: Any = None) -> None:
         with self.lock:
             for row, (key, tag) in enumerate(zip(keys, tags, strict=True)):
@@ -503,6 +519,9 @@ class TimedStore:
 
     def kv_clear(self, keys: list[str], partition_id: str) -> None:
         self.store.kv_clear(keys=keys, partition_id=partition_id)
+
+    def __getattr__(self, name: str) -> Any:  # reads by key (``get_client``, ``kv_tags``): not timed
+        return getattr(self.store, name)
 
 
 def others_cpu() -> dict[int, tuple[str, float]]:
@@ -615,8 +634,17 @@ def run_once(
         submits.append(time.time() - now)
         return count
 
+    if rig.settled_reports is not None:
+        rig.settled_reports()  # reports left by the previous configuration's groups
     loop = timed_admission_loop(
-        controller, buffer, submit, lambda _: True, POLL_S, store, failure_limit=2 * config.batch
+        controller,
+        buffer,
+        submit,
+        lambda _: True,
+        POLL_S,
+        store,
+        failure_limit=2 * config.batch,
+        settled_reports=rig.settled_reports,
     )
     stats_latency: list[float] = []
     in_flight: list[int] = []
@@ -740,13 +768,17 @@ def run_once(
 # ---------------------------------------------------------------------------------------------- poll scale
 
 
-def poll_scale_once(store: Any, groups: int, answers: int, response_tokens: int, polls: int) -> dict[str, Any]:
+def poll_scale_once(
+    store: Any, groups: int, answers: int, response_tokens: int, polls: int, reports: bool = False
+) -> dict[str, Any]:
     """Our admission loop against a partition holding ``groups`` finished groups of ``answers`` trajectories.
 
-    The first poll settles them all (fetch, build each :class:`Trajectory`, the accept hook, the buffer): its CPU
-    per trajectory. Then ``polls`` polls with nothing new, as while the trainer trains and the engines generate:
-    what one look at a partition of that many entries costs. CPU is the whole process's (TransferQueue's client
-    works in a thread of its own); nothing else runs meanwhile.
+    ``reports``: the loop learns which groups settled from the workers' reports (trainers/settled_groups.py, as
+    in a run), having made its first look at the partition while it was still empty; else it lists the partition
+    on every poll. The first poll settles them all (fetch, build each :class:`Trajectory`, the accept hook, the
+    buffer): its CPU per trajectory. Then ``polls`` polls with nothing new, as while the trainer trains and the
+    engines generate: what one look at a partition of that many entries costs. CPU is the whole process's
+    (TransferQueue's client works in a thread of its own); nothing else runs meanwhile.
     """
     import torch
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
@@ -754,6 +786,7 @@ def poll_scale_once(store: Any, groups: int, answers: int, response_tokens: int,
     from areal_plugins.core.staleness import StalenessController
 
     clear_partition(store)
+    settled: list[tuple[str, list[str]]] = []
     tag = f"s{time.monotonic_ns()}"
     uids = [f"{tag}g{g}" for g in range(groups)]
     store.kv_batch_put(keys=uids, partition_id=PARTITION, tags=[{"is_prompt": True, "status": "pending"}] * groups)
@@ -778,12 +811,16 @@ def poll_scale_once(store: Any, groups: int, answers: int, response_tokens: int,
             fields=list_of_dict_to_tensordict([row] * len(keys)),
         )
         store.kv_batch_put(keys=batch, partition_id=PARTITION, tags=[{"status": "finished"}] * len(batch))
+        settled += [(uid, [f"{uid}_{i}_0" for i in range(answers)]) for uid in batch]
     controller = StalenessController(0, groups, groups)
     controller.on_submit(groups)
     buffer = timed_buffer(0)
     timed = TimedStore(store)
     loop = timed_admission_loop(controller, buffer, lambda n: n, lambda _: True, POLL_S, timed, 2 * groups)
     loop.pause()  # nothing is submitted: only the look at the partition is measured
+    if reports:
+        loop.settled_reports = lambda: [settled.pop() for _ in range(len(settled))][::-1]
+        loop._next_listing = time.monotonic() + 3600  # its first look, at an empty partition, was before the groups
     cpu, wall = time.process_time(), time.perf_counter()
     loop.poll_once()
     settle_cpu, settle_wall = time.process_time() - cpu, time.perf_counter() - wall
@@ -794,9 +831,10 @@ def poll_scale_once(store: Any, groups: int, answers: int, response_tokens: int,
     for _ in range(polls):
         loop.poll_once()
     poll_cpu, poll_wall = (time.process_time() - cpu) / polls, (time.perf_counter() - wall) / polls
-    list_wall = statistics.mean(timed.list_s)
+    list_wall = statistics.mean(timed.list_s) if timed.list_s else 0.0
     clear_partition(store)
     return {
+        "reports": reports,
         "settle_cpu_ms_per_trajectory": 1000 * settle_cpu / (groups * answers),
         "settle_wall_ms_per_trajectory": 1000 * settle_wall / (groups * answers),
         "idle_poll_cpu_ms": 1000 * poll_cpu,
@@ -817,16 +855,19 @@ POLL_MEASURES = (
 
 
 def poll_scale(store: Any, shapes: list[tuple[int, int, int]], repeats: int, polls: int, out: Callable) -> list:
-    """:func:`poll_scale_once` per ``(groups, answers, response tokens)``, shapes interleaved within each repeat."""
-    results: dict[tuple[int, int, int], list[dict[str, Any]]] = {shape: [] for shape in shapes}
+    """:func:`poll_scale_once` per ``(groups, answers, response tokens)``, listing and with the workers' reports,
+    shapes and modes interleaved within each repeat."""
+    cases = [(*shape, reports) for shape in shapes for reports in (False, True)]
+    results: dict[tuple[int, int, int, bool], list[dict[str, Any]]] = {case: [] for case in cases}
     for _ in range(repeats):
-        for shape in shapes:
-            result = poll_scale_once(store, *shape, polls=polls)
-            results[shape].append(result)
-            out(f"poll scale {shape}: {json.dumps(result)}")
+        for case in cases:
+            result = poll_scale_once(store, *case[:3], polls=polls, reports=case[3])
+            results[case].append(result)
+            out(f"poll scale {case}: {json.dumps(result)}")
     rows = []
-    for (groups, answers, tokens), repeat_results in results.items():
+    for (groups, answers, tokens, reports), repeat_results in results.items():
         row: dict[str, Any] = {"groups": groups, "answers": answers, "response_tokens": tokens}
+        row["finds_settled_groups_by"] = "the workers' reports" if reports else "listing every poll"
         row |= {"entries": groups * (answers + 1), "repeats": len(repeat_results), "polls": polls}
         row |= {key: spread(result[key] for result in repeat_results) for key in POLL_MEASURES}
         rows.append(row)
@@ -835,12 +876,14 @@ def poll_scale(store: Any, shapes: list[tuple[int, int, int]], repeats: int, pol
 
 def poll_table(rows: list[dict[str, Any]]) -> str:
     header = [
-        "groups × answers (entries listed)", "response tokens", "repeats", "settle CPU ms / trajectory",
+        "groups × answers (entries held)", "finds settled groups by", "response tokens", "repeats",
+        "settle CPU ms / trajectory",
         "idle poll CPU ms", "idle poll wall ms", "of it: kv_list wall ms", "share of a core at 50 ms polls",
     ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
-        cells = [f"{row['groups']} × {row['answers']} ({row['entries']})", str(row["response_tokens"])]
+        cells = [f"{row['groups']} × {row['answers']} ({row['entries']})", row["finds_settled_groups_by"]]
+        cells += [str(row["response_tokens"])]
         cells += [str(row["repeats"]), fmt(row["settle_cpu_ms_per_trajectory"]), fmt(row["idle_poll_cpu_ms"])]
         cells += [fmt(row["idle_poll_wall_ms"]), fmt(row["idle_poll_kv_list_wall_ms"])]
         cells += [fmt(row["core_share_at_poll_interval"], digits=2)]

@@ -34,8 +34,10 @@ def areal_make_rollout_manager(
 
     from areal_plugins.core.staleness import StalenessController
     from areal_plugins.trainers.admission import AdmissionLoop
+    from areal_plugins.trainers.settled_groups import drain_reports, start_inbox
 
     settings = _settings(config)
+    inbox = start_inbox()  # our agent-loop workers report each settled group to it
     batch = int(config.data.train_batch_size)  # η and B count prompt groups: GRPO groups stay together
     controller = StalenessController(
         max_staleness=settings.max_staleness,
@@ -51,4 +53,5 @@ def areal_make_rollout_manager(
         store=transfer_queue,
         failure_limit=2 * batch,  # two batches' worth of failures in a row, none finished: not a fluke
         reissue=reissue_prompts,
+        settled_reports=lambda: drain_reports(inbox),
     )

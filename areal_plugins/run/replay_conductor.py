@@ -28,8 +28,10 @@ class ReplayConductor:
         self._changed = asyncio.Condition()
         self.failures: list[tuple[str, str]] = []  # (recorded trajectory, error) of requests that failed
 
-    def claim(self, prompt_digest: str) -> dict[str, Any] | None:
-        trajectory = self.schedule.claim(prompt_digest)
+    def claim(
+        self, prompt_digest: str, group_key: str | None = None, member: int | None = None
+    ) -> dict[str, Any] | None:
+        trajectory = self.schedule.claim(prompt_digest, group_key, member)
         if trajectory is None:
             return None
         plan = [[r.start, r.max_tokens, r.version, r.seed] for r in trajectory.plan]

@@ -61,6 +61,7 @@ class ReplaySchedule:
                     submitted.setdefault(group.trajectories[0].prompt_digest, []).append(group)
         self._queues = {digest: deque(groups) for digest, groups in submitted.items()}
         self._current: dict[str, tuple[RecordedGroup | None, int]] = {}  # the group being handed out, members handed
+        self._by_group: dict[str, RecordedGroup | None] = {}  # replayed group uid -> the recorded group it follows
         self.chunks_per_version = Counter(
             request.version for groups in steps for g in groups for t in g.trajectories for request in t.plan
         )
@@ -105,10 +106,24 @@ class ReplaySchedule:
         submissions = read_jsonl(run_dir / "areal_submissions.jsonl")
         return cls(steps, answers_per_prompt, submission_order(steps, submissions) if submissions else None)
 
-    def claim(self, prompt_digest: str) -> RecordedTrajectory | None:
-        """What the next request of this prompt follows: the members of the prompt's next recorded group, handed
-        to its ``rollout.n`` requests in turn; None for a group the recorded run never trained (it generates
-        freely, and no step trains it) or a prompt the record has no more groups of."""
+    def claim(
+        self, prompt_digest: str, group_key: str | None = None, member: int | None = None
+    ) -> RecordedTrajectory | None:
+        """What a request of this prompt follows; None for a group the recorded run never trained (it generates
+        freely, and no step trains it) or a prompt the record has no more groups of.
+
+        With ``group_key`` (the replayed group's uid) and ``member`` (its answer's index), the group takes the
+        prompt's next recorded group when its first answer asks, and each answer the member it names: two groups
+        of one prompt in flight at once never mix. Without them, the prompt's requests take the members of its
+        next recorded group in turn (a caller that cannot say which group a request belongs to)."""
+        if group_key is not None and member is not None:
+            if group_key not in self._by_group:
+                queue = self._queues.get(prompt_digest)
+                self._by_group[group_key] = queue.popleft() if queue else None
+            group = self._by_group[group_key]
+            if group is None or member >= len(group.trajectories):
+                return None
+            return group.trajectories[member]
         group, handed = self._current.get(prompt_digest, (None, self.answers))
         if handed == self.answers:
             queue = self._queues.get(prompt_digest)

@@ -40,6 +40,12 @@ class InMemoryTransferQueue:
             if all(name in self.rows[key] for key in keys)
         }
 
+    def kv_tags(self, keys: list[str], partition_id: str) -> dict[str, dict[str, Any]] | None:
+        """The tags of ``keys``; None when one is not held (TransferQueue's ``kv_retrieve_meta`` leaves it out)."""
+        if any(key not in self.tags for key in keys):
+            return None
+        return {key: dict(self.tags[key]) for key in keys}
+
     def kv_clear(self, keys: list[str], partition_id: str) -> None:
         for key in keys:
             self.tags.pop(key, None)

@@ -26,6 +26,7 @@ from areal_plugins.core.staleness import StalenessController
 from areal_plugins.core.trajectory import Trajectory
 from areal_plugins.run.replay_schedule import REPLAY_OF
 from areal_plugins.trainers.episodes import CHUNKS_FIELD
+from areal_plugins.trainers.settled_groups import read_tags
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,11 @@ class AdmissionLoop:
             as rejected at once (its prompt is then lost to the run).
         attempts_per_group: a group that failed this many times is rejected for good (a prompt that
             always breaks the agent loop must not hold its slot forever).
+        settled_reports: returns the groups reported settled since the last call, ``(uid, trajectory keys)``
+            (trainers/settled_groups.py); a poll then reads only their tags. None lists the whole partition
+            on every poll.
+        reconcile_s: with ``settled_reports``, seconds between two listings of the whole partition (a group whose
+            report never came is found by the next one).
     """
 
     def __init__(
@@ -71,6 +77,8 @@ class AdmissionLoop:
         failure_limit: int = 32,
         reissue: Callable[[list[str]], None] | None = None,
         attempts_per_group: int = 3,
+        settled_reports: Callable[[], list[tuple[str, list[str]]]] | None = None,
+        reconcile_s: float = 30.0,
     ) -> None:
         self.controller = controller
         self.buffer = buffer
@@ -87,6 +95,11 @@ class AdmissionLoop:
         self.failure_limit = failure_limit
         self.reissue = reissue
         self.attempts_per_group = attempts_per_group
+        self.settled_reports = settled_reports
+        self.reconcile_s = reconcile_s
+        self._next_listing = 0.0  # monotonic time of the next whole listing: the first poll lists
+        self.polls = 0
+        self.listings = 0  # of them, whole listings of the partition
         self._failed_attempts: dict[str, int] = {}
         self._failures_in_a_row = 0
         self._handled: set[str] = set()
@@ -123,8 +136,8 @@ class AdmissionLoop:
     def suspend_polling(self) -> None:
         """Stop looking at TransferQueue until :meth:`resume` (colocated engines asleep while the trainer trains).
 
-        Each look lists the whole partition; on shared devices that work would be taken from training.
-        Groups that finish meanwhile are collected by the first poll after the resume.
+        Each look costs CPU; on shared devices that work would be taken from training. Groups that finish
+        meanwhile are collected by the first poll after the resume.
         """
         self.pause()
         self._polling.clear()
@@ -188,10 +201,27 @@ class AdmissionLoop:
 
     def poll_once(self) -> None:
         with self._poll_lock:
+            self.polls += 1
             self._poll_locked()
 
+    def _read_settled(self) -> dict[str, dict[str, Any]]:
+        """Tags by key: of the groups reported settled since the last poll, or of the whole partition (no reports,
+        a listing due, or a reported key gone). Reports are drained before the listing: a group reported before
+        the drain has its final status in TransferQueue already, so the listing cannot miss it."""
+        reports = self.settled_reports() if self.settled_reports is not None else None
+        if reports is not None and time.monotonic() < self._next_listing:
+            keys = [key for uid, written in reports if uid not in self._handled for key in (uid, *written)]
+            if not keys:
+                return {}
+            tags = read_tags(self.store, PARTITION, keys)
+            if tags is not None:
+                return tags
+        self._next_listing = time.monotonic() + self.reconcile_s
+        self.listings += 1
+        return (self.store.kv_list(partition_id=PARTITION) or {}).get(PARTITION, {})
+
     def _poll_locked(self) -> None:
-        listing = (self.store.kv_list(partition_id=PARTITION) or {}).get(PARTITION, {})
+        listing = self._read_settled()
         trajectory_keys: dict[str, list[str]] = {}
         for key in listing:
             if not listing[key].get("is_prompt", False):

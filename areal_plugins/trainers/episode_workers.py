@@ -25,6 +25,7 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorke
 
 from areal_plugins.config.settings import ArealConfig
 from areal_plugins.trainers.episodes import CURRENT_EPISODE, EpisodeRecord
+from areal_plugins.trainers.settled_groups import report_settled
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class EpisodeAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):  # type: ig
             account_tool_calls(tool)
 
     async def _run_agent_loop(self, *args: Any, **kwargs: Any) -> Any:
-        record = EpisodeRecord()
+        record = EpisodeRecord(group_uid=kwargs.get("uid"), session=kwargs.get("session_id"))
         CURRENT_EPISODE.set(record)  # the task below starts from a copy of this context: same record
         episode = asyncio.create_task(super()._run_agent_loop(*args, **kwargs))
         watch = self._watch()
@@ -71,7 +72,29 @@ class EpisodeAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):  # type: ig
             watch = self._episode_watch = EpisodeWatch(self.environment_timeout_s)
         return watch
 
+    async def _run_prompt(self, prompt: dict, sampling_params: dict, trajectory: dict, trace: bool = False) -> None:
+        """verl's: run one prompt's ``rollout.n`` episodes and write the group's final status; then tell the
+        admission loop, with the trajectory keys written, so that it need not list TransferQueue to find out."""
+        uid = prompt["uid"]
+        try:
+            await super()._run_prompt(prompt, sampling_params, trajectory=trajectory, trace=trace)
+        finally:
+            written = self._written_keys().pop(uid, [])
+        if not trajectory["validate"]:  # verl's returns once the status is written (it catches its errors)
+            await report_settled(uid, written)
+
+    def _written_keys(self) -> dict[str, list[str]]:
+        return self.__dict__.setdefault("_written", {})
+
     async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any) -> Any:
+        result = await self._postprocess_episode(output, validate, **kwargs)
+        if not validate:  # verl's key scheme: "{uid}_{session_id}_{index of the episode's output}"
+            outputs = output if isinstance(output, list) else [output]
+            uid, session = kwargs["uid"], kwargs["session_id"]
+            self._written_keys().setdefault(uid, []).extend(f"{uid}_{session}_{i}" for i in range(len(outputs)))
+        return result
+
+    async def _postprocess_episode(self, output: Any, validate: bool, **kwargs: Any) -> Any:
         record = CURRENT_EPISODE.get()
         if record is not None and record.turns:
             record.finished = True  # reward and TransferQueue time is not the environment's

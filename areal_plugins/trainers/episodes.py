@@ -50,6 +50,9 @@ class EpisodeRecord:
     #: monotonic time since which the episode has been outside the engine (None while generating).
     outside_engine_since: float | None = field(default_factory=time.monotonic)
     finished: bool = False
+    #: verl's prompt uid and answer index of the episode (``uid``, ``session_id``), when the worker knows them
+    group_uid: str | None = None
+    session: int | None = None
 
     # ------------------------------------------------------------------ written by the rollout client
 

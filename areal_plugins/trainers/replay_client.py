@@ -45,8 +45,12 @@ def _conductor() -> Any:
 
 async def claim_recorded(prompt_ids: list[int]) -> dict[str, Any] | None:
     """The recorded trajectory this request follows (``name`` and ``plan``), or None for a prompt the recorded
-    run never trained (it generates freely; no step trains it)."""
-    return await _conductor().claim.remote(token_digest(list(prompt_ids)))
+    run never trained (it generates freely; no step trains it). Inside an agent-loop episode the claim names the
+    episode's group and answer index, so that two groups of one prompt in flight at once never mix."""
+    episode = CURRENT_EPISODE.get()
+    group_key = episode.group_uid if episode is not None else None
+    member = episode.session if episode is not None else None
+    return await _conductor().claim.remote(token_digest(list(prompt_ids)), group_key, member)
 
 
 async def follow_record(

@@ -111,6 +111,9 @@ def admission_metrics(manager: Any, buffer: Any) -> dict[str, float]:
         "areal/rejected": float(controller.rejected),
         "areal/over_stale_trained": float(buffer.over_stale_kept),
     }
+    if hasattr(manager, "listings"):  # our AdmissionLoop: its polls since the start, and how many listed everything
+        metrics["areal/admission_polls"] = float(manager.polls)
+        metrics["areal/partition_listings"] = float(manager.listings)
     return metrics | {f"areal/{name}": float(getattr(manager, name)) for name in MANAGER_COUNTERS}
 
 

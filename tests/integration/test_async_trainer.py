@@ -83,6 +83,16 @@ def test_every_submitted_rollout_is_accounted_for(async_run):
     assert final["accepted"] + final["running"] <= (ETA + final["version"] + 1) * BATCH
 
 
+def test_admission_finds_finished_groups_by_the_workers_reports_not_by_listing_transfer_queue(async_run):
+    """verl's agent-loop workers (ours) report each settled group; a poll reads only those. The whole partition is
+    listed at the first poll and then every 30 s: far fewer than one poll in ten over a run of a few minutes
+    (listing on every poll, as without the reports, makes the two counts equal)."""
+    async_run, _ = async_run
+    last = read_jsonl(async_run / "areal_steps.jsonl")[-1]
+    assert last["areal/admission_polls"] > 100
+    assert last["areal/partition_listings"] <= last["areal/admission_polls"] / 10
+
+
 def test_engines_serve_the_trainers_version_after_each_update(async_run):
     async_run, _ = async_run
     syncs = [s for s in read_jsonl(async_run / "weight_syncs.jsonl") if s["event"] == "update"]

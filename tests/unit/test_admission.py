@@ -319,3 +319,59 @@ def test_each_trajectorys_schedule_keeps_the_requests_that_produced_kept_tokens(
     assert schedule_fields(other)["response_digest"] != fields["response_digest"]
     assert schedule_fields(same)["chunks"] == []  # a trajectory from a client that records none
     assert len(fields["prompt_digest"]) == 16 and fields["prompt_digest"] != fields["response_digest"]
+
+
+class CountingStore(InMemoryTransferQueue):
+    """Counts whole listings of the partition."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listed = 0
+
+    def kv_list(self, partition_id: str):
+        self.listed += 1
+        return super().kv_list(partition_id)
+
+
+def test_with_reports_a_poll_reads_only_the_reported_groups_and_a_listing_finds_an_unreported_one():
+    store = CountingStore()
+    reports: list[tuple[str, list[str]]] = []
+
+    def drain():
+        drained = list(reports)
+        reports.clear()
+        return drained
+
+    loop, submitted = make_loop(store, eta=0, batch=3)
+    loop.settled_reports, loop.reconcile_s = drain, 3600.0
+    loop.poll_once()  # the first poll lists (a resumed run's groups settled before its checkpoint are found)
+    assert submitted == ["p0", "p1", "p2"] and store.listed == 1
+    store.finish("p0", [1.0, 0.0], [[0, 0], [0]])
+    store.finish("p1", [0.5], [[0]])
+    reports.append(("p0", ["p0_0_0", "p0_1_0"]))  # p1's worker died before its report
+    loop.poll_once()
+    assert store.listed == 1  # no listing: p0 was read by its keys
+    assert len(loop.buffer) == 1 and loop.controller.accepted == 1
+    loop.poll_once()  # nothing reported: nothing read
+    assert store.listed == 1 and len(loop.buffer) == 1
+    loop._next_listing = 0.0  # the reconciliation is due
+    loop.poll_once()
+    assert store.listed == 2 and len(loop.buffer) == 2  # p1 found by the listing
+    taken, _ = loop.buffer.take(2, trainer_version=0)
+    assert [g.group_id for g in taken] == ["p0", "p1"] and [g.keys for g in taken] == [["p0_0_0", "p0_1_0"], ["p1_0_0"]]
+    reports.append(("p1", ["p1_0_0"]))  # its late report: already settled, not counted twice
+    loop.poll_once()
+    assert loop.controller.accepted == 2 and store.listed == 2
+    check_accounting(loop, submitted)
+
+
+def test_a_reported_key_that_is_gone_makes_the_poll_list_the_partition():
+    store = CountingStore()
+    reports = [("p0", ["p0_0_0", "p0_9_0"])]  # p0_9_0 was never written
+
+    loop, _ = make_loop(store, eta=0, batch=1)
+    loop.poll_once()
+    loop.settled_reports, loop.reconcile_s = lambda: [reports.pop()] if reports else [], 3600.0
+    store.finish("p0", [1.0], [[0]])
+    loop.poll_once()
+    assert store.listed == 2 and len(loop.buffer) == 1  # listed instead, and p0 settled with the key it has

@@ -370,3 +370,37 @@ def test_a_hold_that_sees_no_recorded_request_come_stops_the_replay_saying_what_
     driver.pending = lambda version: next(finishing)
     driver.finish_version(2, check=lambda: None)
     assert written[-1]["version"] == 2
+
+
+def test_two_groups_of_one_prompt_in_flight_at_once_each_follow_one_recorded_group(tmp_path):
+    """P's two groups ask in turn, answer by answer (x0, y0, y1, x1), as verl's agent-loop tasks of two groups of
+    one prompt do when both are in flight: each group follows one recorded group (x the first asked, g1; y, g3),
+    each answer the member of its index. Claimed by prompt alone, x would take g1/a and g3/f: a group of two."""
+    schedule = ReplaySchedule.from_run(write_record(tmp_path / "run", RECORD), answers_per_prompt=2)
+    claims = [schedule.claim("P", uid, member) for uid, member in (("x", 0), ("y", 0), ("y", 1), ("x", 1))]
+    assert [c.name for c in claims] == ["g1/a", "g3/e", "g3/f", "g1/b"]
+    assert schedule.claim("P", "z", 0) is None  # no third recorded group of P: z generates freely
+
+
+def test_an_episode_claims_by_its_group_uid_and_answer_index(tmp_path):
+    """The client passes the agent-loop episode's uid and answer index (verl's ``uid``, ``session_id``) with the
+    prompt's digest: y's second answer asks first and gets g1's second member; x's first then gets g3's first."""
+    prompt = [7, 8]
+    digest = replay_client.token_digest(prompt)
+    record = [{**s, "prompt_digest": digest} if s["prompt_digest"] == "P" else s for s in RECORD]
+    conductor = ReplayConductor(ReplaySchedule.from_run(write_record(tmp_path / "run", record), 2))
+    replay_client._found["handle"] = _Remote(conductor)
+
+    async def episode(uid: str, member: int):
+        CURRENT_EPISODE.set(EpisodeRecord(group_uid=uid, session=member))
+        return await replay_client.claim_recorded(prompt)
+
+    async def both():
+        first = await episode("y", 1)
+        return first, await episode("x", 0)
+
+    try:
+        claims = asyncio.run(both())
+    finally:
+        replay_client._found.clear()
+    assert [c["name"] for c in claims] == ["g1/b", "g3/e"]
