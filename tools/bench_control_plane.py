@@ -317,8 +317,8 @@ class RayRig:
         self._rollout_side = (workers, response_length)
         from areal_plugins.trainers.settled_groups import drain_reports, start_inbox
 
-        inbox = start_inbox()
-        self.settled_reports = lambda: drain_reports(inbox)  # the workers report settled groups, as in a run
+        self.inbox = start_inbox()
+        self.settled_reports = lambda: drain_reports(self.inbox)  # the workers report settled groups, as in a run
 
     def _start_rollout_side(self) -> None:
         """verl's load balancer and the rollout workers, once (each imports verl: ~10 s of CPU)."""
@@ -385,6 +385,7 @@ class LocalRig:
         self.workers = [RolloutWorker(balancer, response_length, store=self.store) for _ in range(workers)]
         self.engines: list[Any] = []
         self.settled_reports = None  # no Ray: the admission loop lists the in-memory store
+        self.inbox = None
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
@@ -769,16 +770,16 @@ def run_once(
 
 
 def poll_scale_once(
-    store: Any, groups: int, answers: int, response_tokens: int, polls: int, reports: bool = False
+    store: Any, groups: int, answers: int, response_tokens: int, polls: int, reports: bool = False, inbox: Any = None
 ) -> dict[str, Any]:
     """Our admission loop against a partition holding ``groups`` finished groups of ``answers`` trajectories.
 
     ``reports``: the loop learns which groups settled from the workers' reports (trainers/settled_groups.py, as
-    in a run), having made its first look at the partition while it was still empty; else it lists the partition
-    on every poll. The first poll settles them all (fetch, build each :class:`Trajectory`, the accept hook, the
-    buffer): its CPU per trajectory. Then ``polls`` polls with nothing new, as while the trainer trains and the
-    engines generate: what one look at a partition of that many entries costs. CPU is the whole process's
-    (TransferQueue's client works in a thread of its own); nothing else runs meanwhile.
+    in a run, through the ``inbox`` actor when given), having made its first look at the partition while it was
+    still empty; else it lists the partition on every poll. The first poll settles them all (fetch, build each
+    :class:`Trajectory`, the accept hook, the buffer): its CPU per trajectory. Then ``polls`` polls with nothing
+    new, as while the trainer trains and the engines generate: what one look costs with that many entries held.
+    CPU is the whole process's (TransferQueue's client works in a thread of its own); nothing else runs meanwhile.
     """
     import torch
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
@@ -818,7 +819,15 @@ def poll_scale_once(
     timed = TimedStore(store)
     loop = timed_admission_loop(controller, buffer, lambda n: n, lambda _: True, POLL_S, timed, 2 * groups)
     loop.pause()  # nothing is submitted: only the look at the partition is measured
-    if reports:
+    if reports and inbox is not None:
+        import ray
+
+        from areal_plugins.trainers.settled_groups import drain_reports
+
+        drain_reports(inbox)  # nothing left from an earlier shape
+        ray.get([inbox.report.remote(uid, keys) for uid, keys in settled])
+        loop.settled_reports = lambda: drain_reports(inbox)
+    elif reports:
         loop.settled_reports = lambda: [settled.pop() for _ in range(len(settled))][::-1]
         loop._next_listing = time.monotonic() + 3600  # its first look, at an empty partition, was before the groups
     cpu, wall = time.process_time(), time.perf_counter()
@@ -854,14 +863,14 @@ POLL_MEASURES = (
 )
 
 
-def poll_scale(store: Any, shapes: list[tuple[int, int, int]], repeats: int, polls: int, out: Callable) -> list:
+def poll_scale(rig: Any, shapes: list[tuple[int, int, int]], repeats: int, polls: int, out: Callable) -> list:
     """:func:`poll_scale_once` per ``(groups, answers, response tokens)``, listing and with the workers' reports,
     shapes and modes interleaved within each repeat."""
     cases = [(*shape, reports) for shape in shapes for reports in (False, True)]
     results: dict[tuple[int, int, int, bool], list[dict[str, Any]]] = {case: [] for case in cases}
     for _ in range(repeats):
         for case in cases:
-            result = poll_scale_once(store, *case[:3], polls=polls, reports=case[3])
+            result = poll_scale_once(rig.store, *case[:3], polls=polls, reports=case[3], inbox=rig.inbox)
             results[case].append(result)
             out(f"poll scale {case}: {json.dumps(result)}")
     rows = []
@@ -999,7 +1008,7 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> d
     poll_rows = []
     try:
         if shapes:
-            poll_rows = poll_scale(rig.store, shapes, args.repeats, args.polls, out)
+            poll_rows = poll_scale(rig, shapes, args.repeats, args.polls, out)
         for repeat in range(args.repeats if configs else 0):  # configurations interleaved within each repeat
             for config in configs:
                 result = run_once(

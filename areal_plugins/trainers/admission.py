@@ -15,8 +15,10 @@ import hashlib
 import itertools
 import logging
 import struct
+import sys
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -351,8 +353,12 @@ def schedule_fields(trajectory: Trajectory) -> dict[str, Any]:
 
 
 def token_digest(token_ids: list[int]) -> str:
-    """A short, stable digest of a token sequence (16 hex digits of its SHA-256)."""
-    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
+    """A short, stable digest of a token sequence: 16 hex digits of the SHA-256 of its ids as little-endian
+    64-bit integers (packed in C: joining 4k ids as text cost a fifth of a trajectory's settling)."""
+    packed = array("q", token_ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return hashlib.sha256(packed.tobytes()).hexdigest()[:16]
 
 
 def logprobs_digest(logprobs: list[float]) -> str:
@@ -412,7 +418,13 @@ def group_trajectories(data: Any, uid: str) -> list[Trajectory]:
     for row, (prompt, tokens, mask, logprobs) in enumerate(zip(prompts, responses, masks, behavs, strict=True)):
         extra = data["extra_fields"][row]
         extra = dict(getattr(extra, "data", extra) or {})
-        response = [token for token, keep in zip(tokens, mask, strict=True) if keep]
+        if len(mask) != len(tokens):
+            raise MissingRolloutFieldError(
+                f"rollout group {uid}: {len(tokens)} response tokens but a response_mask of {len(mask)}"
+            )
+        whole = 0 not in mask  # every response token generated (single-turn): no copy through the mask
+        response = tokens if whole else [token for token, keep in zip(tokens, mask, strict=True) if keep]
+        behav = logprobs if whole else [value for value, keep in zip(logprobs, mask, strict=True) if keep]
         versions = list(extra.get("token_versions") or [])[: len(response)]
         if len(versions) < len(response):
             raise MissingRolloutFieldError(
@@ -425,7 +437,7 @@ def group_trajectories(data: Any, uid: str) -> list[Trajectory]:
             Trajectory(
                 prompt_ids=prompt,
                 response_ids=response,
-                behav_logprobs=[value for value, keep in zip(logprobs, mask, strict=True) if keep],
+                behav_logprobs=behav,
                 versions=versions,
                 reward=float(sum(scores[row])) if scores is not None else None,
                 group_id=uid,

@@ -375,3 +375,14 @@ def test_a_reported_key_that_is_gone_makes_the_poll_list_the_partition():
     store.finish("p0", [1.0], [[0]])
     loop.poll_once()
     assert store.listed == 2 and len(loop.buffer) == 1  # listed instead, and p0 settled with the key it has
+
+
+def test_a_token_digest_is_the_sha256_of_the_ids_as_little_endian_64_bit_integers():
+    import hashlib
+    import struct
+
+    from areal_plugins.trainers.admission import token_digest
+
+    expected = hashlib.sha256(struct.pack("<3q", 1, 2, 300000)).hexdigest()[:16]  # packed by hand
+    assert token_digest([1, 2, 300000]) == expected
+    assert token_digest([]) == hashlib.sha256(b"").hexdigest()[:16]
