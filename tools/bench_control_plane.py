@@ -110,10 +110,12 @@ class Config:
     answers: int
     eta: int
     engines: int
+    listing: bool = False  # the admission loop lists TransferQueue on every poll instead of reading the reports
 
     @property
     def name(self) -> str:
-        return f"{self.batch}x{self.answers} eta={self.eta} engines={self.engines}"
+        found_by = " listing" if self.listing else ""
+        return f"{self.batch}x{self.answers} eta={self.eta} engines={self.engines}{found_by}"
 
     @property
     def trajectories_per_step(self) -> int:
@@ -126,13 +128,16 @@ class Config:
 
     @classmethod
     def parse(cls, text: str) -> Config:
-        """``BxN:ETA:ENGINES``, e.g. ``512x16:4:8``."""
+        """``BxN:ETA:ENGINES``, e.g. ``512x16:4:8``; ``:listing`` after it lists TransferQueue on every poll (the
+        admission loop before the workers reported settled groups)."""
         try:
-            shape, eta, engines = text.split(":")
+            shape, eta, engines, *mode = text.split(":")
+            if mode not in ([], ["listing"]):
+                raise ValueError(mode)
             batch, answers = shape.lower().split("x")
-            return cls(int(batch), int(answers), int(eta), int(engines))
+            return cls(int(batch), int(answers), int(eta), int(engines), listing=bool(mode))
         except ValueError:
-            raise SystemExit(f"--configs: {text!r} is not BxN:ETA:ENGINES (e.g. 32x4:1:2)") from None
+            raise SystemExit(f"--configs: {text!r} is not BxN:ETA:ENGINES[:listing] (e.g. 32x4:1:2)") from None
 
 
 def summarize(config: Config, repeats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -645,7 +650,7 @@ def run_once(
         POLL_S,
         store,
         failure_limit=2 * config.batch,
-        settled_reports=rig.settled_reports,
+        settled_reports=None if config.listing else rig.settled_reports,
     )
     stats_latency: list[float] = []
     in_flight: list[int] = []

@@ -1,7 +1,8 @@
 """The async trainer's part of a checkpoint: ``areal_state.json`` beside verl's files, and the resume from it.
 
 verl's checkpoint holds the weights, the dataloader position and TransferQueue (the accepted groups and the
-prompts in flight). Ours holds the counters a resume restores; the admission counts restart as
+prompts in flight). Ours holds the counters a resume restores, and the output so far of the requests in flight
+(trainers/partial_outputs.py); the admission counts restart as
 ``accepted = v·B`` plus the restored groups, counted as running and settled once each (docs/design.md,
 Admission).
 """
@@ -47,13 +48,17 @@ def resume_folder(trainer_config: Any, version: int) -> str:
     return checkpoint_folder(trainer_config, version)
 
 
-def save_async_state(folder: str, version: int, counts: DrawCounts, controller: Any) -> None:
-    """Write ``areal_state.json`` into verl's checkpoint folder (called while admission is quiesced)."""
+def save_async_state(
+    folder: str, version: int, counts: DrawCounts, controller: Any, partials: dict[str, int] | None = None
+) -> None:
+    """Write ``areal_state.json`` into verl's checkpoint folder (called while admission is quiesced);
+    ``partials``: how many requests in flight, and tokens, the checkpoint kept (``areal_partials.jsonl``)."""
     state = {
         "version": version,
         "consumed_groups": counts.consumed_groups,
         "submissions": counts.submissions,
         "controller": controller.state_dict(),
+        "partials": partials or {"requests": 0, "tokens": 0},
     }
     with open(os.path.join(folder, ASYNC_STATE_FILE), "w") as handle:
         json.dump(state, handle)

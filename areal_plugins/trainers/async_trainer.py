@@ -55,6 +55,7 @@ from areal_plugins.trainers.async_checkpoint import (
 from areal_plugins.trainers.engine_stats import EngineStats
 from areal_plugins.trainers.hooked import HookedTrainerMixin
 from areal_plugins.trainers.llm_client import InterruptibleLLMClient
+from areal_plugins.trainers.partial_outputs import save_partials, start_resumed
 from areal_plugins.trainers.placements import placement_for
 from areal_plugins.trainers.replay_driver import ReplayDriver
 from areal_plugins.trainers.replica_pool import ReplicaPool, RolloutServerDiedError, weight_group_rebuilt_each_sync
@@ -123,6 +124,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         # verl builds engines in the trainer's workers only when this is True (colocated).
         self._enable_hybrid_replicas = self.placement.hybrid_replicas
         self.recorder = RunRecorder()
+        self._resumed_partials: Any = None  # the actor offering a resumed checkpoint's outputs in flight
         if self.recorder.run_dir is not None:  # before verl creates the workers that send records to it
             start_record_sink(self.recorder.run_dir)
         super().__init__(config)
@@ -359,7 +361,16 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         with self.manager.quiesce():
             super()._save_checkpoint()
             folder = checkpoint_folder(self.config.trainer, self.global_steps)
-            save_async_state(folder, self.global_steps, self.counts, self.manager.controller)
+            # The output so far of every request in flight: a resume continues them (partial_outputs.py).
+            partials = save_partials(folder, self.agent_loop_manager.agent_loop_workers)
+            save_async_state(folder, self.global_steps, self.counts, self.manager.controller, partials)
+
+    def _load_checkpoint(self) -> None:
+        """verl's; then, on a resume, the outputs its checkpoint kept, offered before any request is made."""
+        super()._load_checkpoint()
+        self._resumed_partials = None
+        if self.global_steps > 0:
+            self._resumed_partials = start_resumed(resume_folder(self.config.trainer, self.global_steps))
 
     def _stop_on_request(self) -> None:
         """Between two steps: checkpoint the last finished step (if checkpoints are on), then stop."""
@@ -397,6 +408,10 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     def _write_step_line(self, metrics: dict, timing_raw: dict, global_steps: int, now: float) -> None:
         metrics["areal/rollout_stats_errors"] = float(self.engine_stats.errors)
         metrics["areal/rollout_replicas"] = float(len(self.replica_pool.replicas))
+        if self._resumed_partials is not None:  # tokens a resume kept, and of them continued
+            counts = ray.get(self._resumed_partials.counts.remote())
+            metrics["areal/resume_saved_tokens"] = float(counts["saved"]["tokens"])
+            metrics["areal/resume_continued_tokens"] = float(counts["continued"]["tokens"])
         step_s = timing_raw.get("step", 0.0)
         write_step_line(self.recorder, metrics, global_steps, step_s, self._wait_s, self._step_started, now)
 

@@ -25,6 +25,7 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorke
 
 from areal_plugins.config.settings import ArealConfig
 from areal_plugins.trainers.episodes import CURRENT_EPISODE, EpisodeRecord
+from areal_plugins.trainers.partial_outputs import snapshot_in_flight
 from areal_plugins.trainers.settled_groups import report_settled
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,11 @@ class EpisodeAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):  # type: ig
             written = self._written_keys().pop(uid, [])
         if not trajectory["validate"]:  # verl's returns once the status is written (it catches its errors)
             await report_settled(uid, written)
+
+    async def areal_partials(self) -> list[dict[str, Any]]:
+        """The output so far of this worker's requests in flight, for a checkpoint (on the actor's event loop, so
+        no request is half-way through adding a chunk)."""
+        return snapshot_in_flight()
 
     def _written_keys(self) -> dict[str, list[str]]:
         return self.__dict__.setdefault("_written", {})

@@ -21,7 +21,9 @@ import ray
 from verl.workers.rollout.llm_server import LLMServerClient
 
 from areal_plugins.rollout.base import SEED_FIELD
+from areal_plugins.trainers.admission import token_digest
 from areal_plugins.trainers.episodes import CHUNKS_FIELD, CURRENT_EPISODE, version_fields
+from areal_plugins.trainers.partial_outputs import IN_FLIGHT, PartialOutput, take_resumed
 from areal_plugins.trainers.replay_client import claim_recorded, follow_record, replaying
 
 logger = logging.getLogger(__name__)
@@ -73,42 +75,54 @@ class InterruptibleLLMClient(LLMServerClient):
         params = dict(sampling_params)  # the caller reuses its dict across turns
         limit_key = "max_new_tokens" if "max_new_tokens" in params else "max_tokens"
         budget = params.get(limit_key) or self.config.actor_rollout_ref.rollout.response_length
-        token_ids: list[int] = []
-        log_probs: list[float] = []
-        versions: list[int] = []
-        chunks: list[list[Any]] = []  # [first token, version, seed] of each request that produced tokens
-        interrupts = failovers = 0
         episode = CURRENT_EPISODE.get()
         if episode is not None:
             episode.enter_engine()
-        while True:
-            params[limit_key] = budget - len(token_ids)
-            try:
-                output = await self._generate_once(
-                    request_id, prompt_ids=list(prompt_ids) + token_ids, sampling_params=params, **kwargs
-                )
-            except ray.exceptions.ActorDiedError as error:  # the server is gone for good (never restarted)
-                failovers += 1
-                if failovers > MAX_FAILOVERS:
-                    raise
-                await self._drop_dead_server(request_id, error)
-                continue
-            finally:
-                self._routed_to().pop(request_id, None)
-            chunk_versions = output.extra_fields.get("token_versions")
-            if chunk_versions is None:  # a backend without per-token versions: stamp the served version
-                chunk_versions = [output.extra_fields.get("global_steps", 0)] * len(output.token_ids)
-            if output.token_ids:
-                chunks.append([len(token_ids), chunk_versions[0], output.extra_fields.get(SEED_FIELD)])
-            token_ids.extend(output.token_ids)
-            if output.log_probs is not None:
-                log_probs.extend(output.log_probs)
-            versions.extend(chunk_versions)
-            if output.stop_reason not in ABORTED or len(token_ids) >= budget:
-                break
-            interrupts += 1
-            if not output.token_ids:  # a server rejecting requests while paused: do not spin
-                await asyncio.sleep(0.01)
+        answer = None
+        if episode is not None and episode.group_uid is not None and episode.session is not None:
+            answer = (episode.group_uid, episode.session)
+        partial = None
+        if answer is not None:  # a resumed run continues the output its checkpoint kept for this answer
+            digest = token_digest(list(prompt_ids))
+            partial = await take_resumed(*answer, digest) or PartialOutput(digest)
+            IN_FLIGHT[answer] = partial  # what a checkpoint keeps of this request
+        partial = partial or PartialOutput("")
+        # The lists are extended in place: the checkpoint's copy sees every finished request.
+        token_ids, log_probs, versions, chunks = partial.tokens, partial.log_probs, partial.versions, partial.chunks
+        failovers = 0
+        try:
+            while True:
+                params[limit_key] = budget - len(token_ids)
+                try:
+                    output = await self._generate_once(
+                        request_id, prompt_ids=list(prompt_ids) + token_ids, sampling_params=params, **kwargs
+                    )
+                except ray.exceptions.ActorDiedError as error:  # the server is gone for good (never restarted)
+                    failovers += 1
+                    if failovers > MAX_FAILOVERS:
+                        raise
+                    await self._drop_dead_server(request_id, error)
+                    continue
+                finally:
+                    self._routed_to().pop(request_id, None)
+                chunk_versions = output.extra_fields.get("token_versions")
+                if chunk_versions is None:  # a backend without per-token versions: stamp the served version
+                    chunk_versions = [output.extra_fields.get("global_steps", 0)] * len(output.token_ids)
+                if output.token_ids:
+                    chunks.append([len(token_ids), chunk_versions[0], output.extra_fields.get(SEED_FIELD)])
+                token_ids.extend(output.token_ids)
+                if output.log_probs is not None:
+                    log_probs.extend(output.log_probs)
+                versions.extend(chunk_versions)
+                if output.stop_reason not in ABORTED or len(token_ids) >= budget:
+                    break
+                partial.interrupts += 1
+                if not output.token_ids:  # a server rejecting requests while paused: do not spin
+                    await asyncio.sleep(0.01)
+        finally:
+            if answer is not None:
+                IN_FLIGHT.pop(answer, None)
+        interrupts = partial.interrupts
         if episode is not None:
             episode.add_turn(versions, interrupts, chunks)
         extra = {**output.extra_fields, **version_fields(versions), "num_interrupts": interrupts, CHUNKS_FIELD: chunks}

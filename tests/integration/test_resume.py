@@ -110,3 +110,38 @@ def test_the_dataloader_continues_where_the_checkpoint_left_it(resumed_run):
 def test_no_sample_beyond_the_staleness_bound_uncounted_after_resume(resumed_run):
     _, after, _, _ = resumed_run
     assert_within_staleness_bound(after["areal_samples.jsonl"], after["areal_steps.jsonl"], MAX_STALENESS)
+
+
+def test_requests_in_flight_at_the_checkpoint_continue_from_their_saved_output(resumed_run):
+    """The checkpoint kept the output so far of the requests in flight; the resumed run continued them instead of
+    generating them again. Checked from the records: a trained answer of a saved request begins with the saved
+    requests (their first token, version and the seed each was sampled with) and goes on with more."""
+    _, after, restored, run_dir = resumed_run
+    folder = run_dir / "checkpoints" / f"global_step_{CHECKPOINT_STEP}"
+    partials = read_jsonl(folder / "areal_partials.jsonl")
+    assert partials, "no request had output in flight at the checkpoint"
+    saved_tokens = sum(len(p["tokens"]) for p in partials)
+    assert json.loads((folder / "areal_state.json").read_text())["partials"] == {
+        "requests": len(partials),
+        "tokens": saved_tokens,
+    }
+    assert {p["uid"] for p in partials} <= set(restored["uids"])  # only groups in flight at the checkpoint
+    saved = {(p["uid"], p["session"]): p for p in partials}
+    continued = []
+    for sample in after["areal_samples.jsonl"]:
+        uid, session, _ = sample["key"].rsplit("_", 2)
+        partial = saved.get((uid, int(session)))
+        if partial is not None:
+            assert sample["chunks"][: len(partial["chunks"])] == partial["chunks"], (sample, partial)
+            assert sample["num_interrupts"] >= partial["interrupts"] + 1  # the resume cut it once more
+            assert sample["head_version"] == partial["versions"][0] < CHECKPOINT_STEP + 1
+            continued.append(partial)
+    assert continued, "no trained answer continued a request saved in the checkpoint"
+    last = read_jsonl(run_dir / "areal_steps.jsonl")[-1]
+    assert last["areal/resume_saved_tokens"] == saved_tokens
+    assert last["areal/resume_continued_tokens"] >= sum(len(p["tokens"]) for p in continued)
+    print(  # the measure: tokens a resume generated again, before (all that was saved) and now
+        f"resume: {len(partials)} requests with {saved_tokens} tokens in flight at the checkpoint; "
+        f"{int(last['areal/resume_continued_tokens'])} tokens continued, "
+        f"{saved_tokens - int(last['areal/resume_continued_tokens'])} generated again (before: all {saved_tokens})"
+    )

@@ -47,8 +47,11 @@ def test_configurations_and_the_request_bound():
     assert (config.batch, config.answers, config.eta, config.engines) == (512, 16, 4, 8)
     assert config.requests_bound == 40_960  # (η + 1) x B x n: the issue's ~41,000 requests in flight
     assert config.trajectories_per_step == 8192
+    assert not config.listing and bench.Config.parse("512x16:4:8:listing").listing
     with pytest.raises(SystemExit, match="BxN:ETA:ENGINES"):
         bench.Config.parse("512x16")
+    with pytest.raises(SystemExit, match="BxN:ETA:ENGINES"):
+        bench.Config.parse("512x16:4:8:lists")
 
 
 def test_other_processes_cpu_by_role_counts_new_processes_from_zero():

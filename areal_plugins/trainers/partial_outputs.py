@@ -1,0 +1,130 @@
+"""Requests in flight kept across a checkpoint: their output so far, so that a resumed run continues them.
+
+Each agent-loop worker's rollout client keeps the output so far of every request it is generating, by episode
+answer (verl's prompt uid and answer index): :data:`IN_FLIGHT`. A checkpoint collects them from every worker into
+``areal_partials.jsonl`` beside verl's files. When a run resumes, the trainer starts one actor holding what that file
+saved, before any request is made; verl re-issues the prompts that were in flight under their uids, and a request of
+the same uid, answer index and prompt takes its saved output and asks the engine only for the rest: its tokens keep
+the versions they were generated under, and the resume counts as one more interruption (docs/faults.md,
+Requests in flight at a checkpoint).
+
+Without this, verl regenerates every in-flight prompt from scratch on resume (as SkyRL and slime do).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: The file a checkpoint keeps them in, in verl's ``global_step_N/``.
+PARTIALS_FILE = "areal_partials.jsonl"
+RESUMED_NAME = "areal_resumed_partials"
+
+
+@dataclass
+class PartialOutput:
+    """One request's output so far. The client extends these lists in place as its requests return."""
+
+    prompt_digest: str
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    chunks: list[list[Any]] = field(default_factory=list)  # [first token, version, seed] per request
+    interrupts: int = 0
+
+
+#: This worker process's requests in flight, by (prompt uid, answer index).
+IN_FLIGHT: dict[tuple[str, int], PartialOutput] = {}
+
+
+def snapshot_in_flight() -> list[dict[str, Any]]:
+    """This worker's requests in flight that have output (called on its event loop: a consistent copy)."""
+    return [
+        {"uid": uid, "session": session, **asdict(partial)}
+        for (uid, session), partial in IN_FLIGHT.items()
+        if partial.tokens
+    ]
+
+
+def save_partials(folder: str, workers: list[Any]) -> dict[str, int]:
+    """Collect every worker's requests in flight into ``folder``; return how many requests and tokens."""
+    import ray
+
+    partials = [partial for found in ray.get([w.areal_partials.remote() for w in workers]) for partial in found]
+    with open(Path(folder) / PARTIALS_FILE, "w") as handle:
+        for partial in partials:
+            handle.write(json.dumps(partial) + "\n")
+    return {"requests": len(partials), "tokens": sum(len(p["tokens"]) for p in partials)}
+
+
+class ResumedPartials:
+    """Ray actor: the outputs a checkpoint saved, each taken at most once by the request that continues it."""
+
+    def __init__(self, partials: list[dict[str, Any]]) -> None:
+        self.partials = {(p["uid"], int(p["session"])): p for p in partials}
+        self.saved = {"requests": len(partials), "tokens": sum(len(p["tokens"]) for p in partials)}
+        self.continued = {"requests": 0, "tokens": 0}
+
+    def take(self, uid: str, session: int, prompt_digest: str) -> dict[str, Any] | None:
+        """The saved output of this answer, if its prompt is the one it was generated for; "empty" when none is
+        left (the caller stops asking)."""
+        if not self.partials:
+            return {"empty": True}
+        partial = self.partials.pop((uid, session), None)
+        if partial is None or partial["prompt_digest"] != prompt_digest:  # another turn's prompt: generate anew
+            return None
+        self.continued["requests"] += 1
+        self.continued["tokens"] += len(partial["tokens"])
+        return partial
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        return {"saved": self.saved, "continued": self.continued}
+
+
+def start_resumed(folder: str) -> Any | None:
+    """The actor holding ``folder``'s saved outputs (started before any request is made); None without any."""
+    import ray
+
+    path = Path(folder) / PARTIALS_FILE
+    if not path.is_file():
+        return None
+    partials = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    logger.info("areal: %d requests in flight at the checkpoint continue from their saved output", len(partials))
+    return ray.remote(ResumedPartials).options(name=RESUMED_NAME, num_cpus=0).remote(partials)
+
+
+_resumed: dict[str, Any] = {}
+
+
+async def take_resumed(uid: str, session: int, prompt_digest: str) -> PartialOutput | None:
+    """A client's look for a saved output to continue: one lookup of the actor per process, then one call per
+    request until the actor has none left."""
+    import ray
+
+    if "actor" not in _resumed:
+        try:
+            _resumed["actor"] = ray.get_actor(RESUMED_NAME)
+        except ValueError:
+            _resumed["actor"] = None
+    actor = _resumed["actor"]
+    if actor is None:
+        return None
+    found = await actor.take.remote(uid, session, prompt_digest)
+    if found is None:
+        return None
+    if found.get("empty"):
+        _resumed["actor"] = None
+        return None
+    return PartialOutput(
+        prompt_digest=found["prompt_digest"],
+        tokens=list(found["tokens"]),
+        log_probs=list(found["log_probs"]),
+        versions=list(found["versions"]),
+        chunks=[list(chunk) for chunk in found["chunks"]],
+        interrupts=int(found["interrupts"]) + 1,  # the resume cut it once more
+    )
