@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides", nargs="*", help="Hydra overrides to change a setting, e.g. actor_rollout_ref.actor.optim.lr=2e-5"
     )
     replay.add_argument("--until", type=int, default=None, help="last step to replay (default: every recorded step)")
+    replay.add_argument(
+        "--from-checkpoint",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="start from the recorded run's checkpoint of STEP and replay the steps after it (colocated runs)",
+    )
     replay.add_argument("--out", type=Path, default=None, help="the replay's run directory (default: RUN_DIR-replay)")
     commands.add_parser("bench", help="async vs sync benchmark (tools/bench.py; --help there)", add_help=False)
     add_plan_arguments(
@@ -205,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "replay":
         from areal_plugins.run.replay import replay
 
-        return replay(args.run_dir, args.out, args.until, args.overrides)
+        return replay(args.run_dir, args.out, args.until, args.overrides, args.from_checkpoint)
     if args.command == "build-tiny":
         ensure_tiny_assets(args.out, force=args.force, workload=args.workload)
         logger.info("tiny model and data in %s", args.out)

@@ -132,9 +132,19 @@ class ReplayConfig:
         },
     )
 
+    from_step: int = field(
+        default=0,
+        metadata={
+            "help": "0: replay from the first step; S: from the recorded run's checkpoint of step S (colocated runs). "
+            "Set by areal-plugins replay --from-checkpoint"
+        },
+    )
+
     def __post_init__(self) -> None:
         if self.run_dir is not None and not isinstance(self.run_dir, str):
             raise ArealConfigError(f"areal.replay.run_dir must be a run directory's path or null, got {self.run_dir!r}")
+        if isinstance(self.from_step, bool) or not isinstance(self.from_step, int) or self.from_step < 0:
+            raise ArealConfigError(f"areal.replay.from_step must be a step number >= 0, got {self.from_step!r}")
 
 
 @dataclass(frozen=True)

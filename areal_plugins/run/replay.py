@@ -36,10 +36,36 @@ FIXED_SETTINGS = (
     "actor_rollout_ref.rollout.engine_kwargs",
     "trainer.total_training_steps",
     "trainer.resume_mode",
+    "trainer.resume_from_path",
+    "trainer.default_local_dir",
 )
 #: A replay does not validate: verl's validation asks the same agent loop, whose requests would take the recorded
 #: trajectories of prompts the validation set shares with the training set.
 NO_VALIDATION = ("trainer.val_before_train=false", "trainer.test_freq=-1")
+#: Nor does it checkpoint: it cannot be resumed (a restart would pick up mid-record), and with the recorded run's own
+#: trainer.default_local_dir it would write over the recorded checkpoints.
+NO_CHECKPOINTS = ("trainer.save_freq=-1",)
+
+
+def resume_from(run_dir: Path, recorded_overrides: list[str], step: int, until: int) -> list[str]:
+    """The overrides that start a replay from the recorded run's checkpoint of ``step`` (refused without one)."""
+    from areal_plugins.run.cluster_env import override_value
+
+    checkpoints = Path(override_value(recorded_overrides, "trainer.default_local_dir") or run_dir / "checkpoints")
+    folder = checkpoints / f"global_step_{step}"
+    if not (folder / "areal_state.json").is_file():
+        saved = sorted(path.name for path in checkpoints.glob("global_step_*")) if checkpoints.is_dir() else []
+        raise SystemExit(
+            f"--from-checkpoint {step}: {folder} is not a checkpoint of this run (it has {saved or 'none'}; record "
+            "with trainer.save_freq to keep some)"
+        )
+    if not step < until:
+        raise SystemExit(f"--from-checkpoint {step} --until {until}: the replay would train no step")
+    return [
+        "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={folder}",
+        f"areal.replay.from_step={step}",
+    ]
 
 
 def refused_overrides(overrides: list[str]) -> list[str]:
@@ -48,9 +74,12 @@ def refused_overrides(overrides: list[str]) -> list[str]:
     return [override for override, key in keys.items() if any(key.startswith(fixed) for fixed in FIXED_SETTINGS)]
 
 
-def replay(run_dir: Path, out: Path | None, until: int | None, overrides: list[str]) -> int:
+def replay(
+    run_dir: Path, out: Path | None, until: int | None, overrides: list[str], from_checkpoint: int | None = None
+) -> int:
     """Replay ``run_dir`` into ``out`` up to step ``until`` (default: every recorded step) with ``overrides`` added
-    (a changed setting); 0 when the replay matched the record, 1 when it left it, else verl's exit code."""
+    (a changed setting), from its start or from its checkpoint of step ``from_checkpoint``; 0 when the replay matched
+    the record, 1 when it left it, else verl's exit code."""
     run_dir = run_dir.resolve()
     args_path = run_dir / RUN_ARGS_FILE
     if not args_path.is_file():
@@ -71,6 +100,9 @@ def replay(run_dir: Path, out: Path | None, until: int | None, overrides: list[s
     until = steps if until is None else until
     if not 1 <= until <= steps:
         raise SystemExit(f"--until {until}: the record holds steps 1-{steps}")
+    start = ["trainer.resume_mode=disable"]
+    if from_checkpoint is not None:
+        start = resume_from(run_dir, recorded["overrides"], from_checkpoint, until)
     out = (out or run_dir.parent / f"{run_dir.name}-replay").resolve()
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"{out} is not empty (an earlier replay?): pass another --out, or remove it")
@@ -82,9 +114,10 @@ def replay(run_dir: Path, out: Path | None, until: int | None, overrides: list[s
             *recorded["overrides"],
             *overrides,
             *NO_VALIDATION,
+            *NO_CHECKPOINTS,
             f"areal.replay.run_dir={run_dir}",
             f"trainer.total_training_steps={until}",
-            "trainer.resume_mode=disable",
+            *start,
         ],
         out,
         tiny_dir,

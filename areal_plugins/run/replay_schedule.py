@@ -9,6 +9,7 @@ Pure Python: the Ray side is :mod:`areal_plugins.run.replay_conductor`.
 
 from __future__ import annotations
 
+import json
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +41,13 @@ class ReplaySchedule:
     """The recorded steps (groups in consumption order) and, per prompt, its recorded groups in submission order.
 
     Args:
-        steps: per trained step, in step order, its groups in the order the step consumed them.
+        steps: per trained step from ``first_step`` on, in step order, its groups in the order the step consumed them.
         answers_per_prompt: requests per prompt group (``rollout.n``).
         submitted: per prompt (token digest), the groups the recorded run submitted, in order; None for a group it
             never trained (rejected, or in flight when it ended). Default: the trained groups in training order.
+        first_step: the first step replayed; above 1, the replay resumed from the checkpoint of ``first_step - 1``.
+        carried: with ``first_step`` above 1, the uids of the groups drawn before that checkpoint (in flight or
+            finished at it: the resumed run keeps their uids), each with the group it was trained as, or None.
     """
 
     def __init__(
@@ -51,8 +55,12 @@ class ReplaySchedule:
         steps: list[list[RecordedGroup]],
         answers_per_prompt: int,
         submitted: dict[str, list[RecordedGroup | None]] | None = None,
+        first_step: int = 1,
+        carried: dict[str, RecordedGroup | None] | None = None,
     ) -> None:
         self.steps = steps
+        self.first_step = first_step
+        self.carried = carried or {}
         self.answers = answers_per_prompt
         if submitted is None:
             submitted = {}
@@ -62,13 +70,34 @@ class ReplaySchedule:
         self._queues = {digest: deque(groups) for digest, groups in submitted.items()}
         self._current: dict[str, tuple[RecordedGroup | None, int]] = {}  # the group being handed out, members handed
         self._by_group: dict[str, RecordedGroup | None] = {}  # replayed group uid -> the recorded group it follows
+        # What the replay generates: after a checkpoint of step S the engines serve S, and every request under an
+        # earlier version was generated before it (its output is in TransferQueue or the checkpoint's partials).
+        resumed_version = first_step - 1
         self.chunks_per_version = Counter(
-            request.version for groups in steps for g in groups for t in g.trajectories for request in t.plan
+            request.version
+            for groups in steps
+            for g in groups
+            for t in g.trajectories
+            for request in t.plan
+            if request.version >= resumed_version
         )
 
+    def groups_of_step(self, step: int) -> list[RecordedGroup]:
+        """The groups the recorded run trained at ``step`` (from :attr:`first_step` on), in its order."""
+        index = step - self.first_step
+        if not 0 <= index < len(self.steps):
+            last = self.first_step + len(self.steps) - 1
+            raise ReplayError(f"the record ends at step {last}: replay with --until {last}")
+        return self.steps[index]
+
+    @property
+    def trained_groups(self) -> set[str]:
+        return {group.group for groups in self.steps for group in groups}
+
     @classmethod
-    def from_run(cls, run_dir: Path, answers_per_prompt: int) -> ReplaySchedule:
-        """The schedule of the run recorded in ``run_dir``; refuses a record a replay could not follow."""
+    def from_run(cls, run_dir: Path, answers_per_prompt: int, checkpoint: Path | None = None) -> ReplaySchedule:
+        """The schedule of the run recorded in ``run_dir``, from its start or from ``checkpoint`` (its folder of step
+        S: the replay then trains steps S+1 on); refuses a record a replay could not follow."""
         path = run_dir / "areal_samples.jsonl"
         if not path.is_file():
             raise ReplayError(
@@ -104,7 +133,14 @@ class ReplaySchedule:
                     )
             steps.append([RecordedGroup(group, tuple(members)) for group, members in groups.items()])
         submissions = read_jsonl(run_dir / "areal_submissions.jsonl")
-        return cls(steps, answers_per_prompt, submission_order(steps, submissions) if submissions else None)
+        if checkpoint is None:
+            return cls(steps, answers_per_prompt, submission_order(steps, submissions) if submissions else None)
+        resumed = int(checkpoint.name.rsplit("_", 1)[-1])
+        drawn = json.loads((checkpoint / "areal_state.json").read_text())["submissions"]
+        later = steps[resumed:]
+        trained = {group.group: group for groups in later for group in groups}
+        carried = {uid: trained.get(uid) for line in submissions[:drawn] for uid in line["uids"]}
+        return cls(later, answers_per_prompt, submission_order(later, submissions[drawn:]), resumed + 1, carried)
 
     def claim(
         self, prompt_digest: str, group_key: str | None = None, member: int | None = None
@@ -117,6 +153,8 @@ class ReplaySchedule:
         of one prompt in flight at once never mix. Without them, the prompt's requests take the members of its
         next recorded group in turn (a caller that cannot say which group a request belongs to)."""
         if group_key is not None and member is not None:
+            if group_key in self.carried:  # drawn before the resumed checkpoint: the group it was trained as
+                self._by_group[group_key] = self.carried[group_key]
             if group_key not in self._by_group:
                 queue = self._queues.get(prompt_digest)
                 self._by_group[group_key] = queue.popleft() if queue else None

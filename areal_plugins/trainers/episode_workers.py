@@ -25,7 +25,7 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorke
 
 from areal_plugins.config.settings import ArealConfig
 from areal_plugins.trainers.episodes import CURRENT_EPISODE, EpisodeRecord
-from areal_plugins.trainers.partial_outputs import snapshot_in_flight
+from areal_plugins.trainers.partial_outputs import forget_group, snapshot_in_flight
 from areal_plugins.trainers.settled_groups import report_settled
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class EpisodeAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):  # type: ig
             await super()._run_prompt(prompt, sampling_params, trajectory=trajectory, trace=trace)
         finally:
             written = self._written_keys().pop(uid, [])
+            forget_group(uid)  # its answers' outputs were kept for a checkpoint until now
         if not trajectory["validate"]:  # verl's returns once the status is written (it catches its errors)
             await report_settled(uid, written)
 

@@ -23,7 +23,7 @@ from verl.workers.rollout.llm_server import LLMServerClient
 from areal_plugins.rollout.base import SEED_FIELD
 from areal_plugins.trainers.admission import token_digest
 from areal_plugins.trainers.episodes import CHUNKS_FIELD, CURRENT_EPISODE, version_fields
-from areal_plugins.trainers.partial_outputs import IN_FLIGHT, PartialOutput, take_resumed
+from areal_plugins.trainers.partial_outputs import PartialOutput, finished_output, keep, take_resumed
 from areal_plugins.trainers.replay_client import claim_recorded, follow_record, replaying
 
 logger = logging.getLogger(__name__)
@@ -66,71 +66,72 @@ class InterruptibleLLMClient(LLMServerClient):
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any):
         from verl.workers.rollout.replica import TokenOutput
 
+        episode = CURRENT_EPISODE.get()
+        answer = None
+        if episode is not None and episode.group_uid is not None and episode.session is not None:
+            answer = (episode.group_uid, episode.session)
         if replaying(self.config):  # a replay: the request follows a recorded trajectory, where the record has one
             recorded = await claim_recorded(prompt_ids)
             if recorded is not None:
+                resumed = await take_resumed(*answer, token_digest(list(prompt_ids))) if answer else None
                 return await follow_record(
-                    self._generate_once, request_id, prompt_ids, sampling_params, recorded, **kwargs
+                    self._generate_once, request_id, prompt_ids, sampling_params, recorded, resumed, **kwargs
                 )
         params = dict(sampling_params)  # the caller reuses its dict across turns
         limit_key = "max_new_tokens" if "max_new_tokens" in params else "max_tokens"
         budget = params.get(limit_key) or self.config.actor_rollout_ref.rollout.response_length
-        episode = CURRENT_EPISODE.get()
         if episode is not None:
             episode.enter_engine()
-        answer = None
-        if episode is not None and episode.group_uid is not None and episode.session is not None:
-            answer = (episode.group_uid, episode.session)
         partial = None
         if answer is not None:  # a resumed run continues the output its checkpoint kept for this answer
             digest = token_digest(list(prompt_ids))
             partial = await take_resumed(*answer, digest) or PartialOutput(digest)
-            IN_FLIGHT[answer] = partial  # what a checkpoint keeps of this request
+            keep(*answer, partial)  # what a checkpoint keeps of this request, until its group settles
+            if partial.stop_reason is not None:  # it had finished before the checkpoint: as it was
+                return finished_output(partial, episode)
         partial = partial or PartialOutput("")
         # The lists are extended in place: the checkpoint's copy sees every finished request.
         token_ids, log_probs, versions, chunks = partial.tokens, partial.log_probs, partial.versions, partial.chunks
         failovers = 0
-        try:
-            while True:
-                params[limit_key] = budget - len(token_ids)
-                try:
-                    output = await self._generate_once(
-                        request_id, prompt_ids=list(prompt_ids) + token_ids, sampling_params=params, **kwargs
-                    )
-                except ray.exceptions.ActorDiedError as error:  # the server is gone for good (never restarted)
-                    failovers += 1
-                    if failovers > MAX_FAILOVERS:
-                        raise
-                    await self._drop_dead_server(request_id, error)
-                    continue
-                finally:
-                    self._routed_to().pop(request_id, None)
-                chunk_versions = output.extra_fields.get("token_versions")
-                if chunk_versions is None:  # a backend without per-token versions: stamp the served version
-                    chunk_versions = [output.extra_fields.get("global_steps", 0)] * len(output.token_ids)
-                if output.token_ids:
-                    chunks.append([len(token_ids), chunk_versions[0], output.extra_fields.get(SEED_FIELD)])
-                token_ids.extend(output.token_ids)
-                if output.log_probs is not None:
-                    log_probs.extend(output.log_probs)
-                versions.extend(chunk_versions)
-                if output.stop_reason not in ABORTED or len(token_ids) >= budget:
-                    break
-                partial.interrupts += 1
-                if not output.token_ids:  # a server rejecting requests while paused: do not spin
-                    await asyncio.sleep(0.01)
-        finally:
-            if answer is not None:
-                IN_FLIGHT.pop(answer, None)
+        while True:
+            params[limit_key] = budget - len(token_ids)
+            try:
+                output = await self._generate_once(
+                    request_id, prompt_ids=list(prompt_ids) + token_ids, sampling_params=params, **kwargs
+                )
+            except ray.exceptions.ActorDiedError as error:  # the server is gone for good (never restarted)
+                failovers += 1
+                if failovers > MAX_FAILOVERS:
+                    raise
+                await self._drop_dead_server(request_id, error)
+                continue
+            finally:
+                self._routed_to().pop(request_id, None)
+            chunk_versions = output.extra_fields.get("token_versions")
+            if chunk_versions is None:  # a backend without per-token versions: stamp the served version
+                chunk_versions = [output.extra_fields.get("global_steps", 0)] * len(output.token_ids)
+            if output.token_ids:
+                chunks.append([len(token_ids), chunk_versions[0], output.extra_fields.get(SEED_FIELD)])
+            token_ids.extend(output.token_ids)
+            if output.log_probs is not None:
+                log_probs.extend(output.log_probs)
+            versions.extend(chunk_versions)
+            if output.stop_reason not in ABORTED or len(token_ids) >= budget:
+                break
+            partial.interrupts += 1
+            if not output.token_ids:  # a server rejecting requests while paused: do not spin
+                await asyncio.sleep(0.01)
         interrupts = partial.interrupts
         if episode is not None:
             episode.add_turn(versions, interrupts, chunks)
-        extra = {**output.extra_fields, **version_fields(versions), "num_interrupts": interrupts, CHUNKS_FIELD: chunks}
+        extra = {**output.extra_fields, **version_fields(versions), "num_interrupts": interrupts}
+        extra[CHUNKS_FIELD] = [list(chunk) for chunk in chunks]
         extra.pop(SEED_FIELD, None)  # the last request's: each request's seed is in its chunk
         stop_reason = "length" if output.stop_reason in ABORTED else output.stop_reason
-        return TokenOutput(
-            token_ids=token_ids,
-            log_probs=log_probs if output.log_probs is not None or log_probs else None,
+        partial.stop_reason = stop_reason
+        return TokenOutput(  # copies: the kept output must not change with what the agent loop does to these
+            token_ids=list(token_ids),
+            log_probs=list(log_probs) if output.log_probs is not None or log_probs else None,
             stop_reason=stop_reason,
             num_preempted=output.num_preempted,
             extra_fields=extra,

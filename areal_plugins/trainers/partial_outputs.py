@@ -1,7 +1,9 @@
 """Requests in flight kept across a checkpoint: their output so far, so that a resumed run continues them.
 
 Each agent-loop worker's rollout client keeps the output so far of every request it is generating, by episode
-answer (verl's prompt uid and answer index): :data:`IN_FLIGHT`. A checkpoint collects them from every worker into
+answer (verl's prompt uid and answer index): :data:`IN_FLIGHT`. An answer that finished stays there, marked with
+its stop reason, until its whole group has (verl re-issues a group in flight as a whole: its finished answers are
+taken back as they were, not generated again). A checkpoint collects them from every worker into
 ``areal_partials.jsonl`` beside verl's files. When a run resumes, the trainer starts one actor holding what that file
 saved, before any request is made; verl re-issues the prompts that were in flight under their uids, and a request of
 the same uid, answer index and prompt takes its saved output and asks the engine only for the rest: its tokens keep
@@ -36,18 +38,29 @@ class PartialOutput:
     versions: list[int] = field(default_factory=list)
     chunks: list[list[Any]] = field(default_factory=list)  # [first token, version, seed] per request
     interrupts: int = 0
+    stop_reason: str | None = None  # set once the answer finished (its group may still be generating)
 
 
-#: This worker process's requests in flight, by (prompt uid, answer index).
-IN_FLIGHT: dict[tuple[str, int], PartialOutput] = {}
+#: This worker process's answers of groups not settled yet: prompt uid -> answer index -> output so far.
+IN_FLIGHT: dict[str, dict[int, PartialOutput]] = {}
+
+
+def keep(uid: str, session: int, partial: PartialOutput) -> None:
+    IN_FLIGHT.setdefault(uid, {})[session] = partial
+
+
+def forget_group(uid: str) -> None:
+    """The group settled (its final status is written): nothing of it is kept any longer."""
+    IN_FLIGHT.pop(uid, None)
 
 
 def snapshot_in_flight() -> list[dict[str, Any]]:
-    """This worker's requests in flight that have output (called on its event loop: a consistent copy)."""
+    """This worker's answers with output, of groups not settled (called on its event loop: a consistent copy)."""
     return [
         {"uid": uid, "session": session, **asdict(partial)}
-        for (uid, session), partial in IN_FLIGHT.items()
-        if partial.tokens
+        for uid, answers in IN_FLIGHT.items()
+        for session, partial in answers.items()
+        if partial.tokens or partial.stop_reason is not None
     ]
 
 
@@ -98,6 +111,25 @@ def start_resumed(folder: str) -> Any | None:
     return ray.remote(ResumedPartials).options(name=RESUMED_NAME, num_cpus=0).remote(partials)
 
 
+def finished_output(partial: PartialOutput, episode: Any) -> Any:
+    """verl's ``TokenOutput`` of an answer that had finished before the checkpoint, as the client returned it then
+    (the engine's own extra fields aside, which the trained record does not use)."""
+    from verl.workers.rollout.replica import TokenOutput
+
+    from areal_plugins.trainers.episodes import CHUNKS_FIELD, version_fields
+
+    if episode is not None:
+        episode.add_turn(partial.versions, partial.interrupts, partial.chunks)
+    extra = version_fields(partial.versions) | {"num_interrupts": partial.interrupts}
+    extra[CHUNKS_FIELD] = [list(chunk) for chunk in partial.chunks]
+    return TokenOutput(
+        token_ids=list(partial.tokens),
+        log_probs=list(partial.log_probs) if partial.log_probs else None,
+        stop_reason=partial.stop_reason,
+        extra_fields=extra,
+    )
+
+
 _resumed: dict[str, Any] = {}
 
 
@@ -126,5 +158,7 @@ async def take_resumed(uid: str, session: int, prompt_digest: str) -> PartialOut
         log_probs=list(found["log_probs"]),
         versions=list(found["versions"]),
         chunks=[list(chunk) for chunk in found["chunks"]],
-        interrupts=int(found["interrupts"]) + 1,  # the resume cut it once more
+        # A request still generating was cut once more by the resume; a finished one is taken as it was.
+        interrupts=int(found["interrupts"]) + (found.get("stop_reason") is None),
+        stop_reason=found.get("stop_reason"),
     )

@@ -21,6 +21,7 @@ from areal_plugins.run.replay_conductor import find_conductor
 from areal_plugins.run.replay_schedule import REPLAY_OF
 from areal_plugins.trainers.admission import token_digest
 from areal_plugins.trainers.episodes import CHUNKS_FIELD, CURRENT_EPISODE, version_fields
+from areal_plugins.trainers.partial_outputs import PartialOutput
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +60,11 @@ async def follow_record(
     prompt_ids: list[int],
     sampling_params: dict[str, Any],
     recorded: dict[str, Any],
+    resumed: PartialOutput | None = None,
     **kwargs: Any,
 ) -> Any:
-    """Generate the recorded trajectory ``recorded`` request by request; verl's ``TokenOutput``."""
+    """Generate the recorded trajectory ``recorded`` request by request; verl's ``TokenOutput``. ``resumed``: what
+    the replay's starting checkpoint kept of it (its requests before the checkpoint are not asked again)."""
     from verl.workers.rollout.replica import TokenOutput
 
     conductor = _conductor()
@@ -69,15 +72,18 @@ async def follow_record(
     if episode is not None:  # waiting for a version is the engine's time, as a request parked at its gate
         episode.enter_engine()
     limit_key = "max_new_tokens" if "max_new_tokens" in sampling_params else "max_tokens"
-    tokens: list[int] = []
-    log_probs: list[float] = []
-    versions: list[int] = []
-    chunks: list[list[Any]] = []
+    resumed = resumed or PartialOutput("")
+    tokens, log_probs = list(resumed.tokens), list(resumed.log_probs)
+    versions, chunks = list(resumed.versions), [list(chunk) for chunk in resumed.chunks]
     output = None
+    stop_reason = resumed.stop_reason or "aborted"
     plan = recorded["plan"]
     counted = 0  # the plan's requests counted as generated, so that no hold waits for them
     try:
         for index, (start, max_tokens, version, seed) in enumerate(plan):
+            if start < len(tokens):  # made before the checkpoint the replay resumed from
+                counted += 1
+                continue
             following = len(tokens) == start and await conductor.serve.remote(version)
             if following:
                 params = {**sampling_params, limit_key: max_tokens, "seed": seed}
@@ -90,6 +96,7 @@ async def follow_record(
                 tokens.extend(output.token_ids)
                 log_probs.extend(output.log_probs or [])
                 versions.extend(chunk_versions)
+                stop_reason = output.stop_reason
                 following = len(output.token_ids) == max_tokens
             await conductor.generated.remote(version)
             counted += 1
@@ -108,7 +115,6 @@ async def follow_record(
     extra.pop(SEED_FIELD, None)
     extra |= version_fields(versions) | {"num_interrupts": max(len(chunks) - 1, 0), CHUNKS_FIELD: chunks}
     extra[REPLAY_OF] = recorded["name"]
-    stop_reason = output.stop_reason if output is not None else "aborted"
     return TokenOutput(
         token_ids=tokens,
         log_probs=log_probs,

@@ -29,6 +29,7 @@ from areal_plugins.run.records import RunRecorder
 from areal_plugins.run.replay_conductor import start_conductor
 from areal_plugins.run.replay_requests import ReplayError
 from areal_plugins.run.replay_schedule import REPLAY_OF, RecordedGroup, ReplaySchedule
+from areal_plugins.trainers.partial_outputs import PARTIALS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,30 @@ def require_replayable(config: Any) -> None:
         )
 
 
+def resumed_checkpoint(config: Any) -> Path | None:
+    """The recorded run's checkpoint a replay starts from (``areal.replay.from_step``), or None (from the start).
+
+    Refused unless colocated: there the checkpoint is taken with the engines asleep, every request cut where the
+    record cut it, so what it keeps ends on a recorded request. With ``placement: separate`` the engines keep
+    generating under the old weights while the checkpoint is taken, and that output cannot be made again."""
+    from_step = int(OmegaConf.select(config, "areal.replay.from_step", default=0) or 0)
+    if from_step == 0:
+        return None
+    if OmegaConf.select(config, "areal.placement", default="colocated") != "colocated":
+        raise ReplayError(
+            "a replay from a checkpoint needs a run recorded with areal.placement=colocated: with separate engines the "
+            "requests in flight at the checkpoint were generating under weights the checkpoint does not hold. Replay "
+            "this run from its start (without --from-checkpoint)"
+        )
+    folder = Path(str(OmegaConf.select(config, "trainer.resume_from_path", default="")))
+    if not (folder / PARTIALS_FILE).is_file():
+        raise ReplayError(
+            f"{folder} keeps no {PARTIALS_FILE} (the requests in flight at the checkpoint): it was written by an "
+            "earlier version; replay this run from its start"
+        )
+    return folder
+
+
 class ReplaySampleBuffer:
     """The sample buffer of a replay (the ``SampleBuffer`` contract): step k takes the record's step-k groups."""
 
@@ -76,7 +101,8 @@ class ReplaySampleBuffer:
         self.on_divergence = on_divergence
         self.first_failure = first_failure  # (recorded trajectory, error) of a replayed request that failed
         self._mixed: tuple[str, list[str]] | None = None  # a group whose members followed other recorded groups
-        self.steps_taken = 0
+        self.steps_taken = schedule.first_step - 1
+        self._carried = {uid for uid, group in schedule.carried.items() if group is not None}
         self._groups: dict[str, BufferedGroup] = {}  # by the recorded group its members follow
         self._free = 0  # groups of prompts the recorded run never trained
         self._ready = threading.Condition()
@@ -87,6 +113,8 @@ class ReplaySampleBuffer:
 
     def put(self, group: BufferedGroup) -> None:
         followed = [str(info.get(REPLAY_OF)).split("/", 1)[0] for info in group.info if info.get(REPLAY_OF)]
+        if not followed and group.group_id in self._carried:  # finished before the resumed checkpoint, kept by it
+            followed = [group.group_id] * len(group.info)
         with self._ready:
             if not followed:
                 self._free += 1
@@ -101,11 +129,7 @@ class ReplaySampleBuffer:
         self, count: int, trainer_version: int, timeout: float | None = None
     ) -> tuple[list[BufferedGroup], list[BufferedGroup]]:
         step = self.steps_taken + 1
-        if step > len(self.schedule.steps):
-            raise ReplayError(
-                f"the record ends at step {len(self.schedule.steps)}: replay with --until {len(self.schedule.steps)}"
-            )
-        wanted = self.schedule.steps[step - 1]
+        wanted = self.schedule.groups_of_step(step)
         if count != len(wanted):
             raise ReplayError(f"step {step} asks for {count} groups where the record trained {len(wanted)}")
         failure = self.first_failure()
@@ -149,7 +173,7 @@ class ReplayDriver:
         self.stuck_s = float(OmegaConf.select(config, "areal.watchdog_s", default=900.0))
         self.recorder = recorder
         answers = int(OmegaConf.select(config, "actor_rollout_ref.rollout.n", default=1) or 1)
-        self.schedule = ReplaySchedule.from_run(recorded_dir, answers)
+        self.schedule = ReplaySchedule.from_run(recorded_dir, answers, resumed_checkpoint(config))
         self.recorded_metrics = read_metrics(recorded_dir)
         self.conductor = start_conductor(self.schedule)
         self.buffer = ReplaySampleBuffer(

@@ -4,7 +4,7 @@ A colocated η = 2 run of the main recipe on areal_cpu with ``batch_invariant`` 
 in flight when sampling ends, so they are cut and continue under newer weights), then replayed: the replay must
 train the same tokens with the same behaviour log-probs, and compute the same losses and gradient norms, to the
 last bit. A replay with another learning rate must report the first step it changes, naming the field and both
-values.
+values. A replay from the step-1 checkpoint must train steps 2-3 as the record did.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def recorded_run(tiny_dir, tmp_path_factory) -> Path:
         # default 64 they start and finish in waves, and a fast machine cut none (CI, 2026-12-02).
         "+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.max_batch_size=4",
         "+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.batch_invariant=true",
+        "trainer.save_freq=1",  # a checkpoint per step: a replay can start from one
     )
     return run_dir
 
@@ -77,7 +78,7 @@ def test_a_replay_with_another_learning_rate_names_the_first_step_it_changes(rec
         "--out",
         str(out),
         "--until",
-        "2",
+        "1",
         check=False,
     )
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
@@ -85,6 +86,22 @@ def test_a_replay_with_another_learning_rate_names_the_first_step_it_changes(rec
     assert report[0]["step"] == 1 and report[0]["field"] == "actor/lr", report
     assert (report[0]["recorded"], report[0]["replayed"]) == (2e-4, 1e-3)
     assert "step 1, actor/lr: 0.0002 (recorded) vs 0.001 (replayed)" in result.stdout
+
+
+def test_a_replay_from_a_mid_run_checkpoint_matches_the_remaining_steps(recorded_run):
+    """From the step-1 checkpoint: verl's weights, dataloader and TransferQueue, our counters, and the output so far
+    of the requests in flight, which the replay continues from where the checkpoint kept them."""
+    checkpoint = recorded_run / "checkpoints" / "global_step_1"
+    kept = read_jsonl(checkpoint / "areal_partials.jsonl")
+    assert kept, "the checkpoint kept no request in flight: the replay would not continue one"
+    out = recorded_run.parent / "replayed_from_1"
+    result = run_cli("replay", str(recorded_run), "--from-checkpoint", "1", "--out", str(out))
+    assert f"matched the record over {STEPS - 1} steps" in result.stdout, result.stdout
+    assert trained(out) == [sample for sample in trained(recorded_run) if sample[0] > 1]
+    assert learned(out) == {step: values for step, values in learned(recorded_run).items() if step > 1}
+    # A trajectory trained after the checkpoint began before it: its first requests are the ones the checkpoint kept.
+    kept_chunks = [partial["chunks"] for partial in kept]
+    assert any(chunks[: len(k)] == k for *_, chunks in trained(out) for k in kept_chunks)
 
 
 @pytest.mark.full

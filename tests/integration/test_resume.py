@@ -25,13 +25,24 @@ pytestmark = [pytest.mark.integration, pytest.mark.full]
 STEPS = 4
 CHECKPOINT_STEP = 2
 MAX_STALENESS = 2
-OVERRIDES = (f"trainer.save_freq={CHECKPOINT_STEP}", f"areal.max_staleness={MAX_STALENESS}")
+OVERRIDES = (
+    f"trainer.save_freq={CHECKPOINT_STEP}",
+    f"areal.max_staleness={MAX_STALENESS}",
+    # Long answers decoded a few at a time: generation is still under way when sampling ends, so the checkpoint
+    # finds requests in flight with output (what it keeps, and the resumed run continues).
+    "data.max_response_length=24",
+    "+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.max_batch_size=8",
+)
 
 
-def kill_after_checkpoint(run_dir, tiny_dir) -> None:
+def overrides(model) -> tuple[str, ...]:
+    return (*OVERRIDES, f"actor_rollout_ref.model.path={model}")
+
+
+def kill_after_checkpoint(run_dir, tiny_dir, model) -> None:
     """Start the run; SIGKILL its whole process group once step CHECKPOINT_STEP is saved and more was drawn."""
     marker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
-    process = start_cli(*train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, STEPS, *OVERRIDES))
+    process = start_cli(*train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, STEPS, *overrides(model)))
     deadline = time.monotonic() + 900
     try:
         while not (marker.exists() and marker.read_text().strip() == str(CHECKPOINT_STEP)):
@@ -51,16 +62,16 @@ def kill_after_checkpoint(run_dir, tiny_dir) -> None:
 
 
 @pytest.fixture(scope="module")
-def resumed_run(tiny_dir, tmp_path_factory):
+def resumed_run(tiny_dir, long_response_model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("resume") / "run"
-    kill_after_checkpoint(run_dir, tiny_dir)
+    kill_after_checkpoint(run_dir, tiny_dir, long_response_model)
     before = {
         name: read_jsonl(run_dir / name)
         for name in ("areal_submissions.jsonl", "areal_samples.jsonl", "areal_steps.jsonl")
     }
     for name in before:
         (run_dir / name).rename(run_dir / f"killed.{name}")
-    run_cli(*train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, STEPS, *OVERRIDES))
+    run_cli(*train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, STEPS, *overrides(long_response_model)))
     after = {name: read_jsonl(run_dir / name) for name in before}
     (restored,) = read_jsonl(run_dir / "areal_restored.jsonl")
     return before, after, restored, run_dir
@@ -113,9 +124,10 @@ def test_no_sample_beyond_the_staleness_bound_uncounted_after_resume(resumed_run
 
 
 def test_requests_in_flight_at_the_checkpoint_continue_from_their_saved_output(resumed_run):
-    """The checkpoint kept the output so far of the requests in flight; the resumed run continued them instead of
-    generating them again. Checked from the records: a trained answer of a saved request begins with the saved
-    requests (their first token, version and the seed each was sampled with) and goes on with more."""
+    """The checkpoint kept the output so far of the answers of groups in flight (finished ones whole); the resumed
+    run continued them instead of generating them again. Checked from the records: a trained answer of a saved one
+    begins with the saved requests (their first token, version and the seed each was sampled with), and goes on
+    with more where it was still generating (cut once more by the resume) or is exactly it where it had finished."""
     _, after, restored, run_dir = resumed_run
     folder = run_dir / "checkpoints" / f"global_step_{CHECKPOINT_STEP}"
     partials = read_jsonl(folder / "areal_partials.jsonl")
@@ -133,15 +145,19 @@ def test_requests_in_flight_at_the_checkpoint_continue_from_their_saved_output(r
         partial = saved.get((uid, int(session)))
         if partial is not None:
             assert sample["chunks"][: len(partial["chunks"])] == partial["chunks"], (sample, partial)
-            assert sample["num_interrupts"] >= partial["interrupts"] + 1  # the resume cut it once more
             assert sample["head_version"] == partial["versions"][0] < CHECKPOINT_STEP + 1
+            if partial["stop_reason"] is None:
+                assert sample["num_interrupts"] >= partial["interrupts"] + 1  # the resume cut it once more
+            else:
+                assert sample["chunks"] == partial["chunks"] and sample["response_tokens"] == len(partial["tokens"])
             continued.append(partial)
     assert continued, "no trained answer continued a request saved in the checkpoint"
     last = read_jsonl(run_dir / "areal_steps.jsonl")[-1]
     assert last["areal/resume_saved_tokens"] == saved_tokens
     assert last["areal/resume_continued_tokens"] >= sum(len(p["tokens"]) for p in continued)
+    finished = sum(p["stop_reason"] is not None for p in partials)
     print(  # the measure: tokens a resume generated again, before (all that was saved) and now
-        f"resume: {len(partials)} requests with {saved_tokens} tokens in flight at the checkpoint; "
+        f"resume: {len(partials)} answers ({finished} finished) with {saved_tokens} tokens kept by the checkpoint; "
         f"{int(last['areal/resume_continued_tokens'])} tokens continued, "
         f"{saved_tokens - int(last['areal/resume_continued_tokens'])} generated again (before: all {saved_tokens})"
     )

@@ -17,7 +17,9 @@ from areal_plugins.trainers.partial_outputs import (
     IN_FLIGHT,
     PARTIALS_FILE,
     RESUMED_NAME,
+    PartialOutput,
     ResumedPartials,
+    forget_group,
     snapshot_in_flight,
     start_resumed,
 )
@@ -69,25 +71,31 @@ async def answer(client, uid: str, session: int, prompt: list[int], request_id: 
     return await client.generate(request_id, prompt_ids=prompt, sampling_params={"max_tokens": 8})
 
 
-def test_a_checkpoint_sees_the_output_so_far_of_a_request_in_flight_and_none_once_it_ends(local_ray):
+def test_a_checkpoint_sees_an_answers_output_so_far_then_its_finished_output_until_the_group_settles(local_ray):
     # Three tokens under v0, cut by a weight update; the continuation is under way (0.5 s) when the checkpoint looks.
     server = ScriptedServer.remote([([11, 12, 13], 0, "aborted", 0.0), ([14, 15, 16, 17, 18], 1, "length", 0.5)])
     client = client_of(server)
 
     async def go():
         task = asyncio.create_task(answer(client, "g1", 2, [1, 2], "r1"))
-        while not IN_FLIGHT.get(("g1", 2)) or len(IN_FLIGHT[("g1", 2)].tokens) < 3:
+        while len(IN_FLIGHT.get("g1", {}).get(2, PartialOutput("")).tokens) < 3:
             await asyncio.sleep(0.01)
         seen = snapshot_in_flight()
         output = await task
-        return seen, output, snapshot_in_flight()
+        finished = snapshot_in_flight()
+        forget_group("g1")  # the worker, once verl wrote the group's final status
+        return seen, output, finished, snapshot_in_flight()
 
-    (saved,), output, after = asyncio.run(go())
+    (saved,), output, (finished,), after = asyncio.run(go())
     assert (saved["uid"], saved["session"], saved["prompt_digest"]) == ("g1", 2, token_digest([1, 2]))
     assert saved["tokens"] == [11, 12, 13] and saved["versions"] == [0, 0, 0]
     assert saved["log_probs"] == [-0.25, -0.5, -0.75]
-    assert saved["chunks"] == [[0, 0, 7]] and saved["interrupts"] == 1
-    assert output.token_ids == [11, 12, 13, 14, 15, 16, 17, 18] and after == []
+    assert saved["chunks"] == [[0, 0, 7]] and saved["interrupts"] == 1 and saved["stop_reason"] is None
+    assert output.token_ids == [11, 12, 13, 14, 15, 16, 17, 18]
+    # Finished, but its group has not settled: kept, whole, with its stop reason (verl re-issues the whole group).
+    assert finished["tokens"] == output.token_ids and finished["stop_reason"] == "length"
+    assert finished["versions"] == [0, 0, 0, 1, 1, 1, 1, 1] and finished["chunks"] == [[0, 0, 7], [3, 1, 7]]
+    assert after == []
 
 
 def test_a_resumed_request_continues_its_saved_output_and_another_answer_starts_afresh(local_ray, tmp_path):
@@ -118,6 +126,7 @@ def test_a_resumed_request_continues_its_saved_output_and_another_answer_starts_
     finally:
         ray.kill(actor)
         partial_outputs._resumed.clear()
+        forget_group("g1")
     # The engine was asked for the rest only: prompt + the 3 saved tokens, 8 - 3 = 5 more.
     assert ray.get(server.seen.remote()) == [([1, 2, 11, 12, 13], 5), ([1, 2], 8)]
     assert continued.token_ids == [11, 12, 13, 21, 22, 23, 24, 25]
@@ -127,6 +136,34 @@ def test_a_resumed_request_continues_its_saved_output_and_another_answer_starts_
     assert continued.extra_fields["areal_chunks"] == [[0, 0, 7], [3, 2, 7]]
     assert fresh.token_ids == [31, 32] and fresh.extra_fields["num_interrupts"] == 0
     assert counts == {"saved": {"requests": 1, "tokens": 3}, "continued": {"requests": 1, "tokens": 3}}
+
+
+def test_an_answer_that_had_finished_is_returned_as_it_was_without_asking_the_engine(local_ray, tmp_path):
+    saved = {
+        "uid": "g2",
+        "session": 0,
+        "prompt_digest": token_digest([4]),
+        "tokens": [41, 42],
+        "log_probs": [-1.0, -2.0],
+        "versions": [0, 1],
+        "chunks": [[0, 0, 3], [1, 1, 4]],
+        "interrupts": 1,
+        "stop_reason": "stop",
+    }
+    (tmp_path / PARTIALS_FILE).write_text(json.dumps(saved) + "\n")
+    actor = start_resumed(str(tmp_path))
+    partial_outputs._resumed.clear()
+    server = ScriptedServer.remote([])  # any call would fail: nothing scripted
+    try:
+        output = asyncio.run(answer(client_of(server), "g2", 0, [4], "r1"))
+    finally:
+        ray.kill(actor)
+        partial_outputs._resumed.clear()
+        forget_group("g2")
+    assert ray.get(server.seen.remote()) == []
+    assert (output.token_ids, output.log_probs, output.stop_reason) == ([41, 42], [-1.0, -2.0], "stop")
+    assert output.extra_fields["token_versions"] == [0, 1] and output.extra_fields["num_interrupts"] == 1
+    assert output.extra_fields["areal_chunks"] == [[0, 0, 3], [1, 1, 4]]
 
 
 def test_a_saved_output_is_taken_once_and_only_for_the_prompt_it_was_generated_for():

@@ -404,3 +404,111 @@ def test_an_episode_claims_by_its_group_uid_and_answer_index(tmp_path):
     finally:
         replay_client._found.clear()
     assert [c["name"] for c in claims] == ["g1/b", "g3/e"]
+
+
+def checkpointed_run(tmp_path: Path, drawn_before: int) -> tuple[Path, Path]:
+    """RECORD with its submissions (g1, g2; then g3; then x, never trained) and a checkpoint of step 1 taken after
+    ``drawn_before`` of those submission lines."""
+    run = write_record(tmp_path / "run", RECORD)
+    lines = submissions(("g1", "text-P"), ("g2", "text-Q"), ("g3", "text-P"), ("x", "text-P"))
+    lines = [{**lines[0], "uids": ["g1", "g2"], "prompts": ["text-P", "text-Q"]}, lines[2], lines[3]]
+    (run / "areal_submissions.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    checkpoint = run / "checkpoints" / "global_step_1"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "areal_state.json").write_text(json.dumps({"submissions": drawn_before}))
+    return run, checkpoint
+
+
+def test_from_a_checkpoint_the_schedule_starts_after_it_and_carried_groups_keep_their_recorded_group(tmp_path):
+    """Resumed from step 1's checkpoint, with g1, g2 and g3 drawn before it: step 2 (g3) is what is left to train;
+    the engines serve version 1, so the requests still to generate are those under versions 1 and up (counted by
+    hand: g3's e and f under v1, f's second under v2); g3, re-issued under its uid, follows its own recorded group,
+    g1 (trained before the checkpoint) nothing, and a group drawn after it the prompt's later groups (none here)."""
+    run, checkpoint = checkpointed_run(tmp_path, drawn_before=2)
+    schedule = ReplaySchedule.from_run(run, 2, checkpoint)
+    assert schedule.first_step == 2 and [g.group for g in schedule.groups_of_step(2)] == ["g3"]
+    with pytest.raises(ReplayError, match="the record ends at step 2"):
+        schedule.groups_of_step(3)
+    assert dict(schedule.chunks_per_version) == {1: 2, 2: 1}
+    assert schedule.claim("P", "g3", 1).name == "g3/f"
+    assert schedule.claim("P", "g1", 0) is None
+    assert schedule.claim("P", "x", 0) is None
+
+    divergences = []
+    buffer = ReplaySampleBuffer(schedule, recorded_by_step(), divergences.append)
+    restored = RECORD[4:]  # g3 finished before the checkpoint: restored from TransferQueue, it followed no record
+    buffer.put(BufferedGroup("g3", [1, 1], ["k-e", "k-f"], [{}, {}], restored))
+    taken, _ = buffer.take(1, 1, timeout=0.01)
+    assert [g.group_id for g in taken] == ["g3"] and divergences == []
+
+
+def test_a_group_drawn_after_the_checkpoint_takes_the_prompts_groups_submitted_after_it(tmp_path):
+    run, checkpoint = checkpointed_run(tmp_path, drawn_before=1)  # only g1 and g2 drawn before: g3 comes later
+    schedule = ReplaySchedule.from_run(run, 2, checkpoint)
+    assert schedule.claim("P", "new-uid", 1).name == "g3/f"  # the prompt's first group drawn after the checkpoint
+    assert schedule.claim("P", "g1", 0) is None
+
+
+def test_a_request_resumed_from_the_checkpoint_asks_only_for_its_recorded_requests_after_it(tmp_path):
+    """g3/f: 5 tokens under v1 (kept by the checkpoint: its first request), then 1 under v2: only that is asked."""
+    from areal_plugins.trainers.partial_outputs import PartialOutput
+
+    conductor = ReplayConductor(ReplaySchedule.from_run(write_record(tmp_path / "run", RECORD), 2))
+    replay_client._found["handle"] = _Remote(conductor)
+    asked: list[dict] = []
+
+    async def generate_once(request_id, *, prompt_ids, sampling_params):
+        asked.append({"prompt": list(prompt_ids), **sampling_params})
+        n = sampling_params["max_tokens"]
+        extra = {"token_versions": [2] * n, "areal_seed": sampling_params["seed"]}
+        return SimpleNamespace(token_ids=[9] * n, log_probs=[-0.5] * n, stop_reason="length", extra_fields=extra)
+
+    kept = PartialOutput("d", [1, 2, 3, 4, 5], [-0.1] * 5, [1] * 5, [[0, 1, 17]], interrupts=1)
+
+    async def go():
+        await conductor.set_version(2)
+        for _ in range(3):  # g1's answers and g3's first go to other requests
+            conductor.claim("P")
+        recorded = conductor.claim("P")
+        return await replay_client.follow_record(generate_once, "r", [7], {"max_tokens": 99}, recorded, kept)
+
+    try:
+        output = asyncio.run(go())
+    finally:
+        replay_client._found.clear()
+    assert asked == [{"prompt": [7, 1, 2, 3, 4, 5], "max_tokens": 1, "seed": 18}]
+    assert output.token_ids == [1, 2, 3, 4, 5, 9] and output.extra_fields["token_versions"] == [1] * 5 + [2]
+    assert output.extra_fields["areal_chunks"] == [[0, 1, 17], [5, 2, 18]]
+
+
+def test_a_replay_from_a_checkpoint_the_run_did_not_keep_or_of_a_separate_run_is_refused(tmp_path):
+    from omegaconf import OmegaConf
+
+    from areal_plugins.run.replay import resume_from
+    from areal_plugins.trainers.replay_driver import resumed_checkpoint
+
+    run, checkpoint = checkpointed_run(tmp_path, drawn_before=2)  # keeps global_step_1 only
+    with pytest.raises(SystemExit, match=r"global_step_2 is not a checkpoint of this run \(it has \['global_step_1'\]"):
+        resume_from(run, [], 2, 3)
+    with pytest.raises(SystemExit, match="would train no step"):
+        resume_from(run, [], 1, 1)
+    assert resume_from(run, [], 1, 2) == [
+        "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={checkpoint}",
+        "areal.replay.from_step=1",
+    ]
+
+    def config(placement: str):
+        return OmegaConf.create(
+            {
+                "areal": {"placement": placement, "replay": {"from_step": 1}},
+                "trainer": {"resume_from_path": str(checkpoint)},
+            }
+        )
+
+    with pytest.raises(ReplayError, match=r"keeps no areal_partials\.jsonl"):
+        resumed_checkpoint(config("colocated"))
+    (checkpoint / "areal_partials.jsonl").write_text("")
+    assert resumed_checkpoint(config("colocated")) == checkpoint
+    with pytest.raises(ReplayError, match=r"needs a run recorded with areal\.placement=colocated"):
+        resumed_checkpoint(config("separate"))
