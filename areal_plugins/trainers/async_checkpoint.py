@@ -52,7 +52,7 @@ def save_async_state(
     folder: str, version: int, counts: DrawCounts, controller: Any, partials: dict[str, int] | None = None
 ) -> None:
     """Write ``areal_state.json`` into verl's checkpoint folder (called while admission is quiesced);
-    ``partials``: how many requests in flight, and tokens, the checkpoint kept (``areal_partials.jsonl``)."""
+    ``partials``: how many requests in flight, and tokens, the checkpoint kept (``areal_partials/``)."""
     state = {
         "version": version,
         "consumed_groups": counts.consumed_groups,

@@ -25,7 +25,7 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorke
 
 from areal_plugins.config.settings import ArealConfig
 from areal_plugins.trainers.episodes import CURRENT_EPISODE, EpisodeRecord
-from areal_plugins.trainers.partial_outputs import forget_group, snapshot_in_flight
+from areal_plugins.trainers.partial_outputs import forget_group, snapshot_in_flight, write_partials
 from areal_plugins.trainers.settled_groups import report_settled
 
 logger = logging.getLogger(__name__)
@@ -85,10 +85,10 @@ class EpisodeAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):  # type: ig
         if not trajectory["validate"]:  # verl's returns once the status is written (it catches its errors)
             await report_settled(uid, written)
 
-    async def areal_partials(self) -> list[dict[str, Any]]:
-        """The output so far of this worker's requests in flight, for a checkpoint (on the actor's event loop, so
-        no request is half-way through adding a chunk)."""
-        return snapshot_in_flight()
+    async def areal_save_partials(self, folder: str, index: int) -> dict[str, int]:
+        """Write this worker's kept outputs into the checkpoint ``folder``: copied on the actor's event loop (no
+        request is half-way through adding a chunk), written in a thread (its requests go on meanwhile)."""
+        return await asyncio.to_thread(write_partials, folder, index, snapshot_in_flight())
 
     def _written_keys(self) -> dict[str, list[str]]:
         return self.__dict__.setdefault("_written", {})

@@ -3,8 +3,9 @@
 Each agent-loop worker's rollout client keeps the output so far of every request it is generating, by episode
 answer (verl's prompt uid and answer index): :data:`IN_FLIGHT`. An answer that finished stays there, marked with
 its stop reason, until its whole group has (verl re-issues a group in flight as a whole: its finished answers are
-taken back as they were, not generated again). A checkpoint collects them from every worker into
-``areal_partials.jsonl`` beside verl's files. When a run resumes, the trainer starts one actor holding what that file
+taken back as they were, not generated again). At a checkpoint every worker writes its own into
+``areal_partials/worker_<i>.jsonl`` beside verl's files (nothing passes through the driver: at scale this is
+gigabytes). When a run resumes, the trainer starts one actor holding what that file
 saved, before any request is made; verl re-issues the prompts that were in flight under their uids, and a request of
 the same uid, answer index and prompt takes its saved output and asks the engine only for the rest: its tokens keep
 the versions they were generated under, and the resume counts as one more interruption (docs/faults.md,
@@ -23,8 +24,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-#: The file a checkpoint keeps them in, in verl's ``global_step_N/``.
-PARTIALS_FILE = "areal_partials.jsonl"
+#: The folder a checkpoint keeps them in, in verl's ``global_step_N/``: one JSON-lines file per agent-loop worker.
+PARTIALS_DIR = "areal_partials"
 RESUMED_NAME = "areal_resumed_partials"
 
 
@@ -64,15 +65,35 @@ def snapshot_in_flight() -> list[dict[str, Any]]:
     ]
 
 
-def save_partials(folder: str, workers: list[Any]) -> dict[str, int]:
-    """Collect every worker's requests in flight into ``folder``; return how many requests and tokens."""
-    import ray
-
-    partials = [partial for found in ray.get([w.areal_partials.remote() for w in workers]) for partial in found]
-    with open(Path(folder) / PARTIALS_FILE, "w") as handle:
+def write_partials(folder: str, worker: int, partials: list[dict[str, Any]]) -> dict[str, int]:
+    """Write one worker's kept outputs into the checkpoint ``folder``; how many answers and tokens."""
+    path = Path(folder) / PARTIALS_DIR / f"worker_{worker}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
         for partial in partials:
             handle.write(json.dumps(partial) + "\n")
     return {"requests": len(partials), "tokens": sum(len(p["tokens"]) for p in partials)}
+
+
+def save_partials(folder: str, workers: list[Any]) -> dict[str, int]:
+    """Every agent-loop worker writes its kept outputs into ``folder``; how many answers and tokens in all."""
+    import ray
+
+    counts = ray.get([worker.areal_save_partials.remote(folder, index) for index, worker in enumerate(workers)])
+    return {key: sum(count[key] for count in counts) for key in ("requests", "tokens")}
+
+
+def read_partials(folder: str | Path) -> list[dict[str, Any]] | None:
+    """What a checkpoint kept, all workers' together; None for a checkpoint written without it."""
+    kept = Path(folder) / PARTIALS_DIR
+    if not kept.is_dir():
+        return None
+    return [
+        json.loads(line)
+        for path in sorted(kept.glob("worker_*.jsonl"))
+        for line in path.read_text().splitlines()
+        if line
+    ]
 
 
 class ResumedPartials:
@@ -103,10 +124,9 @@ def start_resumed(folder: str) -> Any | None:
     """The actor holding ``folder``'s saved outputs (started before any request is made); None without any."""
     import ray
 
-    path = Path(folder) / PARTIALS_FILE
-    if not path.is_file():
+    partials = read_partials(folder)
+    if not partials:
         return None
-    partials = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     logger.info("areal: %d requests in flight at the checkpoint continue from their saved output", len(partials))
     return ray.remote(ResumedPartials).options(name=RESUMED_NAME, num_cpus=0).remote(partials)
 

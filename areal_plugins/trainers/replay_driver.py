@@ -29,7 +29,7 @@ from areal_plugins.run.records import RunRecorder
 from areal_plugins.run.replay_conductor import start_conductor
 from areal_plugins.run.replay_requests import ReplayError
 from areal_plugins.run.replay_schedule import REPLAY_OF, RecordedGroup, ReplaySchedule
-from areal_plugins.trainers.partial_outputs import PARTIALS_FILE
+from areal_plugins.trainers.partial_outputs import PARTIALS_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +76,9 @@ def resumed_checkpoint(config: Any) -> Path | None:
             "this run from its start (without --from-checkpoint)"
         )
     folder = Path(str(OmegaConf.select(config, "trainer.resume_from_path", default="")))
-    if not (folder / PARTIALS_FILE).is_file():
+    if not (folder / PARTIALS_DIR).is_dir():
         raise ReplayError(
-            f"{folder} keeps no {PARTIALS_FILE} (the requests in flight at the checkpoint): it was written by an "
+            f"{folder} keeps no {PARTIALS_DIR}/ (the requests in flight at the checkpoint): it was written by an "
             "earlier version; replay this run from its start"
         )
     return folder

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_plugins.trainers.partial_outputs import read_partials
 from tests.integration.conftest import read_jsonl, run_cli, train_tiny
 
 pytestmark = pytest.mark.integration
@@ -92,7 +93,7 @@ def test_a_replay_from_a_mid_run_checkpoint_matches_the_remaining_steps(recorded
     """From the step-1 checkpoint: verl's weights, dataloader and TransferQueue, our counters, and the output so far
     of the requests in flight, which the replay continues from where the checkpoint kept them."""
     checkpoint = recorded_run / "checkpoints" / "global_step_1"
-    kept = read_jsonl(checkpoint / "areal_partials.jsonl")
+    kept = read_partials(checkpoint)
     assert kept, "the checkpoint kept no request in flight: the replay would not continue one"
     out = recorded_run.parent / "replayed_from_1"
     result = run_cli("replay", str(recorded_run), "--from-checkpoint", "1", "--out", str(out))

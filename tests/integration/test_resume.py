@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from areal_plugins.trainers.partial_outputs import read_partials
 from tests.integration.conftest import (
     assert_within_staleness_bound,
     cli_output,
@@ -130,7 +131,7 @@ def test_requests_in_flight_at_the_checkpoint_continue_from_their_saved_output(r
     with more where it was still generating (cut once more by the resume) or is exactly it where it had finished."""
     _, after, restored, run_dir = resumed_run
     folder = run_dir / "checkpoints" / f"global_step_{CHECKPOINT_STEP}"
-    partials = read_jsonl(folder / "areal_partials.jsonl")
+    partials = read_partials(folder)
     assert partials, "no request had output in flight at the checkpoint"
     saved_tokens = sum(len(p["tokens"]) for p in partials)
     assert json.loads((folder / "areal_state.json").read_text())["partials"] == {

@@ -4,7 +4,6 @@ continues it. Real Ray, verl's load balancer and our client; the server is a sta
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 import ray
@@ -15,13 +14,13 @@ from areal_plugins.trainers.admission import token_digest
 from areal_plugins.trainers.episodes import CURRENT_EPISODE, EpisodeRecord
 from areal_plugins.trainers.partial_outputs import (
     IN_FLIGHT,
-    PARTIALS_FILE,
     RESUMED_NAME,
     PartialOutput,
     ResumedPartials,
     forget_group,
     snapshot_in_flight,
     start_resumed,
+    write_partials,
 )
 
 
@@ -109,7 +108,7 @@ def test_a_resumed_request_continues_its_saved_output_and_another_answer_starts_
         "chunks": [[0, 0, 7]],
         "interrupts": 1,
     }
-    (tmp_path / PARTIALS_FILE).write_text(json.dumps(saved) + "\n")
+    write_partials(str(tmp_path), 0, [saved])
     actor = start_resumed(str(tmp_path))
     partial_outputs._resumed.clear()  # a fresh worker process: it looks the actor up once
     server = ScriptedServer.remote([([21, 22, 23, 24, 25], 2, "length", 0.0), ([31, 32], 2, "stop", 0.0)])
@@ -150,7 +149,7 @@ def test_an_answer_that_had_finished_is_returned_as_it_was_without_asking_the_en
         "interrupts": 1,
         "stop_reason": "stop",
     }
-    (tmp_path / PARTIALS_FILE).write_text(json.dumps(saved) + "\n")
+    write_partials(str(tmp_path), 0, [saved])
     actor = start_resumed(str(tmp_path))
     partial_outputs._resumed.clear()
     server = ScriptedServer.remote([])  # any call would fail: nothing scripted
