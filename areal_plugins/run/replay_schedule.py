@@ -140,6 +140,14 @@ class ReplaySchedule:
         later = steps[resumed:]
         trained = {group.group: group for groups in later for group in groups}
         carried = {uid: trained.get(uid) for line in submissions[:drawn] for uid in line["uids"]}
+        for line in read_jsonl(run_dir / "areal_reissued.jsonl"):
+            again = [uid for uid in line["uids"] if uid in carried] if line["version"] >= resumed - 1 else []
+            if again:
+                raise ReplayError(
+                    f"group {again[0]}, drawn before the checkpoint of step {resumed}, was generated again around or "
+                    "after it (a failed group, or one past the staleness bound under on_stale: reissue): the "
+                    "checkpoint holds its earlier attempt, the record its later one. Replay this run from its start"
+                )
         return cls(later, answers_per_prompt, submission_order(later, submissions[drawn:]), resumed + 1, carried)
 
     def claim(
@@ -159,9 +167,7 @@ class ReplaySchedule:
                 queue = self._queues.get(prompt_digest)
                 self._by_group[group_key] = queue.popleft() if queue else None
             group = self._by_group[group_key]
-            if group is None or member >= len(group.trajectories):
-                return None
-            return group.trajectories[member]
+            return None if group is None else answer_of(group, member)
         group, handed = self._current.get(prompt_digest, (None, self.answers))
         if handed == self.answers:
             queue = self._queues.get(prompt_digest)
@@ -170,6 +176,21 @@ class ReplaySchedule:
             group, handed = queue.popleft(), 0
         self._current[prompt_digest] = (group, handed + 1)
         return group.trajectories[handed] if group is not None else None
+
+
+def answer_of(group: RecordedGroup, member: int) -> RecordedTrajectory | None:
+    """The recorded answer of index ``member`` (verl's session id: keys are ``{uid}_{session}_{output}``). A group's
+    answers are recorded in key order, where ``u_10_0`` sorts before ``u_1_0``: position is not the index. Records with
+    other keys fall back to position."""
+    for trajectory in group.trajectories:
+        parts = trajectory.name.split("/", 1)[-1].rsplit("_", 2)
+        if len(parts) != 3 or not parts[1].isdigit():
+            break
+        if int(parts[1]) == member:
+            return trajectory
+    else:
+        return None
+    return group.trajectories[member] if member < len(group.trajectories) else None
 
 
 def submission_order(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self._enable_hybrid_replicas = self.placement.hybrid_replicas
         self.recorder = RunRecorder()
         self._resumed_partials: Any = None  # the actor offering a resumed checkpoint's outputs in flight
+        self._resume_counts: dict[str, dict[str, int]] | None = None  # what it kept and what was continued
         if self.recorder.run_dir is not None:  # before verl creates the workers that send records to it
             start_record_sink(self.recorder.run_dir)
         super().__init__(config)
@@ -359,11 +361,15 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             super()._save_checkpoint()
             return
         with self.manager.quiesce():
-            super()._save_checkpoint()
+            # Ours first: verl writes latest_checkpointed_iteration.txt last, so a crash during the save leaves
+            # the previous checkpoint the latest. The output so far of every answer in flight is copied before
+            # verl's weights are written (a group settling meanwhile is then finished in TransferQueue and its
+            # kept outputs go unused; the other order would lose them). partial_outputs.py.
             folder = checkpoint_folder(self.config.trainer, self.global_steps)
-            # The output so far of every request in flight: a resume continues them (partial_outputs.py).
+            os.makedirs(folder, exist_ok=True)
             partials = save_partials(folder, self.agent_loop_manager.agent_loop_workers)
             save_async_state(folder, self.global_steps, self.counts, self.manager.controller, partials)
+            super()._save_checkpoint()
 
     def _load_checkpoint(self) -> None:
         """verl's; then, on a resume, the outputs its checkpoint kept, offered before any request is made."""
@@ -408,10 +414,13 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     def _write_step_line(self, metrics: dict, timing_raw: dict, global_steps: int, now: float) -> None:
         metrics["areal/rollout_stats_errors"] = float(self.engine_stats.errors)
         metrics["areal/rollout_replicas"] = float(len(self.replica_pool.replicas))
-        if self._resumed_partials is not None:  # tokens a resume kept, and of them continued
-            counts = ray.get(self._resumed_partials.counts.remote())
-            metrics["areal/resume_saved_tokens"] = float(counts["saved"]["tokens"])
-            metrics["areal/resume_continued_tokens"] = float(counts["continued"]["tokens"])
+        if self._resumed_partials is not None:  # after the first step every re-issued answer has asked: stop it
+            self._resume_counts = ray.get(self._resumed_partials.counts.remote())
+            ray.kill(self._resumed_partials)
+            self._resumed_partials = None
+        if self._resume_counts is not None:  # tokens the resumed checkpoint kept, and of them continued
+            metrics["areal/resume_saved_tokens"] = float(self._resume_counts["saved"]["tokens"])
+            metrics["areal/resume_continued_tokens"] = float(self._resume_counts["continued"]["tokens"])
         step_s = timing_raw.get("step", 0.0)
         write_step_line(self.recorder, metrics, global_steps, step_s, self._wait_s, self._step_started, now)
 

@@ -18,12 +18,13 @@ import logging
 from typing import Any
 
 import ray
+from omegaconf import OmegaConf
 from verl.workers.rollout.llm_server import LLMServerClient
 
 from areal_plugins.rollout.base import SEED_FIELD
 from areal_plugins.trainers.admission import token_digest
 from areal_plugins.trainers.episodes import CHUNKS_FIELD, CURRENT_EPISODE, version_fields
-from areal_plugins.trainers.partial_outputs import PartialOutput, finished_output, keep, take_resumed
+from areal_plugins.trainers.partial_outputs import PartialOutput, compact, finished_output, keep, take_resumed
 from areal_plugins.trainers.replay_client import claim_recorded, follow_record, replaying
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,14 @@ class InterruptibleLLMClient(LLMServerClient):
         server_id, server = await super()._acquire_server(request_id, **extra)
         self._routed_to()[request_id] = server_id  # which server to drop if this call dies with it
         return server_id, server
+
+    def _checkpoints(self) -> bool:
+        """Whether the run checkpoints (``trainer.save_freq > 0``): only then are outputs kept for one."""
+        if "_checkpoints_on" not in self.__dict__:  # lazily: verl builds the client, and pickles it to workers
+            self.__dict__["_checkpoints_on"] = (
+                OmegaConf.select(self.config, "trainer.save_freq", default=-1) or -1
+            ) > 0
+        return bool(self.__dict__["_checkpoints_on"])
 
     def _routed_to(self) -> dict[str, str]:
         return self.__dict__.setdefault("_routed", {})  # lazily: verl builds the client, and pickles it to workers
@@ -86,9 +95,12 @@ class InterruptibleLLMClient(LLMServerClient):
         if answer is not None:  # a resumed run continues the output its checkpoint kept for this answer
             digest = token_digest(list(prompt_ids))
             partial = await take_resumed(*answer, digest) or PartialOutput(digest)
-            keep(*answer, partial)  # what a checkpoint keeps of this request, until its group settles
             if partial.stop_reason is not None:  # it had finished before the checkpoint: as it was
+                if self._checkpoints():
+                    keep(*answer, partial)
                 return finished_output(partial, episode)
+            if self._checkpoints():
+                keep(*answer, partial)  # what a checkpoint keeps of this request, until its group settles
         partial = partial or PartialOutput("")
         # The lists are extended in place: the checkpoint's copy sees every finished request.
         token_ids, log_probs, versions, chunks = partial.tokens, partial.log_probs, partial.versions, partial.chunks
@@ -129,9 +141,11 @@ class InterruptibleLLMClient(LLMServerClient):
         extra.pop(SEED_FIELD, None)  # the last request's: each request's seed is in its chunk
         stop_reason = "length" if output.stop_reason in ABORTED else output.stop_reason
         partial.stop_reason = stop_reason
-        return TokenOutput(  # copies: the kept output must not change with what the agent loop does to these
-            token_ids=list(token_ids),
-            log_probs=list(log_probs) if output.log_probs is not None or log_probs else None,
+        if answer is not None and self._checkpoints():
+            compact(partial)  # kept until the group settles: as packed arrays, not lists of Python numbers
+        return TokenOutput(
+            token_ids=token_ids,
+            log_probs=log_probs if output.log_probs is not None or log_probs else None,
             stop_reason=stop_reason,
             num_preempted=output.num_preempted,
             extra_fields=extra,

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from array import array
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,14 @@ class PartialOutput:
 IN_FLIGHT: dict[str, dict[int, PartialOutput]] = {}
 
 
+def compact(partial: PartialOutput) -> None:
+    """A finished answer's output as packed arrays (8 bytes a number, not a Python object each): it stays until its
+    group settles, which at thousands of answers in flight would otherwise cost gigabytes."""
+    partial.tokens = array("q", partial.tokens)  # type: ignore[assignment]
+    partial.log_probs = array("d", partial.log_probs)  # type: ignore[assignment]
+    partial.versions = array("q", partial.versions)  # type: ignore[assignment]
+
+
 def keep(uid: str, session: int, partial: PartialOutput) -> None:
     IN_FLIGHT.setdefault(uid, {})[session] = partial
 
@@ -56,9 +65,20 @@ def forget_group(uid: str) -> None:
 
 
 def snapshot_in_flight() -> list[dict[str, Any]]:
-    """This worker's answers with output, of groups not settled (called on its event loop: a consistent copy)."""
+    """This worker's answers with output, of groups not settled (called on its event loop: a consistent copy;
+    shallow list copies, not ``dataclasses.asdict``, which deep-copies every number)."""
     return [
-        {"uid": uid, "session": session, **asdict(partial)}
+        {
+            "uid": uid,
+            "session": session,
+            "prompt_digest": partial.prompt_digest,
+            "tokens": list(partial.tokens),
+            "log_probs": list(partial.log_probs),
+            "versions": list(partial.versions),
+            "chunks": [list(chunk) for chunk in partial.chunks],
+            "interrupts": partial.interrupts,
+            "stop_reason": partial.stop_reason,
+        }
         for uid, answers in IN_FLIGHT.items()
         for session, partial in answers.items()
         if partial.tokens or partial.stop_reason is not None
@@ -69,9 +89,11 @@ def write_partials(folder: str, worker: int, partials: list[dict[str, Any]]) -> 
     """Write one worker's kept outputs into the checkpoint ``folder``; how many answers and tokens."""
     path = Path(folder) / PARTIALS_DIR / f"worker_{worker}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
+    written = path.with_suffix(".partial")
+    with open(written, "w") as handle:
         for partial in partials:
             handle.write(json.dumps(partial) + "\n")
+    written.replace(path)  # whole or not at all
     return {"requests": len(partials), "tokens": sum(len(p["tokens"]) for p in partials)}
 
 
@@ -97,9 +119,12 @@ def read_partials(folder: str | Path) -> list[dict[str, Any]] | None:
 
 
 class ResumedPartials:
-    """Ray actor: the outputs a checkpoint saved, each taken at most once by the request that continues it."""
+    """Ray actor: the outputs a checkpoint saved, each taken at most once by the request that continues it. Built
+    from a list (tests) or the checkpoint folder, which the actor reads itself (the driver never holds them)."""
 
-    def __init__(self, partials: list[dict[str, Any]]) -> None:
+    def __init__(self, partials: list[dict[str, Any]] | str) -> None:
+        if isinstance(partials, str):
+            partials = read_partials(partials) or []
         self.partials = {(p["uid"], int(p["session"])): p for p in partials}
         self.saved = {"requests": len(partials), "tokens": sum(len(p["tokens"]) for p in partials)}
         self.continued = {"requests": 0, "tokens": 0}
@@ -121,14 +146,16 @@ class ResumedPartials:
 
 
 def start_resumed(folder: str) -> Any | None:
-    """The actor holding ``folder``'s saved outputs (started before any request is made); None without any."""
+    """The actor holding ``folder``'s saved outputs (started before any request is made); None without any. The
+    trainer stops it after the first step: verl re-issues the groups in flight at once, so by then every answer
+    that could continue a kept output has asked (one left over would cost every later request a call)."""
     import ray
 
-    partials = read_partials(folder)
-    if not partials:
+    kept = Path(folder) / PARTIALS_DIR
+    if not kept.is_dir() or not any(path.stat().st_size for path in kept.glob("worker_*.jsonl")):
         return None
-    logger.info("areal: %d requests in flight at the checkpoint continue from their saved output", len(partials))
-    return ray.remote(ResumedPartials).options(name=RESUMED_NAME, num_cpus=0).remote(partials)
+    logger.info("areal: answers in flight at the checkpoint continue from their kept output (%s)", kept)
+    return ray.remote(ResumedPartials).options(name=RESUMED_NAME, num_cpus=0).remote(str(folder))
 
 
 def finished_output(partial: PartialOutput, episode: Any) -> Any:
@@ -166,7 +193,11 @@ async def take_resumed(uid: str, session: int, prompt_digest: str) -> PartialOut
     actor = _resumed["actor"]
     if actor is None:
         return None
-    found = await actor.take.remote(uid, session, prompt_digest)
+    try:
+        found = await actor.take.remote(uid, session, prompt_digest)
+    except ray.exceptions.RayActorError:  # stopped after the first step: nothing more to continue
+        _resumed["actor"] = None
+        return None
     if found is None:
         return None
     if found.get("empty"):

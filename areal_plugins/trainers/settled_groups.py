@@ -12,11 +12,16 @@ its report, or a run resumed with groups settled before the checkpoint) delays a
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 INBOX_NAME = "areal_settled_groups"
+#: Seconds between a worker's looks for the inbox while it has none.
+LOOKUP_AGAIN_S = 5.0
+#: Longest wait for the inbox's answer: an inbox on a lost node stops the admission loop instead of hanging it.
+DRAIN_TIMEOUT_S = 60.0
 
 _found: dict[str, Any] = {}
 
@@ -47,24 +52,25 @@ def drain_reports(inbox: Any) -> list[tuple[str, list[str]]]:
     """What the admission loop calls on each poll."""
     import ray
 
-    return ray.get(inbox.drain.remote())
+    return ray.get(inbox.drain.remote(), timeout=DRAIN_TIMEOUT_S)
 
 
 async def report_settled(uid: str, keys: list[str]) -> None:
     """A worker's report that group ``uid`` has its final status in TransferQueue, with ``keys`` written for it.
 
-    Without the inbox (a run whose driver did not start one) there is no one to tell: the admission loop then lists
-    the partition instead, and this is a no-op."""
+    Without the inbox (a rollout manager that does not drain one, or a resume, where verl re-issues the groups in
+    flight before the trainer builds its manager) there is no one to tell: the admission loop's listing finds the
+    group instead. The worker looks again at most every :data:`LOOKUP_AGAIN_S`, so an inbox started later is found."""
     import ray
 
-    if "inbox" not in _found:
+    found = _found.get("inbox")
+    if found is None and time.monotonic() >= _found.get("next_lookup", 0.0):
         try:
-            _found["inbox"] = ray.get_actor(INBOX_NAME)
+            found = _found["inbox"] = ray.get_actor(INBOX_NAME)
         except ValueError:
-            _found["inbox"] = None
-            logger.warning("no %s actor: the admission loop finds settled groups by listing TransferQueue", INBOX_NAME)
-    if _found["inbox"] is not None:
-        await _found["inbox"].report.remote(uid, keys)
+            _found["next_lookup"] = time.monotonic() + LOOKUP_AGAIN_S
+    if found is not None:
+        await found.report.remote(uid, keys)
 
 
 def read_tags(store: Any, partition_id: str, keys: list[str]) -> dict[str, dict[str, Any]] | None:

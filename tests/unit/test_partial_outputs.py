@@ -56,12 +56,17 @@ class ScriptedServer:
         return self.calls
 
 
-def client_of(server):
+def client_of(server, save_freq: int = 1):
     from verl.workers.rollout.router import get_router_handle
 
     from areal_plugins.trainers.llm_client import InterruptibleLLMClient
 
-    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "areal_cpu", "response_length": 8}}})
+    config = OmegaConf.create(
+        {
+            "actor_rollout_ref": {"rollout": {"name": "areal_cpu", "response_length": 8}},
+            "trainer": {"save_freq": save_freq},
+        }
+    )
     return InterruptibleLLMClient(config, get_router_handle(servers={"s": server}))
 
 
@@ -163,6 +168,12 @@ def test_an_answer_that_had_finished_is_returned_as_it_was_without_asking_the_en
     assert (output.token_ids, output.log_probs, output.stop_reason) == ([41, 42], [-1.0, -2.0], "stop")
     assert output.extra_fields["token_versions"] == [0, 1] and output.extra_fields["num_interrupts"] == 1
     assert output.extra_fields["areal_chunks"] == [[0, 0, 3], [1, 1, 4]]
+
+
+def test_a_run_without_checkpoints_keeps_nothing(local_ray):
+    server = ScriptedServer.remote([([11, 12], 0, "stop", 0.0)])
+    output = asyncio.run(answer(client_of(server, save_freq=-1), "g9", 0, [1], "r1"))
+    assert output.token_ids == [11, 12] and snapshot_in_flight() == [] and "g9" not in IN_FLIGHT
 
 
 def test_a_saved_output_is_taken_once_and_only_for_the_prompt_it_was_generated_for():

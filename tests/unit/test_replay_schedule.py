@@ -512,3 +512,21 @@ def test_a_replay_from_a_checkpoint_the_run_did_not_keep_or_of_a_separate_run_is
     assert resumed_checkpoint(config("colocated")) == checkpoint
     with pytest.raises(ReplayError, match=r"needs a run recorded with areal\.placement=colocated"):
         resumed_checkpoint(config("separate"))
+
+
+def test_an_answer_follows_the_recorded_answer_of_its_index_not_of_its_position():
+    """Keys sort as text ("_" after the digits): 12 answers are recorded _0_0, _10_0, _11_0, _1_0, _2_0, …"""
+    from areal_plugins.run.replay_schedule import RecordedGroup, RecordedTrajectory, answer_of
+
+    keys = sorted(f"u_{i}_0" for i in range(12))
+    group = RecordedGroup("u", tuple(RecordedTrajectory(f"u/{key}", "P", "r", ()) for key in keys))
+    assert [t.name for t in group.trajectories[:5]] == ["u/u_0_0", "u/u_10_0", "u/u_11_0", "u/u_1_0", "u/u_2_0"]
+    assert answer_of(group, 1).name == "u/u_1_0" and answer_of(group, 10).name == "u/u_10_0"
+    assert answer_of(group, 12) is None
+
+
+def test_a_replay_from_a_checkpoint_refuses_a_group_drawn_before_it_and_generated_again_after(tmp_path):
+    run, checkpoint = checkpointed_run(tmp_path, drawn_before=2)
+    (run / "areal_reissued.jsonl").write_text(json.dumps({"time": 0, "version": 1, "uids": ["g3"]}) + "\n")
+    with pytest.raises(ReplayError, match="group g3, drawn before the checkpoint of step 1, was generated again"):
+        ReplaySchedule.from_run(run, 2, checkpoint)
