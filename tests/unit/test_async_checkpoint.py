@@ -30,13 +30,15 @@ def test_the_saved_counters_are_the_ones_given(tmp_path):
     controller = StalenessController(max_staleness=1, batch_size=4, max_concurrent=100)
     controller.on_submit(6)
     controller.on_accept(4)
-    save_async_state(str(tmp_path), 3, DrawCounts(consumed_groups=12, submissions=7), controller)
+    partials = {"requests": 5, "tokens": 81}  # what the agent-loop workers kept (partial_outputs.py)
+    save_async_state(str(tmp_path), 3, DrawCounts(consumed_groups=12, submissions=7), controller, partials)
     saved = json.loads((tmp_path / "areal_state.json").read_text())
     assert saved == {
         "version": 3,
         "consumed_groups": 12,
         "submissions": 7,
         "controller": {"running": 2, "accepted": 4, "rejected": 0},
+        "partials": {"requests": 5, "tokens": 81},
     }
 
 
