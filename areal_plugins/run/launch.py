@@ -227,6 +227,9 @@ def train(
 
 
 RUN_ARGS_FILE = "run_args.json"
+#: The format of the run's records that a replay compares with: 2 since token digests are of the ids packed as
+#: 64-bit integers (2026-12-03); records without it digest the ids as text, which no replay can match.
+RECORD_FORMAT = 2
 
 
 def write_run_args(run_dir: Path, recipe: Path, overrides: list[str], tiny_dir: Path | None) -> None:
@@ -239,6 +242,7 @@ def write_run_args(run_dir: Path, recipe: Path, overrides: list[str], tiny_dir: 
         "recipe": str(recipe),
         "overrides": list(overrides),
         "tiny_dir": str(tiny_dir.resolve()) if tiny_dir else None,
+        "record_format": RECORD_FORMAT,
     }
     (run_dir / RUN_ARGS_FILE).write_text(json.dumps(args, indent=1) + "\n")
 

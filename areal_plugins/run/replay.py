@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from areal_plugins.run.compare import compare_runs, read_samples
-from areal_plugins.run.launch import RUN_ARGS_FILE, train
+from areal_plugins.run.launch import RECORD_FORMAT, RUN_ARGS_FILE, train
 from areal_plugins.run.records import read_jsonl
 
 logger = logging.getLogger(__name__)
@@ -93,6 +93,12 @@ def replay(
             f"(allowed: the optimizer, the loss, the trainer's micro-batches and the like; use --until for the steps)"
         )
     recorded = json.loads(args_path.read_text())
+    if recorded.get("record_format", 1) != RECORD_FORMAT:
+        raise SystemExit(
+            f"{run_dir} was recorded by an earlier version (record format {recorded.get('record_format', 1)}, this "
+            f"version compares format {RECORD_FORMAT}: its token digests are computed another way), so no replay "
+            "could match it; record the run again with this version"
+        )
     try:
         steps = len(read_samples(run_dir / "areal_samples.jsonl"))
     except (OSError, ValueError) as error:

@@ -530,3 +530,18 @@ def test_a_replay_from_a_checkpoint_refuses_a_group_drawn_before_it_and_generate
     (run / "areal_reissued.jsonl").write_text(json.dumps({"time": 0, "version": 1, "uids": ["g3"]}) + "\n")
     with pytest.raises(ReplayError, match="group g3, drawn before the checkpoint of step 1, was generated again"):
         ReplaySchedule.from_run(run, 2, checkpoint)
+
+
+def test_a_record_of_an_earlier_format_is_refused_before_anything_runs(tmp_path):
+    from areal_plugins.run.launch import write_run_args
+    from areal_plugins.run.replay import replay
+
+    run = write_record(tmp_path / "run", RECORD)
+    write_run_args(run, Path("recipes/grpo_cpu_async.yaml"), ["areal.max_staleness=2"], None)
+    written = json.loads((run / "run_args.json").read_text())
+    assert written["record_format"] == 2 and written["overrides"] == ["areal.max_staleness=2"]
+    del written["record_format"]  # as written before 2026-12-03
+    (run / "run_args.json").write_text(json.dumps(written))
+    with pytest.raises(SystemExit, match=r"recorded by an earlier version \(record format 1"):
+        replay(run, tmp_path / "out", None, [])
+    assert not (tmp_path / "out").exists()
