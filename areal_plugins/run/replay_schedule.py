@@ -90,10 +90,6 @@ class ReplaySchedule:
             raise ReplayError(f"the record ends at step {last}: replay with --until {last}")
         return self.steps[index]
 
-    @property
-    def trained_groups(self) -> set[str]:
-        return {group.group for groups in self.steps for group in groups}
-
     @classmethod
     def from_run(cls, run_dir: Path, answers_per_prompt: int, checkpoint: Path | None = None) -> ReplaySchedule:
         """The schedule of the run recorded in ``run_dir``, from its start or from ``checkpoint`` (its folder of step

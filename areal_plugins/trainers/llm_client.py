@@ -82,7 +82,7 @@ class InterruptibleLLMClient(LLMServerClient):
         if replaying(self.config):  # a replay: the request follows a recorded trajectory, where the record has one
             recorded = await claim_recorded(prompt_ids)
             if recorded is not None:
-                resumed = await take_resumed(*answer, token_digest(list(prompt_ids))) if answer else None
+                resumed = await take_resumed(*answer, prompt_ids) if answer else None
                 return await follow_record(
                     self._generate_once, request_id, prompt_ids, sampling_params, recorded, resumed, **kwargs
                 )
@@ -91,16 +91,13 @@ class InterruptibleLLMClient(LLMServerClient):
         budget = params.get(limit_key) or self.config.actor_rollout_ref.rollout.response_length
         if episode is not None:
             episode.enter_engine()
-        partial = None
-        if answer is not None:  # a resumed run continues the output its checkpoint kept for this answer
-            digest = token_digest(list(prompt_ids))
-            partial = await take_resumed(*answer, digest) or PartialOutput(digest)
-            if partial.stop_reason is not None:  # it had finished before the checkpoint: as it was
-                if self._checkpoints():
-                    keep(*answer, partial)
-                return finished_output(partial, episode)
-            if self._checkpoints():
-                keep(*answer, partial)  # what a checkpoint keeps of this request, until its group settles
+        # A resumed run continues the output its checkpoint kept for this answer.
+        partial = await take_resumed(*answer, prompt_ids) if answer is not None else None
+        if answer is not None and self._checkpoints():  # what a checkpoint keeps, until the group settles
+            partial = partial or PartialOutput(token_digest(list(prompt_ids)))
+            keep(*answer, partial)
+        if partial is not None and partial.stop_reason is not None:  # it had finished before the checkpoint
+            return finished_output(partial, episode)
         partial = partial or PartialOutput("")
         # The lists are extended in place: the checkpoint's copy sees every finished request.
         token_ids, log_probs, versions, chunks = partial.tokens, partial.log_probs, partial.versions, partial.chunks

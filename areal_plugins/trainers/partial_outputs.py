@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areal_plugins.trainers.admission import token_digest
+
 logger = logging.getLogger(__name__)
 
 #: The folder a checkpoint keeps them in, in verl's ``global_step_N/``: one JSON-lines file per agent-loop worker.
@@ -180,9 +182,9 @@ def finished_output(partial: PartialOutput, episode: Any) -> Any:
 _resumed: dict[str, Any] = {}
 
 
-async def take_resumed(uid: str, session: int, prompt_digest: str) -> PartialOutput | None:
+async def take_resumed(uid: str, session: int, prompt_ids: list[int]) -> PartialOutput | None:
     """A client's look for a saved output to continue: one lookup of the actor per process, then one call per
-    request until the actor has none left."""
+    request (with its prompt's digest) until the actor has none left; nothing at all in a run that did not resume."""
     import ray
 
     if "actor" not in _resumed:
@@ -194,7 +196,7 @@ async def take_resumed(uid: str, session: int, prompt_digest: str) -> PartialOut
     if actor is None:
         return None
     try:
-        found = await actor.take.remote(uid, session, prompt_digest)
+        found = await actor.take.remote(uid, session, token_digest(list(prompt_ids)))
     except ray.exceptions.RayActorError:  # stopped after the first step: nothing more to continue
         _resumed["actor"] = None
         return None

@@ -11,11 +11,8 @@ its report, or a run resumed with groups settled before the checkpoint) delays a
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 INBOX_NAME = "areal_settled_groups"
 #: Seconds between a worker's looks for the inbox while it has none.

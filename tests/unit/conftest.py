@@ -3,6 +3,16 @@ from __future__ import annotations
 import pytest
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """A Ray of this process's own for one test module (``address="local"``: never a cluster already running)."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def random_qwen2():
     """A randomly initialised tiny Qwen2 (no tokenizer needed), in eval mode."""

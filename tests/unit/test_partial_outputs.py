@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 import ray
 from omegaconf import OmegaConf
 
@@ -22,13 +21,6 @@ from areal_plugins.trainers.partial_outputs import (
     start_resumed,
     write_partials,
 )
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a running cluster
-    yield
-    ray.shutdown()
 
 
 @ray.remote

@@ -16,13 +16,6 @@ import ray
 from omegaconf import OmegaConf
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a running cluster
-    yield
-    ray.shutdown()
-
-
 @ray.remote
 class StandInServer:
     """Scripted answers, one per call: ``("tokens", [ids], version, stop)`` or ``("die",)``."""
