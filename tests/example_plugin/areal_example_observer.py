@@ -6,8 +6,8 @@ scoring below it; with ``AREAL_EXAMPLE_OBSERVER_RAISE`` set it fails inside a ho
 broken plugin stops a run; with ``AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_AFTER=N`` its policy loss (in the
 trainer workers) raises from its N+1-th call on, to show a trainer worker's error stopping a run (with
 ``AREAL_EXAMPLE_OBSERVER_LOSS_HANGS_AFTER=N`` it never returns instead: a hung worker; with
-``AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_ONCE=path`` as well, it raises only if that file does not exist yet, and
-makes it: a fault that a restarted run does not meet again); with
+``AREAL_EXAMPLE_OBSERVER_LOSS_FAILS_ONCE=path`` as well, it raises (or hangs) only if that file does not exist
+yet, and makes it: a fault that a restarted run does not meet again); with
 ``AREAL_EXAMPLE_OBSERVER_REWARD=quarter`` its reward function scores everything 0.25; with
 ``AREAL_EXAMPLE_OBSERVER_EPISODES=path`` it writes every finished trajectory as the accept hook sees
 it (trained tokens, their versions, the episode's turns) to that file.
@@ -116,10 +116,11 @@ def areal_make_policy_loss(config):
 
     def failing_after_a_while(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] > limit and fails is not None and first_failure():
-            raise FloatingPointError(f"example observer: loss call {calls['n']} hit a NaN (deliberate)")
-        while calls["n"] > limit:  # hangs (deliberate)
-            time.sleep(3600)
+        if calls["n"] > limit and first_failure():
+            if fails is not None:
+                raise FloatingPointError(f"example observer: loss call {calls['n']} hit a NaN (deliberate)")
+            while True:  # hangs (deliberate)
+                time.sleep(3600)
         return decoupled_ppo_loss(*args, **kwargs)
 
     return failing_after_a_while

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from tests.unit.tool_scripts import load_tool
 
 faults = load_tool("faults")
@@ -25,6 +27,42 @@ def test_the_table_has_a_row_per_case_and_a_column_per_placement():
     table = faults.markdown_table({"cases": [row]}).splitlines()
     assert table[0] == "| killed | colocated |"
     assert table[2] == (
-        "| our areal_cpu rollout server (Ray actor) | **stopped** in 9.1 s, exit 1, named; steps lost 0, "
-        "log +126 kB, 0 processes left |"
+        "| our areal_cpu rollout server (Ray actor) | **stopped** without a restart in 9.1 s, exit 1, named; "
+        "steps lost 0, log +126 kB, 0 processes left |"
     )
+    recovered = dict(row, outcome="recovered", exit_code=0, restarts=1, seconds_to_next_step=140.2,
+                     seconds_to_end=201.0, groups_check="each group once", steps_lost=1)  # fmt: skip
+    (line,) = faults.markdown_table({"cases": [recovered]}).splitlines()[2:]
+    assert "**recovered** after 1 restart: next step 140.2 s after the kill, all 6 steps 201.0 s after it" in line
+
+
+def write_samples(run_dir, attempts: list[tuple[str, dict[int, list[str]]]]) -> None:
+    lines = [
+        json.dumps({"step": step, "attempt": attempt, "group": group})
+        for attempt, steps in attempts
+        for step, groups in steps.items()
+        for group in groups
+        for _answer in range(2)  # two samples a group, as a group of n answers writes n lines
+    ]
+    (run_dir / "areal_samples.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_the_groups_check_reads_each_step_from_the_last_attempt_that_trained_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(faults, "GROUPS_PER_STEP", 2)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4")
+    # Attempt a trains steps 1-3 and dies after the step-2 checkpoint; b redoes step 3, and g6, trained in the
+    # lost step 3, comes back in step 4: once in the run that counts.
+    first = ("a", {1: ["g1", "g2"], 2: ["g3", "g4"], 3: ["g5", "g6"]})
+    write_samples(tmp_path, [first, ("b", {3: ["g5", "g7"], 4: ["g6", "g10"]})])
+    assert faults.groups_check(tmp_path, steps=4) == "each group once"
+    assert faults.steps_lost(tmp_path, exit_code=0) == 1  # step 3, trained twice
+    # Had b trained step 2's groups again in step 4, they would count twice.
+    write_samples(tmp_path, [first, ("b", {3: ["g7", "g8"], 4: ["g3", "g10"]})])
+    assert faults.groups_check(tmp_path, steps=4) == "1 groups trained twice"
+    write_samples(tmp_path, [first])
+    assert faults.groups_check(tmp_path, steps=4) == "steps [4] not trained"
+    (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    assert faults.steps_lost(tmp_path, exit_code=1) == 1  # a stopped run: step 3 was trained, not saved
+    write_samples(tmp_path, [("a", {1: ["g1"], 2: ["g3", "g4"]})])
+    assert faults.groups_check(tmp_path, steps=2) == "step 1 trained 1 groups, not 2"
