@@ -111,11 +111,18 @@ class Config:
     eta: int
     engines: int
     listing: bool = False  # the admission loop lists TransferQueue on every poll instead of reading the reports
+    rows: bool = False  # an accept hook is installed: every settled group's rows are read back (reports or listing)
 
     @property
     def name(self) -> str:
         found_by = " listing" if self.listing else ""
-        return f"{self.batch}x{self.answers} eta={self.eta} engines={self.engines}{found_by}"
+        read_back = " rows" if self.rows or self.listing else ""
+        return f"{self.batch}x{self.answers} eta={self.eta} engines={self.engines}{found_by}{read_back}"
+
+    @property
+    def reads_rows(self) -> bool:
+        """Whether the admission loop reads the trajectories back (an accept hook; listing predates summaries)."""
+        return self.rows or self.listing
 
     @property
     def trajectories_per_step(self) -> int:
@@ -128,16 +135,18 @@ class Config:
 
     @classmethod
     def parse(cls, text: str) -> Config:
-        """``BxN:ETA:ENGINES``, e.g. ``512x16:4:8``; ``:listing`` after it lists TransferQueue on every poll (the
-        admission loop before the workers reported settled groups)."""
+        """``BxN:ETA:ENGINES``, e.g. ``512x16:4:8``; ``:listing`` after it lists TransferQueue on every poll and
+        reads every group's rows (the admission loop before the workers reported settled groups), ``:rows`` reads
+        the rows of each reported group (a run with an ``areal_accept_trajectory`` hook)."""
         try:
             shape, eta, engines, *mode = text.split(":")
-            if mode not in ([], ["listing"]):
+            if mode not in ([], ["listing"], ["rows"]):
                 raise ValueError(mode)
             batch, answers = shape.lower().split("x")
-            return cls(int(batch), int(answers), int(eta), int(engines), listing=bool(mode))
+            listing, rows = mode == ["listing"], mode == ["rows"]
+            return cls(int(batch), int(answers), int(eta), int(engines), listing=listing, rows=rows)
         except ValueError:
-            raise SystemExit(f"--configs: {text!r} is not BxN:ETA:ENGINES[:listing] (e.g. 32x4:1:2)") from None
+            raise SystemExit(f"--configs: {text!r} is not BxN:ETA:ENGINES[:listing|:rows] (e.g. 32x4:1:2)") from None
 
 
 def summarize(config: Config, repeats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -221,6 +230,8 @@ class RolloutWorker:
             task.add_done_callback(self.tasks.discard)
 
     async def _run_group(self, uid: str, index: int, lengths: list[int], version: int) -> None:
+        from areal_plugins.trainers.admission import output_summary
+
         await self.store.async_kv_put(key=uid, partition_id=PARTITION, tag={"status": "running"})
         prompt = [index, 1, 2, 3]  # the paced engine stamps each group's first arrival by prompt_ids[0]
         calls = [
@@ -231,6 +242,7 @@ class RolloutWorker:
         ]
         outputs = await asyncio.gather(*calls, return_exceptions=True)
         keys: list[str] = []
+        summaries = None
         if any(isinstance(output, BaseException) for output in outputs):
             self.failures += 1
             await self.store.async_kv_put(key=uid, partition_id=PARTITION, tag={"status": "failure"})
@@ -243,10 +255,11 @@ class RolloutWorker:
                 partition_id=PARTITION,
             )
             await self.store.async_kv_put(key=uid, partition_id=PARTITION, tag={"status": "finished"})
+            summaries = [output_summary(uid, as_agent_loop_output(prompt, output)) for output in outputs]
         if self.report:
             from areal_plugins.trainers.settled_groups import report_settled
 
-            await report_settled(uid, keys)
+            await report_settled(uid, keys, summaries)
 
     def stats(self) -> dict[str, int]:
         return {"groups_running": len(self.tasks), "failures": self.failures}
@@ -284,6 +297,22 @@ def trajectory_fields(prompt: list[int], outputs: list[Any]) -> Any:
             }
         )
     return list_of_dict_to_tensordict(rows)
+
+
+def as_agent_loop_output(prompt: list[int], output: Any) -> Any:
+    """The engine's output as the fields of verl's ``AgentLoopOutput`` that our worker summarizes (the reward 1.0
+    at the last token, as :func:`trajectory_fields` writes it)."""
+    from types import SimpleNamespace
+
+    tokens = list(output.token_ids)
+    return SimpleNamespace(
+        prompt_ids=prompt,
+        response_ids=tokens,
+        response_mask=[1] * len(tokens),
+        response_logprobs=list(output.log_probs or []),
+        reward_score=1.0 if tokens else 0.0,
+        extra_fields=dict(output.extra_fields),
+    )
 
 
 def trajectory_tag(prompt: list[int], output: Any, version: int) -> dict[str, Any]:
@@ -646,7 +675,7 @@ def run_once(
         controller,
         buffer,
         submit,
-        lambda _: True,
+        (lambda _: True) if config.reads_rows else None,
         POLL_S,
         store,
         failure_limit=2 * config.batch,
@@ -775,24 +804,36 @@ def run_once(
 
 
 def poll_scale_once(
-    store: Any, groups: int, answers: int, response_tokens: int, polls: int, reports: bool = False, inbox: Any = None
+    store: Any,
+    groups: int,
+    answers: int,
+    response_tokens: int,
+    polls: int,
+    reports: bool = False,
+    inbox: Any = None,
+    summaries: bool = False,
 ) -> dict[str, Any]:
     """Our admission loop against a partition holding ``groups`` finished groups of ``answers`` trajectories.
 
     ``reports``: the loop learns which groups settled from the workers' reports (trainers/settled_groups.py, as
     in a run, through the ``inbox`` actor when given), having made its first look at the partition while it was
-    still empty; else it lists the partition on every poll. The first poll settles them all (fetch, build each
-    :class:`Trajectory`, the accept hook, the buffer): its CPU per trajectory. Then ``polls`` polls with nothing
+    still empty; else it lists the partition on every poll. ``summaries``: the reports carry each trajectory's
+    summary and no accept hook is installed, so no row is read back (else one is, and every row is read). The first
+    poll settles them all (fetch, build each :class:`Trajectory`, the accept hook, the buffer; or the summaries):
+    its CPU per trajectory. Then ``polls`` polls with nothing
     new, as while the trainer trains and the engines generate: what one look costs with that many entries held.
     CPU is the whole process's (TransferQueue's client works in a thread of its own); nothing else runs meanwhile.
     """
+    from types import SimpleNamespace
+
     import torch
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
     from areal_plugins.core.staleness import StalenessController
+    from areal_plugins.trainers.admission import output_summary
 
     clear_partition(store)
-    settled: list[tuple[str, list[str]]] = []
+    settled: list[tuple[str, list[str], list[dict[str, Any]] | None]] = []
     tag = f"s{time.monotonic_ns()}"
     uids = [f"{tag}g{g}" for g in range(groups)]
     store.kv_batch_put(keys=uids, partition_id=PARTITION, tags=[{"is_prompt": True, "status": "pending"}] * groups)
@@ -817,12 +858,20 @@ def poll_scale_once(
             fields=list_of_dict_to_tensordict([row] * len(keys)),
         )
         store.kv_batch_put(keys=batch, partition_id=PARTITION, tags=[{"status": "finished"}] * len(batch))
-        settled += [(uid, [f"{uid}_{i}_0" for i in range(answers)]) for uid in batch]
+        settled += [(uid, [f"{uid}_{i}_0" for i in range(answers)], None) for uid in batch]
+    if summaries:  # what each worker computed of its own trajectories (their CPU is not the driver's)
+        written = SimpleNamespace(
+            prompt_ids=[1, 2, 3, 4], response_ids=tokens.tolist(), response_mask=[1] * response_tokens,
+            response_logprobs=[-0.5] * response_tokens, reward_score=0.0, extra_fields=extra,
+        )  # fmt: skip
+        summary = output_summary("g", written)
+        settled = [(uid, keys, [dict(summary or {}) for _ in keys]) for uid, keys, _ in settled]
     controller = StalenessController(0, groups, groups)
     controller.on_submit(groups)
     buffer = timed_buffer(0)
     timed = TimedStore(store)
-    loop = timed_admission_loop(controller, buffer, lambda n: n, lambda _: True, POLL_S, timed, 2 * groups)
+    accept = None if summaries else (lambda _: True)
+    loop = timed_admission_loop(controller, buffer, lambda n: n, accept, POLL_S, timed, 2 * groups)
     loop.pause()  # nothing is submitted: only the look at the partition is measured
     if reports and inbox is not None:
         import ray
@@ -830,7 +879,7 @@ def poll_scale_once(
         from areal_plugins.trainers.settled_groups import drain_reports
 
         drain_reports(inbox)  # nothing left from an earlier shape
-        ray.get([inbox.report.remote(uid, keys) for uid, keys in settled])
+        ray.get([inbox.report.remote(*report) for report in settled])
         loop.settled_reports = lambda: drain_reports(inbox)
     elif reports:
         loop.settled_reports = lambda: [settled.pop() for _ in range(len(settled))][::-1]
@@ -849,6 +898,7 @@ def poll_scale_once(
     clear_partition(store)
     return {
         "reports": reports,
+        "summaries": summaries,
         "settle_cpu_ms_per_trajectory": 1000 * settle_cpu / (groups * answers),
         "settle_wall_ms_per_trajectory": 1000 * settle_wall / (groups * answers),
         "idle_poll_cpu_ms": 1000 * poll_cpu,
@@ -871,17 +921,21 @@ POLL_MEASURES = (
 def poll_scale(rig: Any, shapes: list[tuple[int, int, int]], repeats: int, polls: int, out: Callable) -> list:
     """:func:`poll_scale_once` per ``(groups, answers, response tokens)``, listing and with the workers' reports,
     shapes and modes interleaved within each repeat."""
-    cases = [(*shape, reports) for shape in shapes for reports in (False, True)]
-    results: dict[tuple[int, int, int, bool], list[dict[str, Any]]] = {case: [] for case in cases}
+    modes = ((False, False), (True, False), (True, True))  # (reports, summaries)
+    cases = [(*shape, *mode) for shape in shapes for mode in modes]
+    results: dict[tuple[int, int, int, bool, bool], list[dict[str, Any]]] = {case: [] for case in cases}
     for _ in range(repeats):
         for case in cases:
-            result = poll_scale_once(rig.store, *case[:3], polls=polls, reports=case[3], inbox=rig.inbox)
+            result = poll_scale_once(
+                rig.store, *case[:3], polls=polls, reports=case[3], inbox=rig.inbox, summaries=case[4]
+            )
             results[case].append(result)
             out(f"poll scale {case}: {json.dumps(result)}")
     rows = []
-    for (groups, answers, tokens, reports), repeat_results in results.items():
+    for (groups, answers, tokens, reports, summaries), repeat_results in results.items():
         row: dict[str, Any] = {"groups": groups, "answers": answers, "response_tokens": tokens}
-        row["finds_settled_groups_by"] = "the workers' reports" if reports else "listing every poll"
+        found_by = "the workers' reports" if reports else "listing every poll"
+        row["finds_settled_groups_by"] = found_by + (", with their summaries (no rows read)" if summaries else "")
         row |= {"entries": groups * (answers + 1), "repeats": len(repeat_results), "polls": polls}
         row |= {key: spread(result[key] for result in repeat_results) for key in POLL_MEASURES}
         rows.append(row)

@@ -44,7 +44,7 @@ USER_STOPS = ("ctrl_c", "sigterm")
 #: case -> (what is killed, how it is found: a substring of the process's command line, or a signal to the CLI)
 CASES = {
     "rollout_server": ("our areal_cpu rollout server (Ray actor)", "ray::CPURolloutServer"),
-    "agent_loop_worker": ("verl's agent-loop worker (Ray actor)", "ray::AgentLoopWorker"),
+    "agent_loop_worker": ("verl's agent-loop worker, our subclass (Ray actor)", "ray::EpisodeAgentLoopWorker"),
     "load_balancer": ("verl's request load balancer (Ray actor)", "ray::GlobalRequestLoadBalancer"),
     "reward_loop_worker": ("verl's reward-loop worker (Ray actor)", "ray::RewardLoopWorker"),
     "reward_service_process": ("a worker process of our reward service", "reward-service"),

@@ -33,10 +33,13 @@ def areal_make_rollout_manager(
     import transfer_queue
 
     from areal_plugins.core.staleness import StalenessController
+    from areal_plugins.hooks.manager import hook_implemented
     from areal_plugins.trainers.admission import AdmissionLoop
     from areal_plugins.trainers.settled_groups import drain_reports, start_inbox
 
     settings = _settings(config)
+    # With no plugin to ask, settled groups need not be read back: their workers' reports say what is recorded.
+    accept = accept_trajectory if hook_implemented("areal_accept_trajectory") else None
     inbox = start_inbox()  # our agent-loop workers report each settled group to it
     batch = int(config.data.train_batch_size)  # η and B count prompt groups: GRPO groups stay together
     controller = StalenessController(
@@ -48,7 +51,7 @@ def areal_make_rollout_manager(
         controller,
         buffer,
         submit_prompts,
-        accept_trajectory,
+        accept,
         settings.poll_interval_s,
         store=transfer_queue,
         failure_limit=2 * batch,  # two batches' worth of failures in a row, none finished: not a fluke

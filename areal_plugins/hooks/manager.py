@@ -137,6 +137,11 @@ def configure_plugins(include: Iterable[str] | None = None, exclude: Iterable[st
     return manager
 
 
+def hook_implemented(name: str, manager: pluggy.PluginManager | None = None) -> bool:
+    """Whether any selected plugin implements hook ``name`` (work done only for a hook can then be skipped)."""
+    return bool(getattr((manager or get_plugin_manager()).hook, name).get_hookimpls())
+
+
 def call_hook(name: str, manager: pluggy.PluginManager | None = None, **kwargs: Any) -> Any:
     """Call hook ``name``; if an implementation raises, raise :class:`PluginError` naming it."""
     manager = manager or get_plugin_manager()

@@ -2,7 +2,8 @@
 
 A thread in verl's driver process. Every ``poll_interval`` seconds it reads the rollout state in
 verl's TransferQueue, turns every newly finished group into :class:`Trajectory` objects, asks the
-``areal_accept_trajectory`` hook about each, moves kept groups into the :class:`SampleBuffer`,
+``areal_accept_trajectory`` hook about each (with no such hook it reads no rows: the worker that wrote them
+reported what the record needs), moves kept groups into the :class:`SampleBuffer`,
 frees the slots of rejected ones, re-issues failed ones (their prompt is work still owed, not a
 rejection: a checkpoint taken meanwhile keeps it), and submits as many new prompts as
 ``StalenessController.capacity(version)`` allows. It never blocks the trainer: the trainer only
@@ -28,7 +29,7 @@ from areal_plugins.core.staleness import StalenessController
 from areal_plugins.core.trajectory import Trajectory
 from areal_plugins.run.replay_schedule import REPLAY_OF
 from areal_plugins.trainers.episodes import CHUNKS_FIELD
-from areal_plugins.trainers.settled_groups import read_tags
+from areal_plugins.trainers.settled_groups import SettledReport, read_tags
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ class AdmissionLoop:
         controller: the admission counters (units: prompt groups).
         buffer: where accepted groups wait for the trainer.
         submit: submits ``n`` new prompts for generation (verl's ``_add_prompts_to_generate``).
-        accept: False drops a finished trajectory (the ``areal_accept_trajectory`` hooks).
+        accept: False drops a finished trajectory (the ``areal_accept_trajectory`` hooks); None keeps every one,
+            and a group whose worker reported its trajectories' summaries is then settled without reading its rows.
         poll_interval: seconds between looks at TransferQueue.
         store: TransferQueue's module (``kv_list``, ``kv_batch_get``, ``kv_clear``).
         failure_limit: this many failed groups in a row, none finished since, stop the loop with
@@ -61,9 +63,9 @@ class AdmissionLoop:
             as rejected at once (its prompt is then lost to the run).
         attempts_per_group: a group that failed this many times is rejected for good (a prompt that
             always breaks the agent loop must not hold its slot forever).
-        settled_reports: returns the groups reported settled since the last call, ``(uid, trajectory keys)``
-            (trainers/settled_groups.py); a poll then reads only their tags. None lists the whole partition
-            on every poll.
+        settled_reports: returns the groups reported settled since the last call, ``(uid, trajectory keys,
+            their summaries or None)`` (trainers/settled_groups.py); a poll then reads only their tags. None lists
+            the whole partition on every poll.
         reconcile_s: with ``settled_reports``, seconds between two listings of the whole partition (a group whose
             report never came is found by the next one).
     """
@@ -73,13 +75,13 @@ class AdmissionLoop:
         controller: StalenessController,
         buffer: SampleBuffer,
         submit: Callable[[int], int],
-        accept: Callable[[Trajectory], bool],
+        accept: Callable[[Trajectory], bool] | None,
         poll_interval: float,
         store: Any,
         failure_limit: int = 32,
         reissue: Callable[[list[str]], None] | None = None,
         attempts_per_group: int = 3,
-        settled_reports: Callable[[], list[tuple[str, list[str]]]] | None = None,
+        settled_reports: Callable[[], list[SettledReport]] | None = None,
         reconcile_s: float = 30.0,
     ) -> None:
         self.controller = controller
@@ -102,6 +104,11 @@ class AdmissionLoop:
         self._next_listing = 0.0  # monotonic time of the next whole listing: the first poll lists
         self.polls = 0
         self.listings = 0  # of them, whole listings of the partition
+        self.settled_from_reports = 0  # groups settled from their worker's summaries, rows not read
+        self.settled_from_rows = 0  # groups whose rows were read (an accept hook, or no summaries)
+        self._summaries: dict[str, dict[str, Any]] = {}  # this poll's reported summaries, by trajectory key
+        self._reported: set[str] = set()  # uids whose report this poll drained
+        self._reports_owed: set[str] = set()  # settled before their report came: that report is stale
         self._failed_attempts: dict[str, int] = {}
         self._failures_in_a_row = 0
         self._handled: set[str] = set()
@@ -211,8 +218,19 @@ class AdmissionLoop:
         a listing due, or a reported key gone). Reports are drained before the listing: a group reported before
         the drain has its final status in TransferQueue already, so the listing cannot miss it."""
         reports = self.settled_reports() if self.settled_reports is not None else None
+        self._summaries, self._reported = {}, set()
+        keys: list[str] = []
+        for uid, written, *summaries in reports or ():
+            if uid in self._reports_owed:  # the report of an attempt settled (and maybe re-issued) without it
+                self._reports_owed.discard(uid)
+                continue
+            if uid in self._handled:
+                continue
+            self._reported.add(uid)
+            keys.extend((uid, *written))
+            if summaries and summaries[0] is not None:
+                self._summaries.update(zip(written, summaries[0], strict=True))
         if reports is not None and time.monotonic() < self._next_listing:
-            keys = [key for uid, written in reports if uid not in self._handled for key in (uid, *written)]
             if not keys:
                 return {}
             tags = read_tags(self.store, PARTITION, keys)
@@ -234,8 +252,11 @@ class AdmissionLoop:
                 continue
             if tag.get("status") in ("finished", "failure"):
                 self._handled.add(uid)
+                if self.settled_reports is not None and uid not in self._reported:
+                    self._reports_owed.add(uid)  # found by a listing: its report, when it comes, is spent
                 keys = sorted(trajectory_keys.get(uid, []))
-                settled = self._settle(uid, tag["status"], keys, [listing[k] for k in keys])
+                inherited = self.polls == 1  # the first look: groups that ended before this start (a resume)
+                settled = self._settle(uid, tag["status"], keys, [listing[k] for k in keys], inherited)
                 if settled == "progress":
                     self.last_progress = time.monotonic()  # a failed group is not progress
                 elif settled == "reissue":
@@ -255,11 +276,16 @@ class AdmissionLoop:
                     self.controller.on_reject(room)
                     raise
 
-    def _settle(self, uid: str, status: str, keys: list[str], tags: list[dict[str, Any]]) -> str:
-        """Account for one finished group: "progress", or for a failed one "reissue" or "rejected"."""
+    def _settle(
+        self, uid: str, status: str, keys: list[str], tags: list[dict[str, Any]], inherited: bool = False
+    ) -> str:
+        """Account for one finished group: "progress", or for a failed one "reissue" or "rejected".
+
+        ``inherited``: the group ended before this start (a checkpoint keeps a group that failed after the last
+        poll, e.g. on an engine that then died); its failure says nothing of the engines running now."""
         if status == "failure" or not keys:
             self.failed_groups += 1
-            self._failures_in_a_row += 1
+            self._failures_in_a_row += 0 if inherited else 1
             attempts = self._failed_attempts[uid] = self._failed_attempts.get(uid, 0) + 1
             if self._failures_in_a_row >= self.failure_limit:
                 raise RolloutsFailingError(
@@ -282,27 +308,23 @@ class AdmissionLoop:
             return "rejected"
         self._failures_in_a_row = 0
         self._failed_attempts.pop(uid, None)
-        data = self.store.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=TRAJECTORY_FIELDS)
-        kept_keys, kept_tags, dropped = [], [], []
-        info: list[dict[str, Any]] = []
-        for key, tag, trajectory in zip(keys, tags, group_trajectories(data, uid), strict=True):
-            if not self.accept(trajectory):
-                dropped.append(key)
-                continue
-            kept_keys.append(key)
-            kept_tags.append(tag)
-            info.append(
-                {
-                    "head_version": trajectory.head_version,
-                    "tail_version": max(trajectory.versions, default=trajectory.head_version),
-                    "num_interrupts": int(trajectory.extra.get("num_interrupts", 0)),
-                    **schedule_fields(trajectory),
-                    "response_tokens": len(trajectory.response_ids),
-                    "reward": trajectory.reward,
-                    "reward_report": reward_report(trajectory.extra),
-                    **episode_report(trajectory.extra),
-                }
-            )
+        summaries = [self._summaries.get(key) for key in keys]
+        dropped: list[str]
+        if self.accept is None and all(summary is not None for summary in summaries):
+            self.settled_from_reports += 1
+            kept_keys, kept_tags, dropped = keys, tags, []
+            info = [summary for summary in summaries if summary is not None]
+        else:
+            self.settled_from_rows += 1
+            data = self.store.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=TRAJECTORY_FIELDS)
+            kept_keys, kept_tags, dropped, info = [], [], [], []
+            for key, tag, trajectory in zip(keys, tags, group_trajectories(data, uid), strict=True):
+                if self.accept is not None and not self.accept(trajectory):
+                    dropped.append(key)
+                    continue
+                kept_keys.append(key)
+                kept_tags.append(tag)
+                info.append(trajectory_info(trajectory))
         self.rejected_trajectories += len(dropped)
         if dropped:
             self.store.kv_clear(keys=dropped, partition_id=PARTITION)
@@ -329,6 +351,20 @@ def require_single_prompt_fetches(data_config: Any) -> None:
             f"areal_async submits prompts one at a time, but verl set data.gen_batch_size={fetch} "
             "(verl 0.9.1 forces 1 outside its sync mode): this verl version is not supported by areal_async"
         )
+
+
+def trajectory_info(trajectory: Trajectory) -> dict[str, Any]:
+    """What the buffer and the run's records keep of one trajectory (its tokens stay in TransferQueue)."""
+    return {
+        "head_version": trajectory.head_version,
+        "tail_version": max(trajectory.versions, default=trajectory.head_version),
+        "num_interrupts": int(trajectory.extra.get("num_interrupts", 0)),
+        **schedule_fields(trajectory),
+        "response_tokens": len(trajectory.response_ids),
+        "reward": trajectory.reward,
+        "reward_report": reward_report(trajectory.extra),
+        **episode_report(trajectory.extra),
+    }
 
 
 def schedule_fields(trajectory: Trajectory) -> dict[str, Any]:
@@ -418,30 +454,64 @@ def group_trajectories(data: Any, uid: str) -> list[Trajectory]:
     for row, (prompt, tokens, mask, logprobs) in enumerate(zip(prompts, responses, masks, behavs, strict=True)):
         extra = data["extra_fields"][row]
         extra = dict(getattr(extra, "data", extra) or {})
-        if len(mask) != len(tokens):
-            raise MissingRolloutFieldError(
-                f"rollout group {uid}: {len(tokens)} response tokens but a response_mask of {len(mask)}"
-            )
-        whole = 0 not in mask  # every response token generated (single-turn): no copy through the mask
-        response = tokens if whole else [token for token, keep in zip(tokens, mask, strict=True) if keep]
-        behav = logprobs if whole else [value for value, keep in zip(logprobs, mask, strict=True) if keep]
-        versions = list(extra.get("token_versions") or [])[: len(response)]
-        if len(versions) < len(response):
-            raise MissingRolloutFieldError(
-                f"rollout group {uid}: a trajectory of {len(response)} response tokens carries {len(versions)} "
-                "token versions; staleness needs the version of every token. The rollout client must be "
-                "areal_plugins' InterruptibleLLMClient (areal.enable: true selects it): check that the recipe does "
-                "not replace actor_rollout_ref.rollout.agent.agent_loop_manager_class or the LLM client"
-            )
-        out.append(
-            Trajectory(
-                prompt_ids=prompt,
-                response_ids=response,
-                behav_logprobs=behav,
-                versions=versions,
-                reward=float(sum(scores[row])) if scores is not None else None,
-                group_id=uid,
-                extra=extra,
-            )
-        )
+        reward = float(sum(scores[row])) if scores is not None else None
+        out.append(trajectory_from_row(uid, prompt, tokens, mask, logprobs, reward, extra))
     return out
+
+
+def output_summary(uid: str, output: Any) -> dict[str, Any] | None:
+    """:func:`trajectory_info` of a verl ``AgentLoopOutput`` as the admission loop would read it back from
+    TransferQueue (behaviour log-probs and reward are stored there as float32; the digest packs log-probs as float32
+    either way); None when the output lacks a field the loop insists on: the loop then reads the rows and names it."""
+    if output.response_logprobs is None:
+        return None
+    reward = None if output.reward_score is None else array("f", [output.reward_score])[0]
+    try:
+        trajectory = trajectory_from_row(
+            uid,
+            list(output.prompt_ids),
+            list(output.response_ids),
+            list(output.response_mask),
+            list(output.response_logprobs),
+            reward,
+            dict(output.extra_fields),
+        )
+    except MissingRolloutFieldError:
+        return None
+    return trajectory_info(trajectory)
+
+
+def trajectory_from_row(
+    uid: str,
+    prompt: list[int],
+    tokens: list[int],
+    mask: list[int],
+    logprobs: list[float],
+    reward: float | None,
+    extra: dict[str, Any],
+) -> Trajectory:
+    """One written trajectory as plugins see it: the response tokens the mask keeps, their log-probs and versions."""
+    if len(mask) != len(tokens):
+        raise MissingRolloutFieldError(
+            f"rollout group {uid}: {len(tokens)} response tokens but a response_mask of {len(mask)}"
+        )
+    whole = 0 not in mask  # every response token generated (single-turn): no copy through the mask
+    response = tokens if whole else [token for token, keep in zip(tokens, mask, strict=True) if keep]
+    behav = logprobs if whole else [value for value, keep in zip(logprobs, mask, strict=True) if keep]
+    versions = list(extra.get("token_versions") or [])[: len(response)]
+    if len(versions) < len(response):
+        raise MissingRolloutFieldError(
+            f"rollout group {uid}: a trajectory of {len(response)} response tokens carries {len(versions)} "
+            "token versions; staleness needs the version of every token. The rollout client must be "
+            "areal_plugins' InterruptibleLLMClient (areal.enable: true selects it): check that the recipe does "
+            "not replace actor_rollout_ref.rollout.agent.agent_loop_manager_class or the LLM client"
+        )
+    return Trajectory(
+        prompt_ids=prompt,
+        response_ids=response,
+        behav_logprobs=behav,
+        versions=versions,
+        reward=reward,
+        group_id=uid,
+        extra=extra,
+    )

@@ -24,6 +24,7 @@ import ray
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
 from areal_plugins.config.settings import ArealConfig
+from areal_plugins.trainers.admission import output_summary
 from areal_plugins.trainers.episodes import CURRENT_EPISODE, EpisodeRecord
 from areal_plugins.trainers.partial_outputs import forget_group, snapshot_in_flight, write_partials
 from areal_plugins.trainers.settled_groups import report_settled
@@ -83,14 +84,17 @@ class EpisodeAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):  # type: ig
             written = self._written_keys().pop(uid, [])
             forget_group(uid)  # its answers' outputs were kept for a checkpoint until now
         if not trajectory["validate"]:  # verl's returns once the status is written (it catches its errors)
-            await report_settled(uid, written)
+            summaries = [summary for _, summary in written if summary is not None]
+            complete = len(summaries) == len(written)
+            await report_settled(uid, [key for key, _ in written], summaries if complete else None)
 
     async def areal_save_partials(self, folder: str, index: int) -> dict[str, int]:
         """Write this worker's kept outputs into the checkpoint ``folder``: copied on the actor's event loop (no
         request is half-way through adding a chunk), written in a thread (its requests go on meanwhile)."""
         return await asyncio.to_thread(write_partials, folder, index, snapshot_in_flight())
 
-    def _written_keys(self) -> dict[str, list[str]]:
+    def _written_keys(self) -> dict[str, list[tuple[str, dict[str, Any] | None]]]:
+        """uid -> (key, summary) of each trajectory written for it so far."""
         return self.__dict__.setdefault("_written", {})
 
     async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any) -> Any:
@@ -98,7 +102,10 @@ class EpisodeAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):  # type: ig
         if not validate:  # verl's key scheme: "{uid}_{session_id}_{index of the episode's output}"
             outputs = output if isinstance(output, list) else [output]
             uid, session = kwargs["uid"], kwargs["session_id"]
-            self._written_keys().setdefault(uid, []).extend(f"{uid}_{session}_{i}" for i in range(len(outputs)))
+            # Summarized here, from the outputs verl just wrote (it set their rewards): the driver need not read them.
+            self._written_keys().setdefault(uid, []).extend(
+                (f"{uid}_{session}_{i}", output_summary(uid, each)) for i, each in enumerate(outputs)
+            )
         return result
 
     async def _postprocess_episode(self, output: Any, validate: bool, **kwargs: Any) -> Any:

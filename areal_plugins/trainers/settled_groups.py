@@ -7,6 +7,11 @@ the trajectory keys it wrote, to one Ray actor; the admission loop drains the re
 keys. A poll then costs in proportion to what settled since the last one. The loop still lists the whole partition
 now and then (``AdmissionLoop.reconcile_s``), so a report that never came (a worker that died between its status and
 its report, or a run resumed with groups settled before the checkpoint) delays a group, never loses it.
+
+A report also carries, per trajectory, what the admission loop records of it (``admission.trajectory_info``:
+versions, request chunks, token and log-prob digests, reward), computed by the worker from the output it wrote. With
+no ``areal_accept_trajectory`` hook to ask, the admission loop then reads no trajectory rows at all: the driver's
+work per group no longer grows with its tokens (docs/results/control_plane.md).
 """
 
 from __future__ import annotations
@@ -22,17 +27,20 @@ DRAIN_TIMEOUT_S = 60.0
 
 _found: dict[str, Any] = {}
 
+#: ``(uid, trajectory keys, one summary per key or None)``: a group settled, as its worker reports it.
+SettledReport = tuple[str, list[str], list[dict[str, Any]] | None]
+
 
 class SettledGroupsInbox:
-    """Ray actor: reports of settled groups, ``(uid, trajectory keys)``, in arrival order until drained."""
+    """Ray actor: reports of settled groups (:data:`SettledReport`), in arrival order until drained."""
 
     def __init__(self) -> None:
-        self.reports: list[tuple[str, list[str]]] = []
+        self.reports: list[SettledReport] = []
 
-    def report(self, uid: str, keys: list[str]) -> None:
-        self.reports.append((uid, keys))
+    def report(self, uid: str, keys: list[str], summaries: list[dict[str, Any]] | None = None) -> None:
+        self.reports.append((uid, keys, summaries))
 
-    def drain(self) -> list[tuple[str, list[str]]]:
+    def drain(self) -> list[SettledReport]:
         reports, self.reports = self.reports, []
         return reports
 
@@ -45,15 +53,16 @@ def start_inbox() -> Any:
     return actor.remote()
 
 
-def drain_reports(inbox: Any) -> list[tuple[str, list[str]]]:
+def drain_reports(inbox: Any) -> list[SettledReport]:
     """What the admission loop calls on each poll."""
     import ray
 
     return ray.get(inbox.drain.remote(), timeout=DRAIN_TIMEOUT_S)
 
 
-async def report_settled(uid: str, keys: list[str]) -> None:
-    """A worker's report that group ``uid`` has its final status in TransferQueue, with ``keys`` written for it.
+async def report_settled(uid: str, keys: list[str], summaries: list[dict[str, Any]] | None = None) -> None:
+    """A worker's report that group ``uid`` has its final status in TransferQueue, with ``keys`` written for it
+    and, when every one of them could be summarized, their ``summaries``.
 
     Without the inbox (a rollout manager that does not drain one, or a resume, where verl re-issues the groups in
     flight before the trainer builds its manager) there is no one to tell: the admission loop's listing finds the
@@ -67,7 +76,7 @@ async def report_settled(uid: str, keys: list[str]) -> None:
         except ValueError:
             _found["next_lookup"] = time.monotonic() + LOOKUP_AGAIN_S
     if found is not None:
-        await found.report.remote(uid, keys)
+        await found.report.remote(uid, keys, summaries)
 
 
 def read_tags(store: Any, partition_id: str, keys: list[str]) -> dict[str, dict[str, Any]] | None:

@@ -114,6 +114,8 @@ def admission_metrics(manager: Any, buffer: Any) -> dict[str, float]:
     if hasattr(manager, "listings"):  # our AdmissionLoop: its polls since the start, and how many listed everything
         metrics["areal/admission_polls"] = float(manager.polls)
         metrics["areal/partition_listings"] = float(manager.listings)
+        metrics["areal/settled_from_reports"] = float(manager.settled_from_reports)  # rows not read
+        metrics["areal/settled_from_rows"] = float(manager.settled_from_rows)
     return metrics | {f"areal/{name}": float(getattr(manager, name)) for name in MANAGER_COUNTERS}
 
 

@@ -91,6 +91,10 @@ def test_admission_finds_finished_groups_by_the_workers_reports_not_by_listing_t
     last = read_jsonl(async_run / "areal_steps.jsonl")[-1]
     assert last["areal/admission_polls"] > 100
     assert last["areal/partition_listings"] <= last["areal/admission_polls"] / 10
+    # No plugin asks about trajectories here: groups settle from the summaries their workers reported, and rows are
+    # read only for a group a listing found before its report came.
+    from_reports, from_rows = last["areal/settled_from_reports"], last["areal/settled_from_rows"]
+    assert from_reports >= STEPS * BATCH and from_rows <= max(2, from_reports / 20), (from_reports, from_rows)
 
 
 def test_engines_serve_the_trainers_version_after_each_update(async_run):

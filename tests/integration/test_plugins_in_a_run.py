@@ -25,6 +25,8 @@ def test_hooks_see_every_weight_version_and_step(observed_run):
     rejected = steps[-1]["areal/rejected_trajectories"]
     assert rejected > 0
     assert all(s["critic/score/min"] == 1.0 for s in steps), "a rejected trajectory was trained on"
+    # With an accept hook installed every settled group's rows are read back for it, none from summaries.
+    assert steps[-1]["areal/settled_from_reports"] == 0 and steps[-1]["areal/settled_from_rows"] > 0
     # The initial sync serves version 0; each step then pushes its weights as version = step.
     assert [e["version"] for e in events if e["event"] == "weights_updated"] == list(range(OBSERVED_STEPS + 1))
     assert [e["step"] for e in events if e["event"] == "after_train_step"] == list(range(1, OBSERVED_STEPS + 1))

@@ -205,6 +205,24 @@ def test_failed_groups_in_a_row_stop_the_loop_instead_of_resubmitting_forever():
         loop.poll_once()
 
 
+def test_failures_a_resumed_run_finds_in_its_checkpoint_are_reissued_without_stopping_it():
+    """A checkpoint taken after groups failed on an engine that then died keeps their "failure" tags. On resume the
+    first look finds them all at once: they are re-issued, and do not count as the new engines failing."""
+    store = InMemoryTransferQueue()
+    inherited = [f"old{i}" for i in range(4)]
+    for uid in inherited:  # restored from the checkpoint, as verl's TransferQueue load leaves them
+        store.add_prompt(uid)
+        store.finish(uid, [], [], status="failure")
+    loop, _, reissued = make_reissuing_loop(store, eta=0, batch=2)
+    loop.failure_limit = 3
+    loop.poll_once()
+    assert sorted(reissued[0]) == inherited and loop.failed_groups == 4
+    for uid in ["old0", "old1", "old2"]:  # failing again now counts
+        store.finish(uid, [], [], status="failure")
+    with pytest.raises(RolloutsFailingError, match="3 rollout groups in a row failed"):
+        loop.poll_once()
+
+
 def make_reissuing_loop(store: InMemoryTransferQueue, eta: int = 0, batch: int = 2):
     loop, submitted = make_loop(store, eta=eta, batch=batch)
     reissued: list[list[str]] = []
@@ -386,3 +404,115 @@ def test_a_token_digest_is_the_sha256_of_the_ids_as_little_endian_64_bit_integer
     expected = hashlib.sha256(struct.pack("<3q", 1, 2, 300000)).hexdigest()[:16]  # packed by hand
     assert token_digest([1, 2, 300000]) == expected
     assert token_digest([]) == hashlib.sha256(b"").hexdigest()[:16]
+
+
+class RowCountingStore(CountingStore):
+    """Counts listings and reads of trajectory rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows_read = 0
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        self.rows_read += len(keys)
+        return super().kv_batch_get(keys, partition_id, select_fields)
+
+
+def reported_summary(response_tokens: int, reward: float) -> dict:
+    return {"head_version": 0, "tail_version": 0, "num_interrupts": 0, "response_tokens": response_tokens,
+            "reward": reward, "by": "the worker"}  # fmt: skip
+
+
+def test_with_no_accept_hook_a_reported_group_is_settled_from_its_summaries_without_reading_a_row():
+    store = RowCountingStore()
+    reports: list = []
+    loop, submitted = make_loop(store, eta=0, batch=2)
+    loop.accept = None  # what the default rollout manager passes when no plugin implements the hook
+    loop.settled_reports = lambda: [reports.pop(0) for _ in range(len(reports))]
+    loop.reconcile_s = 3600.0
+    loop.poll_once()
+    store.finish("p0", [1.0, 0.0], [[0, 0], [0]])
+    store.finish("p1", [0.5], [[0]])
+    reports.append(("p0", ["p0_0_0", "p0_1_0"], [reported_summary(2, 1.0), reported_summary(1, 0.0)]))
+    reports.append(("p1", ["p1_0_0"], None))  # its worker could not summarize it: rows are read
+    loop.poll_once()
+    assert store.rows_read == 1  # p1's one trajectory; none of p0's
+    assert (loop.settled_from_reports, loop.settled_from_rows) == (1, 1)
+    taken, _ = loop.buffer.take(2, trainer_version=0, timeout=0.1)
+    by_uid = {group.group_id: group for group in taken}
+    assert [info["by"] for info in by_uid["p0"].info] == ["the worker", "the worker"]
+    assert by_uid["p0"].keys == ["p0_0_0", "p0_1_0"] and by_uid["p0"].head_versions == [0, 0]
+    assert by_uid["p1"].info[0]["response_tokens"] == 1 and "by" not in by_uid["p1"].info[0]  # read from its row
+    check_accounting(loop, submitted)
+
+
+def test_with_an_accept_hook_the_rows_are_read_even_when_summaries_came():
+    store = RowCountingStore()
+    reports = [("p0", ["p0_0_0"], [reported_summary(2, 1.0)])]
+    loop, _ = make_loop(store, eta=0, batch=1)  # accept_by_hook: the hook must see each trajectory
+    loop.poll_once()
+    loop.settled_reports, loop.reconcile_s = lambda: [reports.pop()] if reports else [], 3600.0
+    store.finish("p0", [1.0], [[0, 0]])
+    loop.poll_once()
+    assert store.rows_read == 1 and loop.settled_from_rows == 1 and loop.settled_from_reports == 0
+
+
+def test_a_late_report_of_a_failed_attempt_found_by_a_listing_does_not_settle_the_reissued_one():
+    store = RowCountingStore()
+    reports: list = []
+    reissued: list[str] = []
+    loop, submitted = make_loop(store, eta=0, batch=1)
+    loop.accept = None
+    loop.reissue = lambda uids: (reissued.extend(uids), [store.add_prompt(uid) for uid in uids])
+    loop.settled_reports = lambda: [reports.pop(0) for _ in range(len(reports))]
+    loop.poll_once()
+    store.finish("p0", [], [], status="failure")  # attempt 1 failed; its report is late
+    loop._next_listing = 0.0
+    loop.poll_once()  # the listing finds the failure and re-issues p0
+    assert reissued == ["p0"]
+    store.finish("p0", [1.0], [[0]])  # attempt 2 finished (key p0_0_0) ...
+    reports.append(("p0", [], None))  # ... and attempt 1's report arrives only now, then attempt 2's
+    loop.poll_once()
+    assert len(loop.buffer) == 0  # attempt 1's report settled nothing
+    reports.append(("p0", ["p0_0_0"], [reported_summary(1, 1.0)]))
+    loop.poll_once()
+    taken, _ = loop.buffer.take(1, trainer_version=0, timeout=0.1)
+    assert [group.keys for group in taken] == [["p0_0_0"]] and reissued == ["p0"]
+    group = taken[0]
+    assert group.keys == ["p0_0_0"] and group.info[0]["by"] == "the worker"
+    check_accounting(loop, submitted)
+
+
+def test_a_workers_summary_is_what_the_admission_loop_would_read_back_from_the_rows_verl_writes():
+    """The summary a worker reports is :func:`trajectory_info` of the trajectory the loop would read from
+    TransferQueue: reward and log-probs as float32, masked tokens left out (values derived by hand below)."""
+    import hashlib
+    import struct
+
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    from areal_plugins.trainers.admission import TRAJECTORY_FIELDS, group_trajectories, output_summary, trajectory_info
+    from areal_plugins.trainers.episodes import CHUNKS_FIELD
+
+    extra = {"token_versions": [0, 1, 1], "num_interrupts": 1, CHUNKS_FIELD: [[0, 0, 7], [1, 1, 8]],
+             "reward_extra_info": {"areal_reward_latency_s": 0.5, "acc": 1.0}}  # fmt: skip
+    output = AgentLoopOutput(
+        prompt_ids=[5, 6, 7], response_ids=[11, 12, 13, 14], response_mask=[1, 1, 0, 1],
+        response_logprobs=[-0.1, -0.2, 0.0, -0.3], reward_score=0.1, metrics=AgentLoopMetrics(), extra_fields=extra,
+    )  # fmt: skip
+    summary = output_summary("u", output)
+    written = output.as_dict()  # the row verl's agent loop puts into TransferQueue
+    store = InMemoryTransferQueue()
+    store.rows["u_0_0"] = {name: written[name] for name in TRAJECTORY_FIELDS}
+    (read_back,) = group_trajectories(store.kv_batch_get(["u_0_0"], "train", TRAJECTORY_FIELDS), "u")
+    assert summary == trajectory_info(read_back)
+    float32 = struct.unpack("<f", struct.pack("<f", 0.1))[0]
+    assert summary["reward"] == float32 != 0.1
+    assert summary["response_tokens"] == 3 and summary["head_version"] == 0 and summary["tail_version"] == 1
+    assert summary["response_digest"] == hashlib.sha256(struct.pack("<3q", 11, 12, 14)).hexdigest()[:16]
+    assert summary["logprobs_digest"] == hashlib.sha256(struct.pack("<3f", -0.1, -0.2, -0.3)).hexdigest()[:16]
+    assert summary["chunks"] == [[0, 0, 7], [1, 1, 8]] and summary["num_interrupts"] == 1
+    assert summary["reward_report"] == {"areal_reward_latency_s": 0.5}
+    # What the loop must name itself (it reads the rows and raises): no summary.
+    assert output_summary("u", output.model_copy(update={"response_logprobs": None})) is None
+    assert output_summary("u", output.model_copy(update={"extra_fields": {"token_versions": [0]}})) is None
