@@ -193,6 +193,7 @@ def run_case(case: str, placement: str, tiny_dir: Path, max_restarts: int) -> Ou
     ]  # fmt: skip
     env = dict(os.environ)
     if pattern == "HANG":  # the example plugin's loss does not return from its 5th call, in step 3, once
+        command.insert(3, "areal.micro_batch.max_tokens=null")  # verl's fixed micro-batches: 2 loss calls a step
         plugin = str(ROOT / "tests" / "example_plugin")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (plugin, env.get("PYTHONPATH")) if p)
         env["AREAL_EXAMPLE_OBSERVER_LOSS_HANGS_AFTER"] = str(KILL_AFTER_STEP * LOSS_CALLS_PER_STEP)
