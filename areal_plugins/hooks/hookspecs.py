@@ -133,7 +133,9 @@ def areal_accept_trajectory(trajectory: Trajectory) -> bool | None:
     """Decide whether a finished, scored trajectory is kept for training.
 
     Return False to reject it (its staleness slot is freed and it is counted as rejected), True to
-    keep it and stop asking further plugins, None to defer (kept if nobody rejects).
+    keep it and stop asking further plugins, None to defer (kept if nobody rejects). Implementing it
+    has a cost in verl's driver: every finished trajectory is then read back from TransferQueue to be
+    shown to it; with no implementation installed, none is (the workers report what the run records).
 
     :param trajectory: the finished trajectory, reward set. For an episode of several turns (verl's
         ``tool_agent`` loop or your own agent loop) it is the whole episode: ``prompt_ids`` the first

@@ -516,3 +516,12 @@ def test_a_workers_summary_is_what_the_admission_loop_would_read_back_from_the_r
     # What the loop must name itself (it reads the rows and raises): no summary.
     assert output_summary("u", output.model_copy(update={"response_logprobs": None})) is None
     assert output_summary("u", output.model_copy(update={"extra_fields": {"token_versions": [0]}})) is None
+
+
+def test_the_default_rollout_manager_asks_about_trajectories_only_when_a_plugin_answers():
+    from areal_plugins.hooks.manager import hook_implemented
+
+    assert not hook_implemented("areal_accept_trajectory")  # none of the built-in plugins does
+    with plugin_registered(RejectWrongAnswers()):
+        assert hook_implemented("areal_accept_trajectory")
+    assert not hook_implemented("areal_accept_trajectory")
