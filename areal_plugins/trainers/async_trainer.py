@@ -56,7 +56,7 @@ from areal_plugins.trainers.async_checkpoint import (
 from areal_plugins.trainers.engine_stats import EngineStats
 from areal_plugins.trainers.hooked import HookedTrainerMixin
 from areal_plugins.trainers.llm_client import InterruptibleLLMClient
-from areal_plugins.trainers.partial_outputs import save_partials, start_resumed
+from areal_plugins.trainers.partial_outputs import remove_rotated_partials, save_partials, start_resumed
 from areal_plugins.trainers.placements import placement_for
 from areal_plugins.trainers.replay_driver import ReplayDriver
 from areal_plugins.trainers.replica_pool import ReplicaPool, RolloutServerDiedError, weight_group_rebuilt_each_sync
@@ -370,6 +370,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             partials = save_partials(folder, self.agent_loop_manager.agent_loop_workers)
             save_async_state(folder, self.global_steps, self.counts, self.manager.controller, partials)
             super()._save_checkpoint()
+            remove_rotated_partials(self.config.trainer.default_local_dir)
 
     def _load_checkpoint(self) -> None:
         """verl's; then, on a resume, the outputs its checkpoint kept, offered before any request is made."""

@@ -107,6 +107,20 @@ def save_partials(folder: str, workers: list[Any]) -> dict[str, int]:
     return {key: sum(count[key] for count in counts) for key in ("requests", "tokens")}
 
 
+def remove_rotated_partials(checkpoints: str | Path) -> int:
+    """Remove the kept outputs of checkpoints verl has rotated away (``max_actor_ckpt_to_keep``: verl deletes a
+    step's ``actor/`` folder and leaves the rest); they cannot be resumed from, and at scale they are the largest
+    thing left. Returns how many folders were removed."""
+    import shutil
+
+    removed = 0
+    for kept in Path(checkpoints).glob(f"global_step_*/{PARTIALS_DIR}"):
+        if not (kept.parent / "actor").exists():
+            shutil.rmtree(kept, ignore_errors=True)
+            removed += 1
+    return removed
+
+
 def read_partials(folder: str | Path) -> list[dict[str, Any]] | None:
     """What a checkpoint kept, all workers' together; None for a checkpoint written without it."""
     kept = Path(folder) / PARTIALS_DIR

@@ -186,3 +186,16 @@ def test_a_saved_output_is_taken_once_and_only_for_the_prompt_it_was_generated_f
 def test_no_saved_outputs_no_actor(tmp_path):
     assert start_resumed(str(tmp_path)) is None
     assert RESUMED_NAME == "areal_resumed_partials"
+
+
+def test_outputs_kept_by_checkpoints_verl_rotated_away_are_removed_and_the_kept_ones_stay(tmp_path):
+    # verl's rotation (max_actor_ckpt_to_keep) deleted step 1's actor/ folder and left the rest of the step.
+    for step, has_actor in ((1, False), (2, True), (3, True)):
+        folder = tmp_path / f"global_step_{step}"
+        partial_outputs.write_partials(str(folder), 0, [{"tokens": [1, 2]}])
+        if has_actor:
+            (folder / "actor").mkdir()
+    assert partial_outputs.remove_rotated_partials(tmp_path) == 1
+    assert not (tmp_path / "global_step_1" / "areal_partials").exists() and (tmp_path / "global_step_1").exists()
+    assert partial_outputs.read_partials(tmp_path / "global_step_2") == [{"tokens": [1, 2]}]
+    assert partial_outputs.read_partials(tmp_path / "global_step_3") == [{"tokens": [1, 2]}]
