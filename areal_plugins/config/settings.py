@@ -209,6 +209,13 @@ class ArealConfig:
             "(needs trainer.save_freq; --max-restarts overrides)"
         },
     )
+    replace_dead_replicas: bool = field(
+        default=True,
+        metadata={
+            "help": "placement: separate: start a replacement for a rollout replica that died, where Ray can place "
+            "it; it takes requests once the next weight sync has loaded and checked the current weights"
+        },
+    )
     waive_capabilities: list[str] = field(
         default_factory=list,
         metadata={

@@ -60,6 +60,7 @@ from areal_plugins.trainers.partial_outputs import remove_rotated_partials, save
 from areal_plugins.trainers.placements import placement_for
 from areal_plugins.trainers.replay_driver import ReplayDriver
 from areal_plugins.trainers.replica_pool import ReplicaPool, RolloutServerDiedError, weight_group_rebuilt_each_sync
+from areal_plugins.trainers.replica_replacement import ReplicaReplacer
 from areal_plugins.trainers.step_metrics import (
     admission_metrics,
     consumed_metrics,
@@ -148,6 +149,9 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             ReplayDriver(config, Path(self.areal.replay.run_dir), self.recorder) if self.areal.replay.run_dir else None
         )
         self.replica_pool = ReplicaPool(lambda: self.rollout_servers, self.recorder, survives, backend)
+        replacing = survives and self.areal.replace_dead_replicas
+        self.replacer = ReplicaReplacer(lambda: self.rollout_servers, self.recorder, enabled=replacing)
+        self.replica_pool.on_drop = self.replacer.replace
         self.engine_stats = EngineStats(backend, self.replica_pool, self.recorder)
         self.supervisor = Supervisor(
             self, self.areal.watchdog_s, self.engine_stats, self.recorder, stop_on_request=self._stop_on_request
@@ -263,7 +267,9 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             # checkpoint manager aborts standalone ones itself before a non-naive sync.
             try:
                 self.replica_pool.prune()  # the sync's process group is built from the replicas still serving
+                self.replacer.join()  # replacements that have started take the new weights with the others
                 self.weight_sync.update_weights(new_version)
+                self.replacer.serve(new_version)  # and only then requests
             except Exception:
                 # The step is trained (and may be checkpointed): its line is written before the error stops
                 # the run, so a resume shows no gap.
@@ -415,6 +421,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     def _write_step_line(self, metrics: dict, timing_raw: dict, global_steps: int, now: float) -> None:
         metrics["areal/rollout_stats_errors"] = float(self.engine_stats.errors)
         metrics["areal/rollout_replicas"] = float(len(self.replica_pool.replicas))
+        metrics["areal/rollout_replicas_replaced"] = float(self.replacer.replaced)
         if self._resumed_partials is not None:  # after the first step every re-issued answer has asked: stop it
             self._resume_counts = ray.get(self._resumed_partials.counts.remote())
             ray.kill(self._resumed_partials)

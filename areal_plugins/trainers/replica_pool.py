@@ -60,6 +60,7 @@ class ReplicaPool:
         self.survives = survives
         self.backend = backend
         self.lost: list[int] = []  # replica ranks dropped so far
+        self.on_drop: Callable[[Any], None] | None = None  # told of each dropped replica (its replacement starts)
         self._suspects: set[str] = set()  # actor ids of replicas' parts reported dead, not yet dropped
         self._dropped: set[str] = set()  # actor ids of the dropped replicas' parts (servers and workers)
         self._lock = threading.Lock()
@@ -164,6 +165,8 @@ class ReplicaPool:
         for handle in parts:
             ray.kill(handle, no_restart=True)
         self.lost.append(rank)
+        if self.on_drop is not None:
+            self.on_drop(replica)
         left = len(manager.rollout_replicas)
         self.recorder.write(
             "replica_events.jsonl",

@@ -249,7 +249,8 @@ def test_a_dead_replica_of_two_costs_capacity_not_the_run(tiny_dir, tmp_path):
     """``placement: separate`` with two areal_cpu replicas, 10 steps: one server is SIGKILLed just after the engines
     resumed generating under version 3, after step 3 (the admission loop has new groups to send then, so requests
     are in flight on it). Its requests continue on the other replica, the run drops it (load balancer, weight sync,
-    statistics) and trains all 10 steps, each prompt group once, none lost."""
+    statistics) and trains all 10 steps, each prompt group once, none lost. A replacement starts on the freed
+    device, takes the weights of the next sync like the survivor (the same checksum) and only then requests."""
     import time
 
     from tests.integration.conftest import cli_output, kill_tree, read_jsonl, sigkill_processes_running, start_cli
@@ -280,11 +281,25 @@ def test_a_dead_replica_of_two_costs_capacity_not_the_run(tiny_dir, tmp_path):
     assert len(lost) == 1 and lost[0]["replicas_left"] == 1, lost
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-    assert metrics[0]["data"]["areal/rollout_replicas"] == 2 and metrics[-1]["data"]["areal/rollout_replicas"] == 1
+    assert metrics[0]["data"]["areal/rollout_replicas"] == 2 and metrics[-1]["data"]["areal/rollout_replicas"] == 2
+    assert metrics[-1]["data"]["areal/rollout_replicas_replaced"] == 1
     # Every weight version reached the surviving replica, each checked.
     survivor = 1 - lost[0]["replica"]
-    updates = [e for e in read_jsonl(run_dir / "weight_syncs.jsonl") if e.get("replica") == survivor]
-    assert sorted({e["version"] for e in updates if e["event"] == "update"}) == list(range(steps + 1))
+    syncs = [e for e in read_jsonl(run_dir / "weight_syncs.jsonl") if e["event"] == "update"]
+    updates = [e for e in syncs if e.get("replica") == survivor]
+    assert sorted({e["version"] for e in updates}) == list(range(steps + 1))
+    # The replacement (replica 2) joined at a sync after the loss, then took every later version, each with the
+    # survivor's checksum, and generated tokens while it served (its first update finds none generated).
+    events = read_jsonl(run_dir / "replica_events.jsonl")
+    (joined,) = [e for e in events if e["event"] == "joined"]
+    assert joined["replaces"] == lost[0]["replica"] and joined["replica"] == 2
+    assert killed_after < joined["version"] < steps
+    by_version = {e["version"]: e["checksum"] for e in updates}
+    replacement = [e for e in syncs if e.get("replica") == 2]
+    assert [e["version"] for e in replacement] == list(range(joined["version"], steps + 1))
+    assert all(e["checksum"] == by_version[e["version"]] for e in replacement)
+    generated = [e["generated_tokens"] for e in events if e["event"] == "update" and e["replica"] == 2]
+    assert generated[0] == 0 and generated[-1] > 0, generated
     # No prompt lost, none trained twice: counted from the records of what was drawn and what was trained.
     (accounting,) = read_jsonl(run_dir / "areal_accounting.jsonl")
     assert accounting["rejected"] == 0 and accounting["consumed"] == steps * 16

@@ -159,7 +159,13 @@ class CPURolloutServer(RolloutServer):
         served = self.engine.model.state_dict()
         checksum = weights_checksum({k: served[k] for k in state_dict})
         record_weight_sync(self.replica_rank, version, checksum, "update")
-        record_replica_event(self.replica_rank, "update", version=version, **self._memory())
+        record_replica_event(  # generated_tokens: what it served so far (a replacement's first is 0)
+            self.replica_rank,
+            "update",
+            version=version,
+            generated_tokens=self.engine.generated_tokens,
+            **self._memory(),
+        )
         return {"version": self.engine.version, "checksum": checksum}
 
     @staticmethod
