@@ -33,13 +33,13 @@ def areal_make_rollout_manager(
     import transfer_queue
 
     from areal_plugins.core.staleness import StalenessController
-    from areal_plugins.hooks.manager import hook_implemented
+    from areal_plugins.core.trajectory import keep_every_trajectory
     from areal_plugins.trainers.admission import AdmissionLoop
     from areal_plugins.trainers.settled_groups import drain_reports, start_inbox
 
     settings = _settings(config)
     # With no plugin to ask, settled groups need not be read back: their workers' reports say what is recorded.
-    accept = accept_trajectory if hook_implemented("areal_accept_trajectory") else None
+    accept = None if accept_trajectory is keep_every_trajectory else accept_trajectory
     inbox = start_inbox()  # our agent-loop workers report each settled group to it
     batch = int(config.data.train_batch_size)  # η and B count prompt groups: GRPO groups stay together
     controller = StalenessController(

@@ -51,3 +51,9 @@ class Trajectory:
     def staleness(self, trainer_version: int) -> int:
         """``trainer_version - head_version``: how many updates old its oldest token is."""
         return trainer_version - self.head_version
+
+
+def keep_every_trajectory(trajectory: Trajectory) -> bool:
+    """The accept function a rollout manager is given when no plugin implements ``areal_accept_trajectory``: it
+    keeps every trajectory, so a manager that sees this very function may skip reading trajectories back."""
+    return True

@@ -82,7 +82,9 @@ def areal_make_rollout_manager(
     :param buffer: what ``areal_make_sample_buffer`` returned.
     :param submit_prompts: submits ``n`` new prompt groups for generation; returns how many it sent.
     :param accept_trajectory: asks every ``areal_accept_trajectory`` implementation about one finished
-        :class:`~areal_plugins.core.trajectory.Trajectory`; False means drop it (its slot is freed).
+        :class:`~areal_plugins.core.trajectory.Trajectory`; False means drop it (its slot is freed). With no
+        implementation installed it is :func:`~areal_plugins.core.trajectory.keep_every_trajectory` itself,
+        and a manager may then skip reading trajectories back.
     :param reissue_prompts: sends prompt groups that failed (by uid) for generation again; their prompt
         stays registered in TransferQueue meanwhile, so a checkpoint keeps it. A manager that drops
         failed groups instead loses their prompts.

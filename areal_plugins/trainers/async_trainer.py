@@ -36,10 +36,11 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.debug import marked_timer
 
 from areal_plugins.config.settings import ArealConfig
+from areal_plugins.core.trajectory import keep_every_trajectory
 from areal_plugins.hooks.contracts import AdmissionCounters, require_contract
 from areal_plugins.hooks.contracts import RolloutManager as RolloutManagerContract
 from areal_plugins.hooks.contracts import SampleBuffer as SampleBufferContract
-from areal_plugins.hooks.manager import call_hook
+from areal_plugins.hooks.manager import call_hook, hook_implemented
 from areal_plugins.rollout.capabilities import check_backend_capabilities
 from areal_plugins.run.control import RunStoppedOnRequestError
 from areal_plugins.run.record_sink import start_record_sink
@@ -222,7 +223,10 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             config=self.config,
             buffer=self.sample_buffer,
             submit_prompts=self._add_prompts_to_generate,
-            accept_trajectory=accept_trajectory,
+            # No plugin asks about trajectories: the manager may skip reading them back (admission.py).
+            accept_trajectory=(
+                accept_trajectory if hook_implemented("areal_accept_trajectory") else keep_every_trajectory
+            ),
             reissue_prompts=self._reissue_prompts,
         )
         require_contract(self.manager, RolloutManagerContract, "areal_make_rollout_manager")

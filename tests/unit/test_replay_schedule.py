@@ -255,6 +255,7 @@ def trainer_stub(calls: list, hybrid: bool) -> SimpleNamespace:
         supervisor=SimpleNamespace(waiting=lambda: None),
         manager=SimpleNamespace(pause=note("pause"), resume=note("resume")),
         replica_pool=SimpleNamespace(prune=lambda: None),
+        replacer=SimpleNamespace(join=lambda: 0, serve=lambda version: None),
         weight_sync=SimpleNamespace(
             update_weights=note("update"), backend="naive", resume_generation_replicas=note("wake")
         ),
