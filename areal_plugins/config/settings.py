@@ -216,6 +216,14 @@ class ArealConfig:
             "it; it takes requests once the next weight sync has loaded and checked the current weights"
         },
     )
+    max_rollout_replicas: int | None = field(
+        default=None,
+        metadata={
+            "help": "placement: separate: start more rollout replicas mid-run, up to this many, whenever Ray has the "
+            "devices for one (a node joined the cluster); each takes requests after a weight sync. null: the "
+            "recipe's count"
+        },
+    )
     waive_capabilities: list[str] = field(
         default_factory=list,
         metadata={
@@ -246,6 +254,17 @@ class ArealConfig:
         if self.max_concurrent_rollouts is not None and self.max_concurrent_rollouts < 1:
             raise ArealConfigError(
                 f"areal.max_concurrent_rollouts must be >= 1 or null, got {self.max_concurrent_rollouts!r}"
+            )
+        if self.max_rollout_replicas is not None and (
+            not isinstance(self.max_rollout_replicas, int) or self.max_rollout_replicas < 1
+        ):
+            raise ArealConfigError(
+                f"areal.max_rollout_replicas must be a replica count >= 1 or null, got {self.max_rollout_replicas!r}"
+            )
+        if self.max_rollout_replicas is not None and self.placement != "separate":
+            raise ArealConfigError(
+                "areal.max_rollout_replicas grows the standalone replicas of areal.placement: separate; colocated "
+                "engines live in the trainer's workers. Remove it, or set areal.placement: separate"
             )
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ArealConfigError(f"areal.max_restarts must be an integer >= 0, got {self.max_restarts!r}")

@@ -35,7 +35,7 @@ from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.utils import tensordict_utils as tu
 from verl.utils.debug import marked_timer
 
-from areal_plugins.config.settings import ArealConfig
+from areal_plugins.config.settings import ArealConfig, ArealConfigError
 from areal_plugins.core.trajectory import keep_every_trajectory
 from areal_plugins.hooks.contracts import AdmissionCounters, require_contract
 from areal_plugins.hooks.contracts import RolloutManager as RolloutManagerContract
@@ -152,6 +152,12 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self.replica_pool = ReplicaPool(lambda: self.rollout_servers, self.recorder, survives, backend)
         replacing = survives and self.areal.replace_dead_replicas
         self.replacer = ReplicaReplacer(lambda: self.rollout_servers, self.recorder, enabled=replacing)
+        if self.areal.max_rollout_replicas is not None and not survives:
+            raise ArealConfigError(
+                "areal.max_rollout_replicas adds replicas to the weight sync mid-run, which needs a checkpoint engine "
+                "that builds its process group for every sync: areal_gloo, or verl's nccl with "
+                "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.nccl.rebuild_group=true"
+            )
         self.replica_pool.on_drop = self.replacer.replace
         self.engine_stats = EngineStats(backend, self.replica_pool, self.recorder)
         self.supervisor = Supervisor(
@@ -271,7 +277,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             # checkpoint manager aborts standalone ones itself before a non-naive sync.
             try:
                 self.replica_pool.prune()  # the sync's process group is built from the replicas still serving
-                self.replacer.join()  # replacements that have started take the new weights with the others
+                self.replacer.grow(self.areal.max_rollout_replicas)  # a node joined: one more replica starts
+                self.replacer.join()  # replicas that have started take the new weights with the others
                 self.weight_sync.update_weights(new_version)
                 self.replacer.serve(new_version)  # and only then requests
             except Exception:
@@ -426,6 +433,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         metrics["areal/rollout_stats_errors"] = float(self.engine_stats.errors)
         metrics["areal/rollout_replicas"] = float(len(self.replica_pool.replicas))
         metrics["areal/rollout_replicas_replaced"] = float(self.replacer.replaced)
+        metrics["areal/rollout_replicas_added"] = float(self.replacer.grown)
         if self._resumed_partials is not None:  # after the first step every re-issued answer has asked: stop it
             self._resume_counts = ray.get(self._resumed_partials.counts.remote())
             ray.kill(self._resumed_partials)

@@ -1,4 +1,5 @@
-"""Replacements for rollout replicas that died (``placement: separate``, ``areal.replace_dead_replicas``).
+"""Replicas started mid-run (``placement: separate``): replacements for replicas that died
+(``areal.replace_dead_replicas``) and new ones when the cluster grows (``areal.max_rollout_replicas``).
 
 When the replica pool drops a dead replica (replica_pool.py), its placement group is removed so that its devices are
 free again, and a replacement of the same class starts in the background through verl's own
@@ -11,6 +12,10 @@ weight sync, so the sync's process group includes it and it receives the new ver
 the same checks (the transport's and the engine's checksums); only after that sync is it added to verl's load
 balancer. Every token it generates therefore carries the version it was generated under: the staleness accounting
 does not change.
+
+With ``areal.max_rollout_replicas`` above the recipe's count, the trainer looks at each step's end whether Ray has
+the devices for one more replica (a node joined); if so one starts the same way and joins the same way. The
+admission bound counts prompt groups, not engines, so it needs no change: more engines drain it faster.
 """
 
 from __future__ import annotations
@@ -70,21 +75,59 @@ class ReplicaReplacer:
         self._server_manager = server_manager
         self.recorder = recorder
         self.enabled = enabled
-        self._starting: list[tuple[int, int, Future]] = []  # (dead rank, new rank, the started replica)
-        self._joined: list[tuple[int, Any]] = []  # (dead rank, replica) in the sync list, not yet serving
+        # (the dead rank it replaces or None for growth, its rank, the started replica)
+        self._starting: list[tuple[int | None, int, Future]] = []
+        self._joined: list[tuple[int | None, Any]] = []  # (dead rank or None, replica) in the sync list, not serving
         self._next_rank: int | None = None
-        self.replaced = 0
+        self.replaced = 0  # replacements serving
+        self.grown = 0  # replicas added beyond the recipe's, serving
 
     def replace(self, dead: Any) -> None:
         """Free ``dead``'s devices and start its replacement (a new replica rank: Ray's actor names stay unique)."""
         if not self.enabled:
             return
+        freed = free_devices(dead)
+        rank = self._start(dead.replica_rank, extra_ranks=[dead.replica_rank])
+        self._event("replacing", dead.replica_rank, replica=rank, placement_groups_freed=freed)
+        logger.warning(
+            "areal: starting replica %d to replace replica %d; it takes requests after the weight sync that follows "
+            "its start",
+            rank,
+            dead.replica_rank,
+        )
+
+    def grow(self, max_replicas: int | None) -> bool:
+        """At a step's end: start one more replica if fewer than ``max_replicas`` serve or start and Ray has the
+        devices for it now (a node joined). Returns whether one started."""
+        if max_replicas is None:
+            return False
+        manager = self._server_manager()
+        # One at a time: Ray counts a device as free until the new replica's placement group holds it.
+        if self.pending or len(manager.rollout_replicas) >= max_replicas:
+            return False
+        config = manager.rollout_config
+        per_replica = (
+            config.tensor_model_parallel_size * config.data_parallel_size * config.pipeline_model_parallel_size
+        )
+        if free_device_count() < per_replica:
+            return False
+        rank = self._start(None)
+        self._event("growing", None, replica=rank, replicas=len(manager.rollout_replicas), max_replicas=max_replicas)
+        logger.warning(
+            "areal: Ray has the devices for another rollout replica: starting replica %d (up to %d); it takes "
+            "requests after the weight sync that follows its start",
+            rank,
+            max_replicas,
+        )
+        return True
+
+    def _start(self, dead: int | None, extra_ranks: list[int] | None = None) -> int:
+        """Start a replica of the run's class in the background under a new rank; the rank."""
         manager = self._server_manager()
         if self._next_rank is None:
-            ranks = [replica.replica_rank for replica in manager.rollout_replicas] + [dead.replica_rank]
-            self._next_rank = max(ranks) + 1
+            ranks = [replica.replica_rank for replica in manager.rollout_replicas] + (extra_ranks or [])
+            self._next_rank = max(ranks, default=-1) + 1
         rank, self._next_rank = self._next_rank, self._next_rank + 1
-        freed = free_devices(dead)
         replica = manager.rollout_replica_class(
             replica_rank=rank,
             config=manager.rollout_config,
@@ -101,15 +144,9 @@ class ReplicaReplacer:
             except BaseException as error:
                 started.set_exception(error)
 
-        threading.Thread(target=start, name=f"areal-replace-replica-{rank}", daemon=True).start()
-        self._starting.append((dead.replica_rank, rank, started))
-        self._event("replacing", dead.replica_rank, replica=rank, placement_groups_freed=freed)
-        logger.warning(
-            "areal: starting replica %d to replace replica %d; it takes requests after the weight sync that follows "
-            "its start",
-            rank,
-            dead.replica_rank,
-        )
+        threading.Thread(target=start, name=f"areal-start-replica-{rank}", daemon=True).start()
+        self._starting.append((dead, rank, started))
+        return rank
 
     def join(self) -> int:
         """Before a weight sync: add each replacement that has started to the replicas the sync updates (not yet to
@@ -121,10 +158,8 @@ class ReplicaReplacer:
                 continue
             error = started.exception()
             if error is not None:
-                self._event("replacement_failed", dead, replica=rank, reason=repr(error)[:400])
-                logger.error(
-                    "areal: the replacement of replica %d failed to start (%r); running without it", dead, error
-                )
+                self._event("start_failed", dead, replica=rank, reason=repr(error)[:400])
+                logger.error("areal: rollout replica %d failed to start (%r); running without it", rank, error)
                 continue
             replica = started.result()
             # In place, the three lists aligned: verl's checkpoint manager iterates ``rollout_replicas`` itself.
@@ -137,7 +172,7 @@ class ReplicaReplacer:
         return joined
 
     def serve(self, version: int) -> None:
-        """After a weight sync to ``version`` succeeded: the replacements it updated take requests."""
+        """After a weight sync to ``version`` succeeded: the replicas it brought in take requests."""
         if not self._joined:
             return
         manager = self._server_manager()
@@ -150,20 +185,26 @@ class ReplicaReplacer:
         for dead, replica in self._joined:
             if id(replica) not in serving:
                 continue  # it died before it served
-            self.replaced += 1
+            if dead is None:
+                self.grown += 1
+            else:
+                self.replaced += 1
             self._event("joined", dead, replica=replica.replica_rank, version=version, address=replica._server_address)
             logger.warning(
-                "areal: replica %d (replacing replica %d) serves version %d from now on",
+                "areal: rollout replica %d (%s) serves version %d from now on",
                 replica.replica_rank,
-                dead,
+                "a new one" if dead is None else f"replacing replica {dead}",
                 version,
             )
         self._joined = []
+        from areal_plugins.trainers.placement_report import record_ray_placement
+
+        record_ray_placement("separate")  # where the new replicas landed (ray_actors.jsonl, appended)
 
     @property
     def pending(self) -> int:
         """Replacements started or joined that do not serve yet."""
         return len(self._starting) + len(self._joined)
 
-    def _event(self, event: str, dead: int, **fields: Any) -> None:
+    def _event(self, event: str, dead: int | None, **fields: Any) -> None:
         self.recorder.write("replica_events.jsonl", {"time": time.time(), "event": event, "replaces": dead, **fields})

@@ -54,7 +54,9 @@ def stand_in_manager(started: threading.Event, fails: bool = False) -> SimpleNam
     survivor = SimpleNamespace(replica_rank=0, _server_handle=None, _server_address="server-0")
     return SimpleNamespace(
         rollout_replicas=[survivor], server_handles=[None], server_addresses=["server-0"],
-        rollout_replica_class=StandInReplica, rollout_config=SimpleNamespace(n_gpus_per_node=1), model_config=None,
+        rollout_replica_class=StandInReplica, model_config=None,
+        rollout_config=SimpleNamespace(n_gpus_per_node=1, tensor_model_parallel_size=1, data_parallel_size=1,
+                                       pipeline_model_parallel_size=1),
         global_load_balancer=ray.remote(Balancer).remote(),
     )  # fmt: skip
 
@@ -90,7 +92,7 @@ def test_a_replacement_that_cannot_start_is_recorded_and_the_run_goes_on_without
     replacer.replace(SimpleNamespace(replica_rank=1, resource_pool=None))
     replacer._starting[0][2].exception(timeout=30)
     assert replacer.join() == 0 and len(manager.rollout_replicas) == 1 and replacer.pending == 0
-    assert recorder.lines[-1]["event"] == "replacement_failed" and "no device left" in recorder.lines[-1]["reason"]
+    assert recorder.lines[-1]["event"] == "start_failed" and "no device left" in recorder.lines[-1]["reason"]
 
 
 def test_with_replacement_off_a_dead_replica_is_only_dropped(local_ray):
@@ -114,3 +116,28 @@ def test_a_replacement_waits_until_ray_has_its_devices_free(monkeypatch):
     monkeypatch.setattr(replica_replacement, "WAIT_FOR_DEVICES_S", 0.0)
     replica_replacement.wait_for_devices(2)
     assert looks == [0.0, 0.0, 1.0, 2.0]
+
+
+def test_the_replicas_grow_to_their_limit_when_ray_has_the_devices_for_one_more(local_ray, monkeypatch):
+    from areal_plugins.trainers import replica_replacement
+
+    free = {"devices": 0.0}
+    monkeypatch.setattr(replica_replacement, "free_device_count", lambda: free["devices"])
+    placed = threading.Event()
+    placed.set()
+    manager, recorder = stand_in_manager(placed), Recorder()
+    replacer = ReplicaReplacer(lambda: manager, recorder, enabled=True)
+    assert not replacer.grow(None) and not replacer.grow(3)  # no limit set; no free device
+    free["devices"] = 1.0  # a node with one device joined
+    assert replacer.grow(3) and not replacer.grow(3)  # one starts; the next waits until it serves
+    replacer._starting[0][2].result(timeout=30)
+    assert replacer.join() == 1
+    replacer.serve(version=2)
+    assert replacer.grown == 1 and replacer.replaced == 0
+    assert ray.get(manager.global_load_balancer.addresses.remote()) == ["server-1"]
+    assert replacer.grow(3)  # still a free device, 2 of 3 serve
+    replacer._starting[0][2].result(timeout=30)
+    replacer.join()
+    replacer.serve(version=3)
+    assert not replacer.grow(3) and len(manager.rollout_replicas) == 3  # at the limit
+    assert [line["event"] for line in recorder.lines] == ["growing", "joined", "growing", "joined"]
