@@ -31,6 +31,8 @@ def test_unknown_key_suggests_the_closest():
         ({"loss": {"behav_imp_weight_cap": 1.0}}, r"areal\.loss\.behav_imp_weight_cap must be > 1"),
         ({"loss": {"behav_imp_weight_mode": "clip"}}, r"areal\.loss\.behav_imp_weight_mode must be one of"),
         ({"loss": 5}, r"areal\.loss must be a mapping"),
+        ({"placement": "separate", "max_rollout_replicas": 0}, r"areal\.max_rollout_replicas must be a replica count"),
+        ({"max_rollout_replicas": 4}, r"grows the standalone replicas of areal\.placement: separate"),
     ],
 )
 def test_bad_values_name_the_yaml_path(values, message):
