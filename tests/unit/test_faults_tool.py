@@ -23,7 +23,7 @@ def test_the_stop_message_is_ours_without_rays_prefix():
 def test_the_table_has_a_row_per_case_and_a_column_per_placement():
     row = {"case": "rollout_server", "placement": "colocated", "outcome": "stopped", "seconds_to_end": 9.1,
            "exit_code": 1, "names_the_actor": True, "steps_lost": 0, "log_growth_bytes": 126603,
-           "processes_left": 0}  # fmt: skip
+           "processes_left": 0, "restarts": 0}  # fmt: skip
     table = faults.markdown_table({"cases": [row]}).splitlines()
     assert table[0] == "| killed | colocated |"
     assert table[2] == (
@@ -34,6 +34,9 @@ def test_the_table_has_a_row_per_case_and_a_column_per_placement():
                      seconds_to_end=201.0, groups_check="each group once", steps_lost=1)  # fmt: skip
     (line,) = faults.markdown_table({"cases": [recovered]}).splitlines()[2:]
     assert "**recovered** after 1 restart: next step 140.2 s after the kill, all 6 steps 201.0 s after it" in line
+    earlier = {k: v for k, v in row.items() if k != "restarts"}  # a row measured before automatic resume
+    (line,) = faults.markdown_table({"cases": [earlier]}).splitlines()[2:]
+    assert "**stopped** (earlier run: 8 steps, no `--max-restarts`) in 9.1 s, exit 1, named" in line
 
 
 def write_samples(run_dir, attempts: list[tuple[str, dict[int, list[str]]]]) -> None:
