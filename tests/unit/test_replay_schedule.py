@@ -255,7 +255,8 @@ def trainer_stub(calls: list, hybrid: bool) -> SimpleNamespace:
         supervisor=SimpleNamespace(waiting=lambda: None),
         manager=SimpleNamespace(pause=note("pause"), resume=note("resume")),
         replica_pool=SimpleNamespace(prune=lambda: None),
-        replacer=SimpleNamespace(join=lambda: 0, serve=lambda version: None),
+        replacer=SimpleNamespace(grow=lambda max_replicas: False, join=lambda: 0, serve=lambda version: None),
+        areal=SimpleNamespace(max_rollout_replicas=None),
         weight_sync=SimpleNamespace(
             update_weights=note("update"), backend="naive", resume_generation_replicas=note("wake")
         ),
