@@ -100,10 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--workload",
         default="addition",
-        choices=("addition", "longtail", "calculator"),
+        choices=("addition", "longtail", "calculator", "paced"),
         help="longtail: answers after a long-tailed run of thinking tokens (the benchmark's workload; use another "
         "--out, e.g. .areal/tiny_longtail); calculator: two-digit sums through a calculator tool, multi-turn "
-        "(e.g. .areal/tiny_calculator)",
+        "(e.g. .areal/tiny_calculator); paced: an untrained ~20k-weight model for the paced-engine bench",
     )
     run = commands.add_parser("train", help="train with a recipe through verl's main_ppo")
     run.add_argument("recipe", type=Path)

@@ -175,6 +175,10 @@ def measure(run_dir: Path, warmup_steps: int = 1) -> dict:
         "response_len_mean": statistics.median(s["response_length/mean"] for s in counted),
         "response_len_max": statistics.median(s["response_length/max"] for s in counted),
         "prompt_len_mean": statistics.median(s["prompt_length/mean"] for s in counted),
+        # The mean lengths hold every trajectory of the step, so tokens / (their sum) counts them.
+        "trained_trajectories": round(
+            sum(s["perf/total_num_tokens"] / (s["prompt_length/mean"] + s["response_length/mean"]) for s in counted)
+        ),
         "trajectories_per_step": statistics.median(
             s["perf/total_num_tokens"] / (s["prompt_length/mean"] + s["response_length/mean"]) for s in counted
         ),
@@ -302,11 +306,30 @@ def busy_cores(samples: list[tuple[float, float, int]], first_step: int, last_st
     return (end[1] - start[1]) / (end[0] - start[0])
 
 
+#: The paced workload's answers: this many tokens each, at this rate per answer (a GPU engine's per-sequence decode
+#: rate at a large batch), so an answer takes 1.28 s whatever else is in flight.
+PACED_TOKENS_PER_S = 50
+PACED_RESPONSE_TOKENS = 64
+
 #: Per workload: the tiny assets' directory and what its recipes must change.
 WORKLOADS = {
     "addition": (REPO / ".areal" / "tiny", []),
     # Answers after a lognormal run of thinking tokens (median 8, capped at 200): room for the tail.
     "longtail": (REPO / ".areal" / "tiny_longtail", ["data.max_response_length=224"]),
+    # The control plane through verl's trainers: engines with no model (areal_paced) that decode every answer to
+    # the response limit at a GPU-like rate, and a trainer model of ~20k weights; both sides hold no real work, so
+    # what the rows differ by is the driving of requests, batches and weight versions. The engine holds no
+    # weights: our rows waive the two weight capabilities (named in their startup warning).
+    "paced": (
+        REPO / ".areal" / "tiny_paced",
+        [
+            "actor_rollout_ref.rollout.name=areal_paced",
+            "actor_rollout_ref.rollout.free_cache_engine=false",
+            f"++actor_rollout_ref.rollout.engine_kwargs.areal_paced.tokens_per_s={PACED_TOKENS_PER_S}",
+            f"data.max_response_length={PACED_RESPONSE_TOKENS}",
+            "areal.waive_capabilities=[weight_update,weight_checksum]",
+        ],
+    ),
 }
 
 
@@ -323,6 +346,22 @@ QUICK_DEFAULTS = {"steps": 4, "repeats": 2, "etas": "4", "placements": "separate
 #: ``--frozen-policy``: every step's work is done (old log-probs, loss, backward, optimizer step, weight sync)
 #: but the weights do not move, so response lengths stay the distribution of the start in every configuration.
 FROZEN_POLICY = ["actor_rollout_ref.actor.optim.lr=0"]
+
+
+def batch_overrides(prompts: int | None, answers: int | None) -> list[str]:
+    """A step of ``prompts`` groups of ``answers``: one mini-batch per step in every row, as the recipes have
+    (verl's separate_async needs train_batch_size = parameter_sync_step x ppo_mini_batch_size)."""
+    out = []
+    if prompts is not None:
+        if prompts < 1:
+            raise SystemExit(f"--prompts-per-step must be at least 1, got {prompts}")
+        out += [f"data.train_batch_size={prompts}", f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}"]
+    if answers is not None:
+        if answers < 2:
+            raise SystemExit(f"--answers-per-prompt must be at least 2 (GRPO compares answers), got {answers}")
+        out.append(f"actor_rollout_ref.rollout.n={answers}")
+    return out
+
 
 #: ``--quick``: 8 prompts per step (x 8 samples) instead of the recipes' 16.
 QUICK_BATCH = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
@@ -402,6 +441,7 @@ def run_one(
     if roles is not None:  # who did the work: the trainer's workers, the engines, the agent loops, the driver...
         for role, seconds in roles.items():
             figures[f"cpu_s_per_1k_tokens/{role}"] = 1000 * seconds / figures["trained_tokens"]
+            figures[f"cpu_ms_per_trajectory/{role}"] = 1000 * seconds / figures["trained_trajectories"]
     return figures
 
 
@@ -537,9 +577,20 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list: 'fixed' = the recipes' fixed micro-batches; N = token-budget micro-batches of N tokens "
         "(verl's async rows: use_dynamic_bsz; ours: areal.micro_batch.max_tokens)",
     )
+    parser.add_argument(
+        "--prompts-per-step",
+        type=int,
+        help="prompt groups per step (data.train_batch_size, one mini-batch of them; default: the recipes' 16)",
+    )
+    parser.add_argument(
+        "--answers-per-prompt", type=int, help="answers per prompt group (rollout.n; default: the recipes' 8)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
     parser.add_argument(
-        "--workload", choices=sorted(WORKLOADS), help="longtail (default; long-tailed lengths); --quick: addition"
+        "--workload",
+        choices=sorted(WORKLOADS),
+        help="longtail (default; long-tailed lengths); --quick: addition; paced: engines with no model "
+        "(rollout.name=areal_paced) and a ~20k-weight trainer model, to compare the control planes",
     )
     parser.add_argument("--tiny-dir", type=Path, default=None, help="default: the workload's own directory")
     args = parser.parse_args(argv)
@@ -555,10 +606,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")  # build progress
 
     default_dir, workload_overrides = WORKLOADS[args.workload]
-    if args.quick:  # half-size steps: 4 verl startups (~95 s each) leave little of the 10 minutes
+    if (
+        args.quick and args.prompts_per_step is None
+    ):  # half-size steps: 4 verl startups (~95 s each) leave little of the 10 minutes
         workload_overrides = [*workload_overrides, *QUICK_BATCH]
     if args.frozen_policy:
         workload_overrides = [*workload_overrides, *FROZEN_POLICY]
+    workload_overrides = [*workload_overrides, *batch_overrides(args.prompts_per_step, args.answers_per_prompt)]
     tiny_dir = ensure_tiny_assets(args.tiny_dir or default_dir, workload=args.workload)
     etas = [int(x) for x in args.etas.split(",") if x]
     placements = [p for p in args.placements.split(",") if p]

@@ -15,6 +15,12 @@ from typing import Any
 
 #: Slots beyond every request in flight: abort, resume, sleep, wake-up, the weight update and its RPCs, statistics.
 CONTROL_SLOTS = 64
+#: Slots of one of our own servers when no bound is known: verl's own trainers drive it (sync, colocate_async,
+#: separate_async), and their requests in flight are theirs to count. verl 0.9.1's colocate_async at 128 prompts
+#: x 16 holds ~4,000 (255 groups) and parks them at the gate during its weight update, whose call then never got
+#: a slot of verl's 1,000 (measured with areal_paced: the run hung in actor_rollout_update_weights). Our servers
+#: are asyncio actors, where a parked request is a coroutine, not a thread: unused slots cost nothing.
+UNBOUNDED_SLOTS = 1 << 16
 
 _requests_in_flight = {"bound": 0}
 
@@ -24,9 +30,13 @@ def bound_requests_in_flight(requests: int) -> None:
     _requests_in_flight["bound"] = max(0, int(requests))
 
 
-def server_concurrency(verl_default: int) -> int:
-    """``max_concurrency`` of a server actor: verl's, or the bound on requests in flight plus control slots."""
-    return max(int(verl_default), _requests_in_flight["bound"] + CONTROL_SLOTS)
+def server_concurrency(verl_default: int, when_unbounded: int | None = None) -> int:
+    """``max_concurrency`` of a server actor: verl's, or the bound on requests in flight plus control slots;
+    ``when_unbounded`` instead of the bound when the async trainer set none (verl's own trainers)."""
+    bound = _requests_in_flight["bound"]
+    if bound == 0 and when_unbounded is not None:
+        return max(int(verl_default), int(when_unbounded))
+    return max(int(verl_default), bound + CONTROL_SLOTS)
 
 
 def bound_requests_from_config(config: Any) -> int:

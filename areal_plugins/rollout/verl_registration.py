@@ -20,13 +20,15 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from areal_plugins.rollout.base import RolloutServer
-from areal_plugins.rollout.server_slots import server_concurrency
+from areal_plugins.rollout.server_slots import UNBOUNDED_SLOTS, server_concurrency
 
 logger = logging.getLogger(__name__)
 
 #: ``actor_rollout_ref.rollout.name`` -> ``module:Class`` of its server (imported on first use).
 BACKENDS = {
     "areal_cpu": "areal_plugins.rollout.cpu.server:CPURolloutServer",
+    # No model: tokens at a fixed rate, for benchmarks of the control plane through verl's trainers.
+    "areal_paced": "areal_plugins.testing.paced_engine:VerlPacedServer",
 }
 ADAPTER_FQN = f"{__name__}.ArealServerAdapter"
 #: CPU share Ray reserves for each server actor: fractional so that it never starves verl's own
@@ -52,11 +54,12 @@ def engine_options(rollout_config: Any) -> dict[str, Any]:
     backend = rollout_config.name
     kwargs = getattr(rollout_config, "engine_kwargs", None) or {}
     options = dict(kwargs.get(backend, {}) or {})
-    unknown = set(options) - set(ENGINE_OPTIONS)
+    valid = (*ENGINE_OPTIONS, *getattr(server_class(backend), "extra_engine_options", ()))
+    unknown = set(options) - set(valid)
     if unknown:
         raise ValueError(
             f"actor_rollout_ref.rollout.engine_kwargs.{backend} has unknown keys {sorted(unknown)}; "
-            f"valid keys: {', '.join(ENGINE_OPTIONS)}"
+            f"valid keys: {', '.join(valid)}"
         )
     if not isinstance(options.get("batch_invariant", False), bool):  # a quoted "false" would read as true
         raise ValueError(
@@ -144,7 +147,7 @@ def _replica_class() -> type:
             server: Any = server_cls.options(
                 name=name,
                 num_cpus=SERVER_NUM_CPUS,
-                max_concurrency=server_concurrency(self.max_concurrency),
+                max_concurrency=server_concurrency(self.max_concurrency, when_unbounded=UNBOUNDED_SLOTS),
                 **placement,
             ).remote(
                 model_path=model_path,
@@ -157,6 +160,7 @@ def _replica_class() -> type:
                 free_cache_engine=bool(self.config.free_cache_engine),
                 ignore_eos=bool(self.config.get("ignore_eos", False)),
                 batch_invariant=bool(options.get("batch_invariant", False)),
+                **{key: options[key] for key in getattr(cls, "extra_engine_options", ()) if key in options},
                 **extra,
             )
             await server.get_version.remote()  # surfaces constructor errors here, not at first use

@@ -9,6 +9,11 @@ each, so the cores of a small machine measure the control plane (admission, buff
 model. ``tools/bench_control_plane.py`` drives it; it also serves tests that need an engine with timing but no
 weights.
 
+:class:`VerlPacedServer` is the same engine as ``actor_rollout_ref.rollout.name=areal_paced``: built by our verl
+replica like ``areal_cpu``, so that verl's own trainers (sync, ``colocate_async``, ``separate_async``) and ours drive
+the same stand-in in ``areal-plugins bench --engine paced``. It holds no weights, so it declares neither
+``weight_update`` nor ``weight_checksum``: ``areal_async`` refuses it unless a recipe waives both by name.
+
 Two differences from a real server, both for the cost of starting many of them on a small machine:
 :meth:`PacedRolloutServer.generate` returns :class:`PacedOutput`, which has the fields of verl's ``TokenOutput``
 (our client and verl's read only those), so that an engine process never imports verl (10 s of CPU and 580 MB
@@ -205,6 +210,40 @@ class PacedRolloutServer(RolloutServer):
             "busy_s": busy,
             "version": self._version,
         }
+
+
+class VerlPacedServer(PacedRolloutServer):
+    """:class:`PacedRolloutServer` as verl's replica builds a server (``rollout.name=areal_paced``).
+
+    Every request decodes ``rollout.response_length`` tokens (verl's agent loop asks for no fewer) at
+    ``engine_kwargs.areal_paced.tokens_per_s``; the constant token is not an end of sequence, so each
+    answer runs to the limit, as the longest answers of a batch do.
+    """
+
+    capabilities = PacedRolloutServer.capabilities - {"weight_update", "weight_checksum"}
+    #: ``engine_kwargs.areal_paced`` keys beyond the common ones (``rollout.verl_registration.ENGINE_OPTIONS``).
+    extra_engine_options = ("tokens_per_s",)
+
+    def __init__(
+        self,
+        model_path: str,
+        response_length: int,
+        max_model_len: int,
+        replica_rank: int = 0,
+        tokens_per_s: float = 100.0,
+        free_cache_engine: bool = False,
+        **_unused: Any,  # the model-bound knobs our replica passes every backend (threads, seed, batch size)
+    ) -> None:
+        if free_cache_engine:
+            raise ValueError(
+                "areal_paced holds no memory to release: set actor_rollout_ref.rollout.free_cache_engine=false"
+            )
+        super().__init__(
+            tokens_per_s=tokens_per_s,
+            replica_rank=replica_rank,
+            max_model_len=max_model_len,
+            response_length=response_length,
+        )
 
 
 def _settle(done: asyncio.Future[bool], aborted: bool) -> None:

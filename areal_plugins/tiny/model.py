@@ -50,6 +50,17 @@ WORKLOADS = {
     "addition": TinyModelSpec(),
     "longtail": TinyModelSpec(think_median=8),
     "calculator": TinyModelSpec(task="calculator", warmstart_steps=CALCULATOR_WARMSTART_STEPS),
+    # The trainer's side of the paced-engine bench: a model so small that a step's training costs little next to
+    # the control plane (512 tokenizer ranks fit the prompts in 22 tokens; ~20k weights; untrained).
+    "paced": TinyModelSpec(
+        tokenizer_ranks=512,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        warmstart_steps=0,
+    ),
 }
 
 

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from areal_plugins.rollout.server_slots import (
     CONTROL_SLOTS,
+    UNBOUNDED_SLOTS,
     bound_requests_from_config,
     bound_requests_in_flight,
     server_concurrency,
@@ -92,3 +93,23 @@ def test_the_bound_is_what_admission_allows_times_the_answers_per_prompt():
     assert bound_requests_from_config(config(mode="async", max_staleness=4)) == 5 * 512 * 16  # the paper's 1.5B
     assert bound_requests_from_config(config(mode="async", max_staleness=4, max_concurrent_rollouts=600)) == 600 * 16
     assert bound_requests_from_config(config(mode="sync")) == 512 * 16
+
+
+def test_under_verls_own_trainers_our_servers_take_every_parked_request_and_still_resume(random_model, local_ray):
+    """verl's trainers set no bound (ours does): our replica sizes our servers for any number parked. Checked at the
+    size of verl's own sizing plus a tenth: verl's colocate_async on areal_paced hung with ~4,000 parked in 1,000."""
+    assert server_concurrency(1000) == 1000  # verl's sizing, as its own servers get it
+    slots = server_concurrency(1000, when_unbounded=UNBOUNDED_SLOTS)
+    assert slots == UNBOUNDED_SLOTS
+    server = cpu_server(random_model, slots)
+    ray.get(server.get_version.remote())
+    ray.get(server.abort_all_requests.remote(), timeout=30)
+    params = {"max_tokens": 1, "temperature": 1.0, "logprobs": True}
+    parked = [server.generate.remote([10 + i % 50, 11], params, f"request-{i}") for i in range(1100)]
+    ready, _ = ray.wait(parked, timeout=2)
+    assert not ready
+    assert ray.get(server.get_stats.remote(), timeout=30)["in_flight"] == 0
+    ray.get(server.resume_generation.remote(), timeout=30)
+    outputs = ray.get(parked, timeout=600)
+    assert all(len(out.token_ids) == 1 for out in outputs)
+    ray.kill(server)

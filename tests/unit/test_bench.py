@@ -70,9 +70,10 @@ def test_measure_skips_step_one_and_reads_the_phases(tmp_path):
     assert figures["overlap_bound"] == pytest.approx(4 / 3)
     assert figures["final_reward"] == pytest.approx(0.2)  # the last 3 steps' mean
     assert figures["trajectories_per_step"] == pytest.approx(10.0)  # 200 tokens / (17 + 3) per trajectory
+    assert figures["trained_trajectories"] == 30  # 3 counted steps of 10
     # Two warm-up steps: steps 3 and 4 counted, 8 s for 400 tokens.
     later = bench.measure(tmp_path, warmup_steps=2)
-    assert (later["wall_s"], later["trained_tokens"]) == (8.0, 400)
+    assert (later["wall_s"], later["trained_tokens"], later["trained_trajectories"]) == (8.0, 400, 20)
 
 
 def test_speedup_splits_into_less_work_and_busier_cores():
@@ -89,6 +90,17 @@ def test_a_sweep_names_the_second_loss_mode():
     plan = bench.configs([4], ["separate"], ["loglinear", "recompute"], sync_poll_s=0.05)
     assert [c.name for c in plan] == ["sync", "async-separate-eta4", "async-separate-eta4-recompute"]
     assert "areal.loss.prox_logp=recompute" in plan[2].overrides
+
+
+def test_a_step_of_b_groups_of_n_is_one_mini_batch_in_every_row():
+    assert bench.batch_overrides(128, 16) == [
+        "data.train_batch_size=128",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=128",
+        "actor_rollout_ref.rollout.n=16",
+    ]
+    assert bench.batch_overrides(None, None) == []
+    with pytest.raises(SystemExit, match="at least 2"):
+        bench.batch_overrides(8, 1)
 
 
 def test_verls_async_modes_run_on_the_sync_recipe_with_the_same_polling():

@@ -116,3 +116,45 @@ def test_a_tiny_local_run_produces_a_row(tmp_path):
         assert row[measure]["median"] is not None and row[measure]["median"] >= 0, measure
     assert row["listing_entries"]["median"] > 0
     assert "| 4x2 eta=1 engines=2 | 1 × 2 |" in printed[-1]
+
+
+def test_areal_paced_is_built_from_verls_replica_arguments_and_declares_no_weights():
+    """rollout.name=areal_paced (the bench's paced workload): our replica's constructor arguments build it, its rate
+    is its own engine option (refused for areal_cpu), and areal_async refuses it unless both weight capabilities
+    are waived, since it holds no weights."""
+    from omegaconf import OmegaConf
+
+    from areal_plugins.config.settings import ArealConfigError
+    from areal_plugins.rollout.capabilities import check_backend_capabilities
+    from areal_plugins.rollout.verl_registration import engine_options, server_class
+    from areal_plugins.testing.paced_engine import VerlPacedServer
+
+    cls = server_class("areal_paced")
+    assert cls is VerlPacedServer
+    rollout = OmegaConf.create({"name": "areal_paced", "engine_kwargs": {"areal_paced": {"tokens_per_s": 250.0}}})
+    options = engine_options(rollout)
+    assert options == {"tokens_per_s": 250.0}
+    with pytest.raises(ValueError, match=r"unknown keys \['tokens_per_s'\]"):
+        engine_options(OmegaConf.create({"name": "areal_cpu", "engine_kwargs": {"areal_cpu": {"tokens_per_s": 1}}}))
+
+    async def one_answer():
+        # The arguments ArealRolloutReplica.launch_servers passes every backend, plus the engine option.
+        engine = cls(
+            model_path="unused", response_length=8, max_model_len=40, max_batch_size=4, num_threads=2, seed=0,
+            replica_rank=3, free_cache_engine=False, ignore_eos=False, batch_invariant=False, **options,
+        )  # fmt: skip
+        started = asyncio.get_running_loop().time()
+        out = await engine.generate([1, 2, 3], {"logprobs": True}, "r")  # no max_tokens: the response length
+        return engine, out, asyncio.get_running_loop().time() - started
+
+    engine, out, took = asyncio.run(one_answer())
+    assert engine.replica_rank == 3 and out.token_ids == [7] * 8 and out.stop_reason == "completed"
+    assert 8 / 250.0 <= took < 1.0  # 32 ms at 250 tokens/s
+    with pytest.raises(ValueError, match="free_cache_engine=false"):
+        cls(model_path="unused", response_length=8, max_model_len=40, free_cache_engine=True)
+    with pytest.raises(ArealConfigError, match=r"weight_update.*\n.*weight_checksum"):
+        check_backend_capabilities("areal_paced")
+    assert check_backend_capabilities("areal_paced", ["weight_update", "weight_checksum"]) == [
+        "weight_update",
+        "weight_checksum",
+    ]

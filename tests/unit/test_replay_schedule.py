@@ -547,3 +547,30 @@ def test_a_record_of_an_earlier_format_is_refused_before_anything_runs(tmp_path)
     with pytest.raises(SystemExit, match=r"recorded by an earlier version \(record format 1"):
         replay(run, tmp_path / "out", None, [])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_changed_learning_rate_stops_the_replay_at_the_first_step_naming_the_setting():
+    """The lr-changed replay of the full tier, at the comparison: step 1's recorded metrics (the file logger's floats)
+    against the replayed update's (a numpy scalar, as verl hands them); the setting is compared before the loss."""
+    import numpy as np
+
+    from areal_plugins.trainers import replay_driver
+
+    driver = object.__new__(replay_driver.ReplayDriver)
+    written: list = []
+    driver.recorder = SimpleNamespace(write=lambda name, record: written.append((name, record)))
+    driver.recorded_metrics = {1: {"actor/lr": 2e-4, "actor/pg_loss": 0.125}, 2: {"actor/lr": 2e-4}}
+    driver.check_step(1, {"actor/lr": np.float64(2e-4), "actor/pg_loss": np.float32(0.125), "other": 3})
+    assert written == [("areal_replay.jsonl", {"step": 1, "matched": True})]
+    with pytest.raises(replay_driver.ReplayDivergedError, match=r"step 2, actor/lr: 0\.0002 vs 0\.001"):
+        driver.check_step(2, {"actor/lr": np.float64(1e-3), "actor/pg_loss": np.float32(0.5)})
+    name, record = written[-1]
+    assert name == "areal_replay.jsonl"
+    assert record == {
+        "step": 2,
+        "matched": False,
+        "field": "actor/lr",
+        "recorded": 2e-4,
+        "replayed": 1e-3,
+        "trajectory": None,
+    }
