@@ -580,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prompts-per-step",
         type=int,
-        help="prompt groups per step (data.train_batch_size, one mini-batch of them; default: the recipes' 16)",
+        help="prompt groups per step (data.train_batch_size, one mini-batch of them; default: the recipes' 16, "
+        "--quick: 8)",
     )
     parser.add_argument(
         "--answers-per-prompt", type=int, help="answers per prompt group (rollout.n; default: the recipes' 8)"

@@ -19,7 +19,8 @@ CONTROL_SLOTS = 64
 #: separate_async), and their requests in flight are theirs to count. verl 0.9.1's colocate_async at 128 prompts
 #: x 16 holds ~4,000 (255 groups) and parks them at the gate during its weight update, whose call then never got
 #: a slot of verl's 1,000 (measured with areal_paced: the run hung in actor_rollout_update_weights). Our servers
-#: are asyncio actors, where a parked request is a coroutine, not a thread: unused slots cost nothing.
+#: are asyncio actors: Ray counts their slots, and a parked request holds a coroutine (and a fiber of Ray's
+#: worker), not a thread; unused slots cost nothing.
 UNBOUNDED_SLOTS = 1 << 16
 
 _requests_in_flight = {"bound": 0}

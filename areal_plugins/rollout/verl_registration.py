@@ -34,6 +34,7 @@ ADAPTER_FQN = f"{__name__}.ArealServerAdapter"
 #: CPU share Ray reserves for each server actor: fractional so that it never starves verl's own
 #: actors on a 2-core machine; torch threads are set separately (``engine_kwargs.<backend>.num_threads``).
 SERVER_NUM_CPUS = 0.1
+#: ``engine_kwargs.<backend>`` keys of ``areal_cpu`` (a server class may declare its own, ``engine_options``).
 ENGINE_OPTIONS = ("num_threads", "max_batch_size", "batch_invariant")
 
 
@@ -54,7 +55,7 @@ def engine_options(rollout_config: Any) -> dict[str, Any]:
     backend = rollout_config.name
     kwargs = getattr(rollout_config, "engine_kwargs", None) or {}
     options = dict(kwargs.get(backend, {}) or {})
-    valid = (*ENGINE_OPTIONS, *getattr(server_class(backend), "extra_engine_options", ()))
+    valid = getattr(server_class(backend), "engine_options", ENGINE_OPTIONS)
     unknown = set(options) - set(valid)
     if unknown:
         raise ValueError(
@@ -160,7 +161,7 @@ def _replica_class() -> type:
                 free_cache_engine=bool(self.config.free_cache_engine),
                 ignore_eos=bool(self.config.get("ignore_eos", False)),
                 batch_invariant=bool(options.get("batch_invariant", False)),
-                **{key: options[key] for key in getattr(cls, "extra_engine_options", ()) if key in options},
+                **{key: value for key, value in options.items() if key not in ENGINE_OPTIONS},  # a backend's own
                 **extra,
             )
             await server.get_version.remote()  # surfaces constructor errors here, not at first use

@@ -11,7 +11,7 @@ weights.
 
 :class:`VerlPacedServer` is the same engine as ``actor_rollout_ref.rollout.name=areal_paced``: built by our verl
 replica like ``areal_cpu``, so that verl's own trainers (sync, ``colocate_async``, ``separate_async``) and ours drive
-the same stand-in in ``areal-plugins bench --engine paced``. It holds no weights, so it declares neither
+the same stand-in in ``areal-plugins bench --workload paced``. It holds no weights, so it declares neither
 ``weight_update`` nor ``weight_checksum``: ``areal_async`` refuses it unless a recipe waives both by name.
 
 Two differences from a real server, both for the cost of starting many of them on a small machine:
@@ -221,8 +221,8 @@ class VerlPacedServer(PacedRolloutServer):
     """
 
     capabilities = PacedRolloutServer.capabilities - {"weight_update", "weight_checksum"}
-    #: ``engine_kwargs.areal_paced`` keys beyond the common ones (``rollout.verl_registration.ENGINE_OPTIONS``).
-    extra_engine_options = ("tokens_per_s",)
+    #: The keys of ``engine_kwargs.areal_paced`` (the model-bound knobs of ``areal_cpu`` do not apply).
+    engine_options = ("tokens_per_s",)
 
     def __init__(
         self,
@@ -234,6 +234,11 @@ class VerlPacedServer(PacedRolloutServer):
         free_cache_engine: bool = False,
         **_unused: Any,  # the model-bound knobs our replica passes every backend (threads, seed, batch size)
     ) -> None:
+        if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, int | float) or not tokens_per_s > 0:
+            raise ValueError(
+                "actor_rollout_ref.rollout.engine_kwargs.areal_paced.tokens_per_s must be a number of tokens per "
+                f"second above 0, got {tokens_per_s!r}"
+            )
         if free_cache_engine:
             raise ValueError(
                 "areal_paced holds no memory to release: set actor_rollout_ref.rollout.free_cache_engine=false"

@@ -13,7 +13,6 @@ from omegaconf import OmegaConf
 
 from areal_plugins.rollout.server_slots import (
     CONTROL_SLOTS,
-    UNBOUNDED_SLOTS,
     bound_requests_from_config,
     bound_requests_in_flight,
     server_concurrency,
@@ -95,21 +94,39 @@ def test_the_bound_is_what_admission_allows_times_the_answers_per_prompt():
     assert bound_requests_from_config(config(mode="sync")) == 512 * 16
 
 
-def test_under_verls_own_trainers_our_servers_take_every_parked_request_and_still_resume(random_model, local_ray):
-    """verl's trainers set no bound (ours does): our replica sizes our servers for any number parked. Checked at the
-    size of verl's own sizing plus a tenth: verl's colocate_async on areal_paced hung with ~4,000 parked in 1,000."""
-    assert server_concurrency(1000) == 1000  # verl's sizing, as its own servers get it
-    slots = server_concurrency(1000, when_unbounded=UNBOUNDED_SLOTS)
-    assert slots == UNBOUNDED_SLOTS
-    server = cpu_server(random_model, slots)
-    ray.get(server.get_version.remote())
-    ray.get(server.abort_all_requests.remote(), timeout=30)
-    params = {"max_tokens": 1, "temperature": 1.0, "logprobs": True}
-    parked = [server.generate.remote([10 + i % 50, 11], params, f"request-{i}") for i in range(1100)]
+def test_under_verls_own_trainers_our_replica_gives_its_server_a_slot_for_every_parked_request(local_ray):
+    """verl's own trainers set no bound (ours does). Our replica (verl's registry, ``launch_servers``) then sizes the
+    server past any number parked: 1,100 requests parked beyond verl's 1,040 slots, and the statistics and resume
+    calls still run. verl's colocate_async on areal_paced at 128 x 16 hung in its weight update without it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from verl.workers.config import RolloutConfig
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    import areal_plugins.verl_plugin  # noqa: F401  (registers our backends, as verl's plugin loading does)
+
+    config = RolloutConfig(
+        name="areal_paced",
+        mode="async",
+        prompt_length=8,
+        response_length=1,
+        free_cache_engine=False,
+        engine_kwargs={"areal_paced": {"tokens_per_s": 1000.0}},
+    )
+    model = SimpleNamespace(path="unused", local_path=None)  # the paced engine loads no model
+    replica = get_rollout_replica_class("areal_paced")(
+        replica_rank=0, config=config, model_config=model, gpus_per_node=1
+    )
+    assert replica.max_concurrency == 1040  # verl's sizing: max(1000, max_num_seqs + 16)
+    asyncio.run(replica.launch_servers())
+    (server,) = replica.servers
+    ray.get(server.abort_all_requests.remote(), timeout=30)  # the gate closes: requests park
+    parked = [server.generate.remote([i, 1], {"logprobs": True}, f"request-{i}") for i in range(1100)]
     ready, _ = ray.wait(parked, timeout=2)
     assert not ready
     assert ray.get(server.get_stats.remote(), timeout=30)["in_flight"] == 0
     ray.get(server.resume_generation.remote(), timeout=30)
-    outputs = ray.get(parked, timeout=600)
-    assert all(len(out.token_ids) == 1 for out in outputs)
+    outputs = ray.get(parked, timeout=120)
+    assert all(out.token_ids == [7] and out.stop_reason == "completed" for out in outputs)
     ray.kill(server)

@@ -70,7 +70,7 @@ def test_a_replay_trains_the_same_tokens_and_losses_bit_for_bit(recorded_run):
     assert sorted(learned(out)) == [1, 2, 3]
 
 
-@pytest.mark.full  # its own verl start (95 s in CI); the divergence report is unit-tested (test_replay.py)
+@pytest.mark.full  # its own verl start (95 s in CI); the comparison is unit-tested (tests/unit/test_replay_schedule.py)
 def test_a_replay_with_another_learning_rate_names_the_first_step_it_changes(recorded_run):
     out = recorded_run.parent / "replayed_lr"
     result = run_cli(

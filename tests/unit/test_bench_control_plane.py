@@ -136,6 +136,11 @@ def test_areal_paced_is_built_from_verls_replica_arguments_and_declares_no_weigh
     assert options == {"tokens_per_s": 250.0}
     with pytest.raises(ValueError, match=r"unknown keys \['tokens_per_s'\]"):
         engine_options(OmegaConf.create({"name": "areal_cpu", "engine_kwargs": {"areal_cpu": {"tokens_per_s": 1}}}))
+    # areal_cpu's model-bound knobs would be ignored by a paced engine: refused, not dropped.
+    with pytest.raises(ValueError, match=r"unknown keys \['num_threads'\]; valid keys: tokens_per_s"):
+        engine_options(OmegaConf.create({"name": "areal_paced", "engine_kwargs": {"areal_paced": {"num_threads": 2}}}))
+    with pytest.raises(ValueError, match=r"engine_kwargs\.areal_paced\.tokens_per_s must be a number .* got '50'"):
+        cls(model_path="unused", response_length=8, max_model_len=40, tokens_per_s="50")
 
     async def one_answer():
         # The arguments ArealRolloutReplica.launch_servers passes every backend, plus the engine option.

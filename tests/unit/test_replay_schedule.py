@@ -559,7 +559,10 @@ def test_a_changed_learning_rate_stops_the_replay_at_the_first_step_naming_the_s
     driver = object.__new__(replay_driver.ReplayDriver)
     written: list = []
     driver.recorder = SimpleNamespace(write=lambda name, record: written.append((name, record)))
-    driver.recorded_metrics = {1: {"actor/lr": 2e-4, "actor/pg_loss": 0.125}, 2: {"actor/lr": 2e-4}}
+    driver.recorded_metrics = {
+        1: {"actor/lr": 2e-4, "actor/pg_loss": 0.125},
+        2: {"actor/lr": 2e-4, "actor/pg_loss": 0.25},
+    }
     driver.check_step(1, {"actor/lr": np.float64(2e-4), "actor/pg_loss": np.float32(0.125), "other": 3})
     assert written == [("areal_replay.jsonl", {"step": 1, "matched": True})]
     with pytest.raises(replay_driver.ReplayDivergedError, match=r"step 2, actor/lr: 0\.0002 vs 0\.001"):
