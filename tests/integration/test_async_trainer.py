@@ -94,7 +94,9 @@ def test_admission_finds_finished_groups_by_the_workers_reports_not_by_listing_t
     # No plugin asks about trajectories here: groups settle from the summaries their workers reported, and rows are
     # read only for a group a listing found before its report came.
     from_reports, from_rows = last["areal/settled_from_reports"], last["areal/settled_from_rows"]
-    assert from_reports >= STEPS * BATCH and from_rows <= max(2, from_reports / 20), (from_reports, from_rows)
+    # Every trained group settled one way or the other (CI, 2026-12-03: 63 from reports and 1 a listing found first).
+    assert from_reports + from_rows >= STEPS * BATCH, (from_reports, from_rows)
+    assert from_rows <= max(2, from_reports / 20), (from_reports, from_rows)
 
 
 def test_engines_serve_the_trainers_version_after_each_update(async_run):
