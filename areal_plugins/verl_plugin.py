@@ -1,6 +1,7 @@
 """Loaded by verl in every process (entry point group ``verl.plugins``), Ray workers included.
 
-It only registers: the CPU platform, our rollout backend ``areal_cpu`` and checked vLLM adapter, the
+It only registers: the CPU platform, our rollout backend ``areal_cpu`` and checked vLLM adapter, our
+``areal_gloo`` checkpoint engine and the checksums of verl's ``nccl`` (weight_sync/checked_transfer.py), the
 ``areal_decoupled`` policy losses, the ``areal_*`` trainer modes, config resolvers and, when this process
 runs verl on the CPU platform (``VERL_PLATFORM=cpu``), the patches verl needs there. verl logs a
 plugin's load failure at debug level only, so failures here are logged as errors instead.
@@ -31,6 +32,7 @@ def register_with_verl() -> None:
     from areal_plugins.rollout.verl_registration import register_rollout_backends
     from areal_plugins.trainers import register_trainers
     from areal_plugins.trainers.policy_loss import register_policy_loss_with_verl
+    from areal_plugins.weight_sync.checked_transfer import register_checked_checkpoint_engines
     from areal_plugins.weight_sync.gloo import register_gloo_checkpoint_engine
 
     register_cpu_platform()
@@ -38,6 +40,7 @@ def register_with_verl() -> None:
     register_policy_loss_with_verl()
     register_trainers()
     register_gloo_checkpoint_engine()
+    register_checked_checkpoint_engines()
     _register_config_resolvers()
     if cpu_platform_selected():
         # verl's FSDP engine is registered for cuda/npu only; its code is device-agnostic

@@ -5,7 +5,8 @@
 - :class:`Colocated`: verl's hybrid replicas inside the trainer's workers. The engines share the devices,
   so they are interrupted and put to sleep when sampling ends and woken by the weight update.
 - :class:`Separate`: verl's standalone replicas on a resource pool of their own, weights through a
-  checkpoint engine; the engines generate throughout.
+  checkpoint engine; the engines generate throughout, and with a staging engine (``areal_gloo``) through the
+  transfer too, paused only for the load (weight_sync/staged.py).
 """
 
 from __future__ import annotations
@@ -73,14 +74,15 @@ class Separate(Placement):
 
     def setup(self, trainer: Any) -> None:
         """verl's own standalone machinery: replicas on a pool of their own, weights by a checkpoint engine."""
-        from verl.checkpoint_engine import CheckpointEngineManager
         from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.rollout.llm_server import LLMServerManager
+
+        from areal_plugins.weight_sync.staged import StagedCheckpointEngineManager
 
         config = trainer.config
         self.server_manager = LLMServerManager.create(config=config, start_rank=0)
         engine_config = omega_conf_to_dataclass(config.actor_rollout_ref.rollout.checkpoint_engine)
-        self.checkpoint_manager = CheckpointEngineManager(
+        self.checkpoint_manager = StagedCheckpointEngineManager(
             config=engine_config, actor_wg=trainer.actor_rollout_wg, replicas=self.server_manager.get_replicas()
         )
         logger.info(

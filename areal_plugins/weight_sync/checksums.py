@@ -67,22 +67,26 @@ def same_checksum(sent: list[float], received: list[float]) -> bool:
 
 
 def check_weight_reports(
-    reports: list[dict[str, Any]], sent: dict[str, list[float]], where: str, workers: int | None = None
+    reports: list[dict[str, Any]],
+    sent: dict[str, list[float]],
+    where: str,
+    workers: int | None = None,
+    worker_kind: str = "vLLM worker",
 ) -> None:
     """Raise :class:`WeightSyncError` naming the worker and the tensor where any worker's received weights differ
     from ``sent`` (the trainer's checksums), where a worker lacks a tensor or has one that was not sent, or where
     fewer than ``workers`` workers (the replica's tensor x pipeline x data parallel size) reported."""
     if not reports:
-        raise WeightSyncError(f"{where}: no vLLM worker reported the weights it received")
+        raise WeightSyncError(f"{where}: no {worker_kind} reported the weights it received")
     ranks = sorted(int(report.get("rank", -1)) for report in reports)
     if workers is not None and ranks != list(range(workers)):
         raise WeightSyncError(
-            f"{where}: the replica has {workers} vLLM workers, but reports came from ranks {ranks}: a worker that "
+            f"{where}: the replica has {workers} {worker_kind}s, but reports came from ranks {ranks}: a worker that "
             "does not report cannot be checked"
         )
     for report in reports:
         received = report.get("checksums") or {}
-        worker = f"{where}, vLLM worker rank {report.get('rank')}"
+        worker = f"{where}, {worker_kind} rank {report.get('rank')}"
         missing = sorted(set(sent) - set(received))
         if missing:
             raise WeightSyncError(f"{worker}: {len(missing)} of {len(sent)} tensors never arrived, e.g. {missing[0]}")
@@ -117,14 +121,17 @@ def same_sums(expected: list[float], held: list[float]) -> bool:
 def check_loaded_reports(reports: list[dict[str, Any]], where: str) -> dict[str, Any]:
     """Raise :class:`WeightSyncError` naming the worker and the parameter where what a vLLM worker holds after
     loading differs from what it received (a parameter's sums against its sources'; a sharded parameter's summed
-    over the replica's workers), or where a received tensor is held by no parameter. Returns how many parameters
-    were compared and how many could not be."""
+    over the tensor-parallel workers of its data-parallel and pipeline group, which must all hold a shard), where
+    a whole parameter holds fewer values than it received, or where a received tensor is held by no parameter.
+    Returns how many parameters were compared and how many could not be."""
     loaded = [(report, report.get("loaded")) for report in reports]
     skipped = {item.get("skipped") for _, item in loaded if item and item.get("skipped")}
     if skipped:
         return {"loaded_compared": 0, "loaded_not_compared": skipped.pop()}
-    shards: dict[str, list[float]] = {}
+    shards: dict[tuple[str, tuple[int, ...]], list[float]] = {}
+    holders: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     expected_of_shard: dict[str, list[float]] = {}
+    tensor_parallel_size = 1
     compared: set[str] = set()
     unchecked: set[str] = set()
     for report, item in loaded:
@@ -132,13 +139,21 @@ def check_loaded_reports(reports: list[dict[str, Any]], where: str) -> dict[str,
         if not item:
             raise WeightSyncError(f"{worker}: no report of the weights it holds after loading")
         unchecked.update(item["unchecked"])
+        tensor_parallel_size = int(item.get("tensor_parallel_size", 1))
+        group = tuple(item.get("shard_group", (0, 0)))
         for name, entry in item["entries"].items():
             if entry["sharded"]:
-                summed = shards.get(name, [0.0] * len(entry["held"]))
-                shards[name] = [a + b for a, b in zip(summed, entry["held"], strict=True)]
+                summed = shards.get((name, group), [0.0] * len(entry["held"]))
+                shards[(name, group)] = [a + b for a, b in zip(summed, entry["held"], strict=True)]
+                holders.setdefault((name, group), []).append(int(report.get("rank", -1)))
                 expected_of_shard[name] = entry["expected"]
                 continue
             compared.add(name)
+            if entry["held"][0] < entry["expected"][0]:
+                raise WeightSyncError(
+                    f"{worker}: parameter {name} holds {int(entry['held'][0])} values after loading, fewer than the "
+                    f"{int(entry['expected'][0])} it received, without tensor parallelism: a part was never loaded"
+                )
             if not same_sums(entry["expected"], entry["held"]):
                 raise WeightSyncError(
                     f"{worker}: parameter {name} holds after loading something other than what it received "
@@ -152,8 +167,14 @@ def check_loaded_reports(reports: list[dict[str, Any]], where: str) -> dict[str,
             f"{where}: received {len(not_held)} tensors that no engine parameter holds after loading, e.g. "
             f"{not_held[0]} (the engine ignored them: a name the model does not know)"
         )
-    for name, held in shards.items():
+    for (name, group), held in shards.items():
         compared.add(name)
+        ranks = sorted(holders[(name, group)])
+        if len(ranks) != tensor_parallel_size:
+            raise WeightSyncError(
+                f"{where}: parameter {name} is sharded, but only vLLM workers {ranks} of a tensor-parallel group of "
+                f"{tensor_parallel_size} hold a shard of it (data-parallel and pipeline ranks {list(group)})"
+            )
         if not same_sums(expected_of_shard[name], held):
             raise WeightSyncError(
                 f"{where}: parameter {name}, summed over the replica's tensor-parallel shards, holds after loading "

@@ -13,7 +13,9 @@ whether it is the last bucket) and then the bucket's bytes, on a gloo group of i
 rank 0's node, not the workers' default process group). The header also carries the sender's checksum of
 each tensor (:mod:`.checksums`); every rollout worker rebuilds the tensors, compares each with the sender's
 checksum (so a tensor changed on the broadcast leg stops the update, naming the worker and the tensor) and
-hands them to its server adapter, which checks the next leg, to the engine.
+hands them to its server adapter, which checks the next leg, to the engine. Under ``areal_async`` the workers
+receive the whole update first (:meth:`stage`) while the engines generate, and hand it over when they are paused
+(weight_sync/staged.py).
 """
 
 from __future__ import annotations
@@ -81,12 +83,21 @@ def _make_engine_class() -> type:
             is_master: True on the trainer's rank 0, which hosts the group's store.
         """
 
+        #: A rollout worker can receive a whole update before its engine loads it (:meth:`stage`), so the
+        #: engines keep generating during the broadcast (weight_sync/staged.py).
+        stages_weights = True
+        #: Its in-band checksums are also kept for the manager's check of the leg (weight_sync/checked_transfer.py).
+        reports_transfer_checksums = True
+
         def __init__(self, bucket_size: int, is_master: bool = False, **kwargs: Any) -> None:
             self.bucket_size = int(bucket_size)
             self.is_master = is_master
             self.rank = -1
             self.group: Any = None
             self._store: Any = None
+            self._staged: list[tuple[str, torch.Tensor]] | None = None
+            self.areal_sent: dict[str, list[float]] = {}
+            self.areal_received: dict[str, list[float]] = {}
 
         def prepare(self) -> dict[str, Any]:
             if not self.is_master:
@@ -138,7 +149,13 @@ def _make_engine_class() -> type:
             )
             self.group = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
 
+        def areal_transfer_checksums(self) -> dict[str, Any]:
+            from areal_plugins.weight_sync.checked_transfer import transfer_report
+
+            return transfer_report(self)
+
         def finalize(self) -> None:
+            self._staged = None
             self.group = None
             self._store = None
             self.rank = -1
@@ -162,6 +179,7 @@ def _make_engine_class() -> type:
                 return
             if self.rank != 0:
                 raise RuntimeError(f"areal_gloo: trainer rank {self.rank} cannot send; only rank 0 sends")
+            self.areal_sent = {}
             sent, count, pending = 0, 0, None
             for bucket in buckets(weights, self.bucket_size):  # one bucket of lookahead: the last one says so
                 if pending is not None:
@@ -174,16 +192,33 @@ def _make_engine_class() -> type:
         def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], is_last: bool) -> int:
             entries, payload = _pack(bucket)
             checksums = [tensor_checksum(tensor) for _, tensor in bucket]  # of what leaves the trainer
+            self.areal_sent.update((name, checksum) for (name, _), checksum in zip(bucket, checksums, strict=True))
             self._broadcast_object({"entries": entries, "checksums": checksums, "is_last": is_last})
             self._broadcast(payload)
             return payload.numel()
 
         @torch.no_grad()
+        def stage(self, global_steps=None) -> int:
+            """Receive the whole update now, each tensor checked, and keep it for the next :meth:`receive_weights`
+            (host memory: one copy of the model). Returns the bytes kept."""
+            self._staged = list(self._receive(global_steps))
+            return sum(tensor.numel() * tensor.element_size() for _, tensor in self._staged)
+
         def receive_weights(  # type: ignore[override]  # a plain generator: the adapter takes both kinds
             self, global_steps=None
         ) -> Iterator[tuple[str, torch.Tensor]]:
+            """The staged update if there is one (handed over once), else the broadcast as it arrives."""
+            if self._staged is not None:
+                staged, self._staged = self._staged, None
+                yield from staged
+                return
+            yield from self._receive(global_steps)
+
+        @torch.no_grad()
+        def _receive(self, global_steps=None) -> Iterator[tuple[str, torch.Tensor]]:
             if self.rank < 1:
                 raise RuntimeError("areal_gloo: only rollout workers (ranks >= 1) receive weights")
+            self.areal_received = {}
             while True:
                 header = self._broadcast_object(None)
                 entries = header["entries"]
@@ -191,6 +226,7 @@ def _make_engine_class() -> type:
                 self._broadcast(payload)
                 for (name, tensor), sent in zip(_unpack(entries, payload), header["checksums"], strict=True):
                     received = tensor_checksum(tensor)
+                    self.areal_received[name] = received
                     if not same_checksum(sent, received):
                         raise WeightSyncError(
                             f"areal_gloo broadcast, rollout worker rank {self.rank}: tensor {name} arrived different "

@@ -278,6 +278,11 @@ def test_a_dead_replica_of_two_costs_capacity_not_the_run(tiny_dir, tmp_path):
     assert code == 0, output[-3000:]
     assert "its requests continue on another replica" in (run_dir / "train.log").read_text()  # some were in flight
     lost = [e for e in read_jsonl(run_dir / "replica_events.jsonl") if e["event"] == "lost"]
+    # Every update went through the workers' stages while the engines generated (areal_gloo stages), then paused
+    # them for the load alone: one record per version, the whole model kept by each worker.
+    transfers = read_jsonl(run_dir / "weight_transfers.jsonl")
+    assert [t["version"] for t in transfers] == list(range(steps + 1)), transfers
+    assert all(t["staged_bytes_per_worker"] > 0 and t["engines_paused_s"] >= 0 for t in transfers), transfers
     assert len(lost) == 1 and lost[0]["replicas_left"] == 1, lost
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))

@@ -29,7 +29,7 @@ def free_port() -> int:
     return port
 
 
-def run_rank(rank: int, world: int, port: int, out, read, corrupt_rank: int = -1) -> None:
+def run_rank(rank: int, world: int, port: int, out, read, corrupt_rank: int = -1, staged_rank: int = -1) -> None:
     import asyncio
 
     from areal_plugins.weight_sync import gloo
@@ -50,6 +50,9 @@ def run_rank(rank: int, world: int, port: int, out, read, corrupt_rank: int = -1
         if rank == 0:
             asyncio.run(engine.send_weights(iter(weights().items()), global_steps=3))
             out.put((rank, None))
+        elif rank == staged_rank:  # the whole update first (the engines generate meanwhile), handed over at the load
+            kept = engine.stage(global_steps=3)
+            out.put((rank, (kept, {name: t.clone() for name, t in engine.receive_weights(global_steps=3)})))
         else:
             out.put((rank, {name: t.clone() for name, t in engine.receive_weights(global_steps=3)}))
     except Exception as error:
@@ -59,11 +62,14 @@ def run_rank(rank: int, world: int, port: int, out, read, corrupt_rank: int = -1
     engine.finalize()
 
 
-def broadcast(corrupt_rank: int = -1) -> dict:
+def broadcast(corrupt_rank: int = -1, staged_rank: int = -1) -> dict:
     context = multiprocessing.get_context("spawn")
     out, read = context.Queue(), context.Event()
     port = free_port()
-    processes = [context.Process(target=run_rank, args=(rank, 3, port, out, read, corrupt_rank)) for rank in range(3)]
+    processes = [
+        context.Process(target=run_rank, args=(rank, 3, port, out, read, corrupt_rank, staged_rank))
+        for rank in range(3)
+    ]
     for process in processes:
         process.start()
     results = dict(out.get(timeout=120) for _ in processes)
@@ -82,14 +88,22 @@ def test_a_value_changed_on_the_broadcast_leg_is_named_by_the_worker_that_got_it
     assert set(results[1]) == set(weights())  # the other worker got everything intact
 
 
-def test_every_receiver_gets_every_tensor_bit_for_bit():
-    results = broadcast()
+def test_every_receiver_gets_every_tensor_bit_for_bit_streamed_or_staged():
+    results = broadcast(staged_rank=1)  # rank 1 receives the whole update first, rank 2 as it arrives
     sent = weights()
-    for rank in (1, 2):
-        received = results[rank]
+    kept, staged = results[1]
+    assert kept == 64 * 16 * 4 + 16 * 2 + 16 * 16 * 4 + 5 * 8  # bytes of embed, norm (bf16), layer.0, count
+    for rank, received in ((1, staged), (2, results[2])):
         assert list(received) == list(sent)  # order kept
         for name, tensor in sent.items():
             assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), (rank, name)
+
+
+def test_a_value_changed_on_the_way_to_a_stage_stops_the_update_before_any_load():
+    results = broadcast(corrupt_rank=1, staged_rank=1)
+    error = results[1]
+    assert type(error).__name__ == "WeightSyncError", error  # raised by stage(), before receive_weights
+    assert "rollout worker rank 1: tensor layer.0 arrived different" in str(error)
 
 
 def test_buckets_respect_the_size_and_end_with_one_that_may_be_empty():

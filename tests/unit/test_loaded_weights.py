@@ -154,6 +154,28 @@ def test_shards_are_compared_summed_over_the_replicas_workers():
         check_loaded_reports(reports, "replica 1")
 
 
+def test_shards_are_summed_per_data_parallel_group_each_over_all_its_tensor_parallel_workers():
+    sent = trainer_tensors()
+    reports = [  # two data-parallel groups of two tensor-parallel workers: each group holds the whole model once
+        report(engine_model(sent, tp_rank, tp=2), sent, 2 * dp_rank + tp_rank, tp=2, shard_group=(dp_rank, 0))
+        for dp_rank in range(2)
+        for tp_rank in range(2)
+    ]
+    assert counted(check_loaded_reports(reports, "replica 0")) == (4, 0)
+    reports[2]["loaded"]["entries"].pop("model.embed_tokens.weight")  # worker 2 holds no shard of it
+    with pytest.raises(WeightSyncError, match=r"embed_tokens.weight is sharded, but only vLLM workers \[3\] of a"):
+        check_loaded_reports(reports, "replica 0")
+
+
+def test_a_whole_parameter_holding_fewer_values_than_it_received_is_a_short_load_not_a_shard():
+    sent = trainer_tensors()
+    model = engine_model(sent)
+    short = model.model.layers[0].mlp.gate_up_proj.weight[:6]  # only gate_proj's rows: up_proj never loaded
+    model.model.layers[0].mlp.gate_up_proj.weight = nn.Parameter(short.clone(), requires_grad=False)
+    with pytest.raises(WeightSyncError, match=r"gate_up_proj.weight holds 24 values after loading, fewer than the 48"):
+        check_loaded_reports([report(model, sent)], "replica 0")
+
+
 def test_what_cannot_be_compared_is_counted_not_passed_off():
     sent = trainer_tensors()
     overlapping = [report(engine_model(sent, rank, tp=2, kv_replicas=2), sent, rank, tp=2) for rank in range(2)]

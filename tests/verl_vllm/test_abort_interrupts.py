@@ -13,7 +13,7 @@ import types
 
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
 
-from areal_plugins.rollout.verl_vllm.server import ArealVLLMHttpServer
+from areal_plugins.rollout.verl_vllm.server import _ENTERING, ArealVLLMHttpServer
 
 
 class QueueingEngine:
@@ -92,11 +92,47 @@ def test_an_abort_still_waits_for_a_request_on_its_way_into_the_engine():
     assert asyncio.run(scenario()) == ["queued arriving", "paused"]
 
 
+class ArrivingInTurn(QueueingEngine):
+    """Each ``add_request`` call returns when its own turn is let through (``turns[i]`` for the i-th call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.turns = [asyncio.Event(), asyncio.Event()]
+        self.calls = 0
+
+    async def add_request(self, request_id: str, *args, **kwargs) -> None:
+        turn = self.turns[self.calls]
+        self.calls += 1
+        await turn.wait()
+        await super().add_request(request_id, *args, **kwargs)
+
+
+def test_a_repeated_request_id_on_its_way_into_the_engine_still_holds_the_abort():
+    """Two requests with one id past the gate: the first reaching the engine must not count the second as arrived."""
+
+    async def scenario() -> list[str]:
+        server = server_of(ArealVLLMHttpServer)
+        server.engine = engine = ArrivingInTurn()
+        first = asyncio.create_task(submit(server, "same-id"))
+        second = asyncio.create_task(submit(server, "same-id"))
+        await asyncio.sleep(0.05)
+        engine.turns[0].set()
+        await asyncio.wait_for(first, timeout=2)  # in the engine; the second is still on its way
+        abort = asyncio.create_task(server.abort_all_requests())
+        await asyncio.sleep(0.2)
+        assert not abort.done(), "the abort paused the engine before the second request with that id had arrived"
+        engine.turns[1].set()
+        await asyncio.wait_for(asyncio.gather(second, abort), timeout=2)
+        return engine.events
+
+    assert asyncio.run(scenario()) == ["queued same-id", "queued same-id", "paused"]
+
+
 def test_a_request_that_never_reaches_the_engine_does_not_hold_aborts():
     async def scenario() -> None:
         server = server_of(ArealVLLMHttpServer)
         assert await server._park_until_admitted("failed-early") is None
-        server._entering_engine.discard("failed-early")  # what generate's cleanup does when it raises
+        server._entering_engine.discard(_ENTERING.get())  # what generate's cleanup does when it raises
         await asyncio.wait_for(server.abort_all_requests(), timeout=2)
 
     asyncio.run(scenario())

@@ -28,7 +28,7 @@ class ArealServerAdapter(ServerAdapter):
 
             async for name, tensor in ensure_async_iterator(weights):
                 # What this adapter passes on: the trainer's own tensors when colocated; in separate, what the
-                # checkpoint engine delivered (areal_gloo checks its own leg; nccl's leg is not checked).
+                # checkpoint engine delivered (its leg is checked by the manager: weight_sync/checked_transfer.py).
                 sent[name] = tensor_checksum(tensor)
                 yield name, tensor
 

@@ -3,8 +3,9 @@
 vLLM loads the trainer's tensors into its own parameters: ``q_proj``, ``k_proj`` and ``v_proj`` into one
 ``qkv_proj``, ``gate_proj`` and ``up_proj`` into ``gate_up_proj`` (the model's ``packed_modules_mapping``), each
 tensor-parallel rank a shard, the vocabulary padded with zeros. ``Σx`` and ``Σx²`` add up over concatenation and
-ignore zero padding, so a parameter's sums equal the sums of its sources, and a sharded parameter's sums over the
-replica's workers equal them too. Element counts are not compared (padding changes them).
+ignore zero padding, so a parameter's sums equal the sums of its sources, and a sharded parameter's sums over its
+tensor-parallel workers equal them too. Padding only adds elements: a parameter holding fewer than its sources is a
+shard under tensor parallelism and a short load without it.
 
 Not compared, and counted as such: parameters the engine keeps in a form that cannot be read back (vLLM's CPU build
 moves linear layers into its kernels' state), ``qkv_proj`` where tensor parallelism replicates KV heads (its shards
@@ -100,13 +101,17 @@ def loaded_report(
     quantized: bool,
     tied_embeddings: bool,
     kernels_own_weights: bool = False,
+    shard_group: tuple[int, int] = (0, 0),
 ) -> dict[str, Any]:
     """For each parameter this worker can read: its checksum (``held``) and the sum of its sources' checksums as
     received, rounded to its dtype (``expected``); whether it is a shard; the parameters not compared; and
     received tensors that no parameter holds. ``kernels_own_weights`` (vLLM's CPU build, which moves its linear
-    layers' weights into its kernels' state on every load): a module without the parameter holds it unreadably."""
+    layers' weights into its kernels' state on every load): a module without the parameter holds it unreadably.
+    ``shard_group``: this worker's (data-parallel, pipeline) ranks; the shards of one parameter are summed over
+    the ``tensor_parallel_size`` workers of one group."""
+    parallel = {"tensor_parallel_size": tensor_parallel_size, "shard_group": list(shard_group)}
     if quantized:
-        return {"entries": {}, "unchecked": [], "not_held": [], "skipped": "quantized weights"}
+        return {"entries": {}, "unchecked": [], "not_held": [], "skipped": "quantized weights", **parallel}
     mapping = getattr(model, "packed_modules_mapping", None) or {}
     by_vllm_name: dict[str, list[str]] = {}
     dropped: list[str] = []  # names the model drops on purpose (its mapper maps them to nothing)
@@ -131,7 +136,8 @@ def loaded_report(
                 continue
             expected = sums(checksum for checksum in as_held if checksum is not None)
             held = tensor_checksum(parameter, positions=False)
-            entries[name] = {"held": held, "expected": expected, "sharded": held[0] < expected[0]}
+            sharded = tensor_parallel_size > 1 and held[0] < expected[0]  # without TP, fewer is a short load
+            entries[name] = {"held": held, "expected": expected, "sharded": sharded}
     modules = dict(model.named_modules())
     packed_into = {source: packed for packed, sources in mapping.items() for source in sources}
     for name in sorted(set(received) - covered):
@@ -153,4 +159,4 @@ def loaded_report(
         and vllm_name(model, name) not in buffers
         and not (tied_embeddings and name.startswith("lm_head."))
     )
-    return {"entries": entries, "unchecked": unchecked, "not_held": not_held}
+    return {"entries": entries, "unchecked": unchecked, "not_held": not_held, **parallel}

@@ -7,6 +7,7 @@ verl's; the async trainer registers it for ``rollout.name: vllm`` in its own dri
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any
 
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
@@ -18,6 +19,10 @@ from areal_plugins.rollout.prompt_seeds import PromptSeeds
 EXTENSION_CLASS = "areal_plugins.rollout.verl_vllm.worker_extension.ArealVLLMWorkerExtension"
 #: ``actor_rollout_ref.rollout.custom.<this>: true`` seeds each request by its prompt (rollout/prompt_seeds.py).
 SEEDED_SAMPLING_KEY = "areal_seeded_sampling"
+
+#: This generate call's mark among the requests entering the engine. A call and the engine's ``add_request`` it
+#: awaits run in one asyncio task, so both see it; two calls that share a request id do not share a mark.
+_ENTERING: ContextVar[object | None] = ContextVar("areal_entering_engine", default=None)
 
 
 class ArealVLLMHttpServer(vLLMHttpServer):
@@ -32,8 +37,9 @@ class ArealVLLMHttpServer(vLLMHttpServer):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        #: Requests past the submission gate whose ``add_request`` into the engine has not returned yet.
-        self._entering_engine: set[str] = set()
+        #: Generate calls past the submission gate whose ``add_request`` into the engine has not returned yet, one
+        #: mark per call (not its request id: a repeated id must not hide a second request from the abort).
+        self._entering_engine: set[object] = set()
         super().__init__(*args, **kwargs)
         self.generated_tokens = 0
         self.activity = RequestActivity()
@@ -50,12 +56,13 @@ class ArealVLLMHttpServer(vLLMHttpServer):
     ) -> Any:
         if self.prompt_seeds is not None and "seed" not in sampling_params:
             sampling_params = {**sampling_params, "seed": self.prompt_seeds.next(prompt_ids)}
+        _ENTERING.set(None)  # this call's mark, set once it passes the gate
         self.activity.enter()
         try:
             output = await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
         finally:
             self.activity.leave()
-            self._entering_engine.discard(request_id)  # failed before reaching the engine: no abort waits for it
+            self._entering_engine.discard(_ENTERING.get())  # failed before reaching the engine: no abort waits for it
         self.generated_tokens += len(getattr(output, "token_ids", None) or [])
         if isinstance(getattr(output, "extra_fields", None), dict):  # the seed vLLM sampled with (None: its own)
             output.extra_fields[SEED_FIELD] = sampling_params.get("seed")
@@ -83,15 +90,17 @@ class ArealVLLMHttpServer(vLLMHttpServer):
             add_request = engine.add_request
             entering = self._entering_engine
 
-            async def add_request_counted(request_id: str, *args: Any, **kwargs: Any) -> Any:
+            async def add_request_counted(*args: Any, **kwargs: Any) -> Any:
                 try:
-                    return await add_request(request_id, *args, **kwargs)
+                    return await add_request(*args, **kwargs)
                 finally:
-                    entering.discard(request_id)
+                    entering.discard(_ENTERING.get())
 
             engine.add_request = add_request_counted
             engine._areal_counts_arrivals = True
-        self._entering_engine.add(request_id)
+        mark = object()
+        _ENTERING.set(mark)
+        self._entering_engine.add(mark)
 
     async def get_stats(self) -> dict[str, Any]:
         """What the watchdog and the step metrics read (the same keys as our own servers report)."""

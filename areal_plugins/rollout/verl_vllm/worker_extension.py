@@ -81,7 +81,22 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
             quantized=getattr(vllm_config, "quant_config", None) is not None,
             tied_embeddings=bool(getattr(vllm_config.model_config.hf_config, "tie_word_embeddings", False)),
             kernels_own_weights=current_platform.is_cpu(),
+            shard_group=self._shard_group(),
         )
+
+    @staticmethod
+    def _shard_group() -> tuple[int, int]:
+        """This worker's (data-parallel, pipeline) ranks: the tensor-parallel shards of a parameter add up within
+        one such group (a group vLLM has not built is rank 0)."""
+        from vllm.distributed import parallel_state
+
+        ranks = []
+        for getter in ("get_dp_group", "get_pp_group"):
+            try:
+                ranks.append(int(getattr(parallel_state, getter)().rank_in_group))
+            except (AssertionError, AttributeError):  # not initialized, or absent in this vLLM
+                ranks.append(0)
+        return ranks[0], ranks[1]
 
     def _update_weights(self, weights: list[tuple[str, torch.Tensor]], peft_config: Any, base_sync_done: bool):
         self._record(weights)

@@ -1,0 +1,154 @@
+"""The order of a staged weight update (weight_sync/staged.py): the transfer runs while the engines generate,
+and they are paused only for the load. The worker groups and replicas are stand-ins that log what is asked of
+them; the manager is ours on verl's ``CheckpointEngineManager``, whose own order is the comparison."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+import verl.checkpoint_engine.base as verl_base
+
+from areal_plugins.weight_sync import staged
+from areal_plugins.weight_sync.checked_transfer import WeightSyncError
+
+
+class Log(list):
+    def index_of(self, event: str) -> int:
+        return self.index(event)
+
+
+#: Checksums ([elements, Σx, Σx², Σwx]) of what the trainer's rank 0 sent, and of what each rollout worker got.
+SENT = {"embed": [4.0, 1.5, 2.25, 0.3], "norm": [2.0, 2.0, 2.0, 0.1]}
+
+
+class ActorGroup:
+    world_size = 2
+
+    def __init__(self, log: Log) -> None:
+        self.log = log
+        self.reports = [{"rank": 0, "sent": SENT, "received": {}}, {"rank": -1, "sent": {}, "received": {}}]
+
+    def update_weights(self, global_steps=None, mode=None):
+        self.log.append("trainer sends")
+        return [{"sent_s": 1.0}, None]
+
+    def execute_checkpoint_engine(self, method, *args, **kwargs):  # one name per rank, as verl dispatches
+        self.log.append(f"trainer {method[0]}")
+        return self.reports if method[0] == "areal_transfer_checksums" else [{} for _ in method]
+
+
+class RolloutGroup:
+    #: what rollout worker 3 receives instead of SENT["norm"] (None: the same)
+    norm_on_worker_3: list[float] | None = None
+
+    def __init__(self, log: Log, worker_handles, ray_cls_with_init=None) -> None:
+        self.log, self.world_size = log, len(worker_handles)
+
+    def execute_checkpoint_engine(self, method, *args, **kwargs):
+        self.log.append(f"rollout {method[0]}")
+        if method[0] == "areal_transfer_checksums":
+            reports = [{"rank": rank, "sent": {}, "received": dict(SENT)} for rank in range(1, self.world_size + 1)]
+            if self.norm_on_worker_3 is not None:
+                reports[2]["received"]["norm"] = self.norm_on_worker_3
+            return reports
+        return [1234 if name == "stage" else {} for name in method]
+
+    def update_weights(self, global_steps=None):
+        self.log.append("rollout loads")
+        return [None] * self.world_size
+
+
+class Replica:
+    def __init__(self, log: Log) -> None:
+        self.log, self.workers = log, ["worker 0", "worker 1"]
+
+    async def abort_all_requests(self, reject_request: bool = False):
+        self.log.append("engines aborted")
+
+    async def resume_generation(self):
+        self.log.append("engines resumed")
+
+    async def release_kv_cache(self):
+        self.log.append("kv released")
+
+    async def resume_kv_cache(self):
+        self.log.append("kv restored")
+
+
+class Staging:
+    stages_weights = True
+
+    def stage(self, global_steps=None) -> int:
+        return 0
+
+    @classmethod
+    def build_topology(cls, actor_world_size, rollout_world_size, metadata):
+        return {}, {}
+
+
+class Streaming(Staging):  # as verl's nccl: no stage
+    stages_weights = False
+
+
+class CheckedStaging(Staging):  # as areal_gloo
+    reports_transfer_checksums = True
+
+
+class CheckedStreaming(Streaming):  # as verl's nccl with our mixin (weight_sync/checked_transfer.py)
+    reports_transfer_checksums = True
+
+
+def manager(log: Log, backend_cls: type, monkeypatch, tmp_path) -> staged.StagedCheckpointEngineManager:
+    monkeypatch.setattr(ray, "get", lambda values: values)
+    group = lambda worker_handles, ray_cls_with_init=None: RolloutGroup(log, worker_handles)  # noqa: E731
+    monkeypatch.setattr(staged, "RayWorkerGroup", group)
+    monkeypatch.setattr(verl_base, "RayWorkerGroup", group)
+    monkeypatch.setenv("AREAL_RUN_DIR", str(tmp_path))
+    built = staged.StagedCheckpointEngineManager.__new__(staged.StagedCheckpointEngineManager)
+    built.backend, built.backend_cls = "areal_gloo", backend_cls
+    built.actor_wg, built.replicas = ActorGroup(log), [Replica(log), Replica(log)]
+    return built
+
+
+def test_a_staging_engine_transfers_while_the_engines_generate_and_pauses_them_only_for_the_load(monkeypatch, tmp_path):
+    log = Log()
+    metrics = manager(log, Staging, monkeypatch, tmp_path).update_weights(global_steps=4)
+    # the whole transfer (the trainer's send and every worker's stage) ends before any engine is aborted
+    assert log.index_of("trainer sends") < log.index_of("engines aborted")
+    assert log.index_of("rollout stage") < log.index_of("engines aborted")
+    # paused: abort, load from the stages, resume; nothing else is transferred in between
+    paused = log[log.index_of("engines aborted") : len(log) - log[::-1].index("engines resumed")]
+    assert "rollout loads" in paused and "trainer sends" not in paused and "rollout stage" not in paused
+    assert metrics == {"sent_s": 1.0}  # the trainer's per-sync metrics, as verl returns them
+    (record,) = [json.loads(line) for line in (tmp_path / staged.RECORD).read_text().splitlines()]
+    assert record["version"] == 4 and record["workers"] == 4 and record["staged_bytes_per_worker"] == 1234
+
+
+@pytest.mark.parametrize("backend", ["streaming", "naive"])
+def test_other_checkpoint_engines_keep_verls_order(backend, monkeypatch, tmp_path):
+    log = Log()
+    built = manager(log, Streaming, monkeypatch, tmp_path)
+    if backend == "naive":
+        built.backend = "naive"
+        built.actor_wg.update_weights = lambda global_steps=None, mode=None: log.append(f"trainer {mode} sync")
+        built.update_weights(global_steps=4)
+        assert log == ["trainer naive sync"]
+        return
+    built.update_weights(global_steps=4)
+    assert log.index_of("engines aborted") < log.index_of("trainer sends")  # verl's: paused for the transfer
+    assert "rollout stage" not in log and not (tmp_path / staged.RECORD).exists()
+
+
+@pytest.mark.parametrize("backend_cls", [CheckedStaging, CheckedStreaming])
+def test_what_every_rollout_worker_received_is_compared_with_what_the_trainer_sent(backend_cls, monkeypatch, tmp_path):
+    log = Log()
+    manager(log, backend_cls, monkeypatch, tmp_path).update_weights(global_steps=4)
+    assert "rollout areal_transfer_checksums" in log and "trainer areal_transfer_checksums" in log
+    monkeypatch.setattr(RolloutGroup, "norm_on_worker_3", [2.0, 2.0, 2.0, 0.6])  # two values swapped on the way
+    log.clear()
+    with pytest.raises(WeightSyncError, match=r"rollout worker rank 3: tensor norm arrived different"):
+        manager(log, backend_cls, monkeypatch, tmp_path).update_weights(global_steps=5)
+    if backend_cls is CheckedStaging:  # staged: stopped before any engine was paused or loaded
+        assert "engines aborted" not in log and "rollout loads" not in log
