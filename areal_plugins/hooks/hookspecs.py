@@ -163,11 +163,12 @@ def areal_before_weight_update(version: int) -> None:
 
     :param version: the version about to be loaded.
 
-    Called from: verl's TaskRunner in the async trainer, after the step trained and admission paused,
-    before the weights are sent. Where the engines stand then depends on the placement: ``colocated``
-    engines were already interrupted and put to sleep when sampling ended (they share the trainer's
-    devices); ``separate`` engines are still generating, and verl's checkpoint engine interrupts them
-    as the transfer starts.
+    Called from: verl's TaskRunner in the async trainer, after the step trained, before the weights are
+    sent. Where the engines stand then depends on the placement: ``colocated`` engines were already
+    interrupted and put to sleep when sampling ended (they share the trainer's devices), and admission is
+    paused; ``separate`` engines are still generating and prompts still submitted: a staging checkpoint
+    engine (``areal_gloo``) transfers the weights first and stops admission and the engines only to load
+    them; verl's others (``nccl``) stop both as the transfer starts.
     Default: none.
     """
 

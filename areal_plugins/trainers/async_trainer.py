@@ -271,7 +271,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         with marked_timer("update_weights", self.timing_raw, color="red"), self.recorder.span("trainer", "update"):
             if self.replay is not None:
                 self.replay.finish_version(self.version, self.supervisor.waiting())
-            self.manager.pause()
+            if self.replay is not None or not self.placement.sync_stops_admission:
+                self.manager.pause()  # else the sync stops it just before the abort (weight_sync/staged.py)
             call_hook("areal_before_weight_update", version=new_version)
             # Interruption: colocated engines were aborted and put to sleep after sampling; verl's
             # checkpoint manager aborts standalone ones itself before a non-naive sync.

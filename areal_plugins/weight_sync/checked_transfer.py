@@ -35,11 +35,12 @@ class ChecksumsOfTransfer:
 
     async def send_weights(self, weights: Any, global_steps: Any = None) -> Any:
         self.areal_sent: dict[str, list[float]] = {}
+        self.areal_rank = getattr(self, "rank", -1)  # verl's finalize may reset it before the manager asks
         sent = self.areal_sent
 
         def checksummed() -> Any:
             for name, tensor in weights:
-                if getattr(self, "rank", -1) == 0:  # the source; relays and idle ranks only walk the generator
+                if self.areal_rank == 0:  # the source; relays and idle ranks only walk the generator
                     sent[name] = tensor_checksum(tensor)
                 yield name, tensor
 
@@ -49,8 +50,11 @@ class ChecksumsOfTransfer:
         from verl.workers.rollout.utils import ensure_async_iterator
 
         self.areal_received: dict[str, list[float]] = {}
+        self.areal_rank = getattr(self, "rank", -1)
         async for name, tensor in ensure_async_iterator(super().receive_weights(global_steps)):  # type: ignore[misc]
-            self.areal_received[name] = tensor_checksum(tensor)  # before the transport reuses its buffer
+            checksum = tensor_checksum(tensor)  # before the transport reuses its buffer
+            self.areal_received[name] = checksum
+            tensor.areal_checksum = checksum  # the server adapter's checksum of what it passes on: not taken twice
             yield name, tensor
 
     def areal_transfer_checksums(self) -> dict[str, Any]:
@@ -59,8 +63,10 @@ class ChecksumsOfTransfer:
 
 def transfer_report(engine: Any) -> dict[str, Any]:
     """What one process of the transfer group sent (rank 0) or received (rollout workers) in the last update."""
+    rank = getattr(engine, "areal_rank", None)
+    rank = getattr(engine, "rank", None) if rank is None else rank
     return {
-        "rank": int(getattr(engine, "rank", -1)),
+        "rank": -1 if rank is None else int(rank),
         "sent": dict(getattr(engine, "areal_sent", {}) or {}),
         "received": dict(getattr(engine, "areal_received", {}) or {}),
     }

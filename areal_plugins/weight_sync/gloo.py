@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+from collections import deque
 from collections.abc import Generator, Iterator
 from datetime import timedelta
 from typing import Any
@@ -95,7 +96,7 @@ def _make_engine_class() -> type:
             self.rank = -1
             self.group: Any = None
             self._store: Any = None
-            self._staged: list[tuple[str, torch.Tensor]] | None = None
+            self._staged: deque[tuple[str, torch.Tensor]] | None = None
             self.areal_sent: dict[str, list[float]] = {}
             self.areal_received: dict[str, list[float]] = {}
 
@@ -180,6 +181,7 @@ def _make_engine_class() -> type:
             if self.rank != 0:
                 raise RuntimeError(f"areal_gloo: trainer rank {self.rank} cannot send; only rank 0 sends")
             self.areal_sent = {}
+            self.areal_rank = self.rank
             sent, count, pending = 0, 0, None
             for bucket in buckets(weights, self.bucket_size):  # one bucket of lookahead: the last one says so
                 if pending is not None:
@@ -201,8 +203,10 @@ def _make_engine_class() -> type:
         def stage(self, global_steps=None) -> int:
             """Receive the whole update now, each tensor checked, and keep it for the next :meth:`receive_weights`
             (host memory: one copy of the model). Returns the bytes kept."""
-            self._staged = list(self._receive(global_steps))
-            return sum(tensor.numel() * tensor.element_size() for _, tensor in self._staged)
+            self._staged = None  # a stage left by a failed update goes before the next one arrives
+            staged = deque(self._receive(global_steps))
+            self._staged = staged
+            return sum(tensor.numel() * tensor.element_size() for _, tensor in staged)
 
         def receive_weights(  # type: ignore[override]  # a plain generator: the adapter takes both kinds
             self, global_steps=None
@@ -210,7 +214,8 @@ def _make_engine_class() -> type:
             """The staged update if there is one (handed over once), else the broadcast as it arrives."""
             if self._staged is not None:
                 staged, self._staged = self._staged, None
-                yield from staged
+                while staged:  # each tensor goes once the adapter has passed it on
+                    yield staged.popleft()
                 return
             yield from self._receive(global_steps)
 
@@ -219,6 +224,7 @@ def _make_engine_class() -> type:
             if self.rank < 1:
                 raise RuntimeError("areal_gloo: only rollout workers (ranks >= 1) receive weights")
             self.areal_received = {}
+            self.areal_rank = self.rank
             while True:
                 header = self._broadcast_object(None)
                 entries = header["entries"]
@@ -227,6 +233,7 @@ def _make_engine_class() -> type:
                 for (name, tensor), sent in zip(_unpack(entries, payload), header["checksums"], strict=True):
                     received = tensor_checksum(tensor)
                     self.areal_received[name] = received
+                    tensor.areal_checksum = received  # type: ignore[attr-defined]  # the adapter's "sent", not again
                     if not same_checksum(sent, received):
                         raise WeightSyncError(
                             f"areal_gloo broadcast, rollout worker rank {self.rank}: tensor {name} arrived different "

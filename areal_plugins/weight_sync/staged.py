@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -43,7 +44,17 @@ def stages_weights(backend_cls: Any) -> bool:
 
 
 class StagedCheckpointEngineManager(CheckpointEngineManager):
-    """verl's manager; with a staging checkpoint engine the engines pause only for the load (module docstring)."""
+    """verl's manager; with a staging checkpoint engine the engines pause only for the load (module docstring).
+
+    ``before_pause`` (set by the async trainer): called just before the engines are aborted, so that prompts are
+    still submitted while a staged update crosses (the trainer stops its admission there, not before the transfer).
+    """
+
+    before_pause: Callable[[], None] | None = None
+
+    def _pausing(self) -> None:
+        if self.before_pause is not None:
+            self.before_pause()
 
     def _rollout_group(self) -> Any:
         """Every replica's checkpoint-engine workers as one group, as verl's update builds it."""
@@ -56,17 +67,20 @@ class StagedCheckpointEngineManager(CheckpointEngineManager):
     def _actor_group(self) -> Any:
         return self.actor_wg  # typed by verl as the base group; its methods are the workers' registered ones
 
-    def _check_transfer(self, rollout: Any) -> None:
-        """What each rollout worker received against what the trainer sent, where the engine keeps both."""
+    def _check_transfer(self, rollout: Any) -> int | None:
+        """What each rollout worker received against what the trainer sent, where the engine keeps both; the
+        tensors compared per worker (None: this engine keeps no checksums)."""
         if not getattr(self.backend_cls, "reports_transfer_checksums", False):
-            return
+            return None
         method, actor_wg = "areal_transfer_checksums", self._actor_group()
         trainer = ray.get(actor_wg.execute_checkpoint_engine([method] * actor_wg.world_size))
         workers = ray.get(rollout.execute_checkpoint_engine([method] * rollout.world_size))
-        check_transfer_reports(trainer, workers, str(self.backend))
+        return check_transfer_reports(trainer, workers, str(self.backend))
 
     @auto_await
     async def update_weights(self, global_steps: int | None = None) -> dict:
+        if self.backend == "naive" or not stages_weights(self.backend_cls):
+            self._pausing()  # verl's order: the engines are aborted first
         if self.backend == "naive":
             return await CheckpointEngineManager.update_weights.__wrapped__(self, global_steps)  # type: ignore[attr-defined]
         if not stages_weights(self.backend_cls):
@@ -75,25 +89,28 @@ class StagedCheckpointEngineManager(CheckpointEngineManager):
             return metrics
         rollout, actor_wg = self._rollout_group(), self._actor_group()
         started = time.monotonic()
-        self.build_process_group(rollout)
         n = rollout.world_size
-        results = ray.get(
-            actor_wg.update_weights(global_steps=global_steps, mode=self.backend)
-            + rollout.execute_checkpoint_engine(["stage"] * n, [global_steps] * n)
-        )
-        staged_bytes = [int(value) for value in results[actor_wg.world_size :]]
-        self._check_transfer(rollout)  # before any engine loads it
-        staged = time.monotonic()
-        await self.abort_replicas()  # the engines generated until now
-        await self.release_kv_cache_replicas()
-        ray.get(rollout.update_weights(global_steps=global_steps))  # each worker loads its stage
-        await self.resume_kv_cache_replicas()
-        await self.resume_generation_replicas()
-        resumed = time.monotonic()
-        ray.get(
-            actor_wg.execute_checkpoint_engine(["finalize"] * actor_wg.world_size)
-            + rollout.execute_checkpoint_engine(["finalize"] * n)
-        )
+        try:
+            self.build_process_group(rollout)
+            results = ray.get(
+                actor_wg.update_weights(global_steps=global_steps, mode=self.backend)
+                + rollout.execute_checkpoint_engine(["stage"] * n, [global_steps] * n)
+            )
+            staged_bytes = [int(value) for value in results[actor_wg.world_size :]]
+            checked_tensors = self._check_transfer(rollout)  # before any engine loads it
+            staged = time.monotonic()
+            self._pausing()
+            await self.abort_replicas()  # the engines generated until now
+            await self.release_kv_cache_replicas()
+            ray.get(rollout.update_weights(global_steps=global_steps))  # each worker loads its stage
+            await self.resume_kv_cache_replicas()
+            await self.resume_generation_replicas()
+            resumed = time.monotonic()
+        finally:  # also after a failed update: the stages (a model's size each) and the group go
+            ray.get(
+                actor_wg.execute_checkpoint_engine(["finalize"] * actor_wg.world_size)
+                + rollout.execute_checkpoint_engine(["finalize"] * n)
+            )
         now = time.time()
         record = {
             "time": now,
@@ -103,6 +120,7 @@ class StagedCheckpointEngineManager(CheckpointEngineManager):
             "staged_s": round(staged - started, 4),
             "engines_paused_s": round(resumed - staged, 4),
             "staged_bytes_per_worker": max(staged_bytes, default=0),
+            "transfer_checked_tensors": checked_tensors,
             "workers": n,
         }
         append_record(RECORD, record)

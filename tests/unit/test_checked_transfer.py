@@ -18,6 +18,7 @@ from areal_plugins.weight_sync.checked_transfer import (
     checked,
     register_checked_checkpoint_engines,
 )
+from areal_plugins.weight_sync.checksums import tensor_checksum
 
 
 class LinkTransport:
@@ -67,6 +68,22 @@ def test_an_intact_transfer_passes_and_hands_on_every_tensor_unchanged():
     assert check_transfer_reports(trainer, rollout, "nccl") == 2
     assert trainer[1]["sent"] == {}  # only the source rank checksums what it sends
     assert set(delivered[1]) == {"embed", "norm"}
+    # each delivered tensor carries its checksum, so the server adapter does not take it again
+    for name, tensor in delivered[2].items():
+        assert tensor.areal_checksum == rollout[1]["received"][name] == tensor_checksum(tensor)
+
+
+def test_the_report_keeps_the_rank_verls_finalize_resets():
+    engine = checked(LinkTransport)(2)
+    LinkTransport.link = [("norm", torch.ones(3))]
+
+    async def drain() -> None:
+        async for _ in engine.receive_weights():
+            pass
+
+    asyncio.run(drain())
+    engine.rank = None  # verl's nccl finalize with rebuild_group
+    assert engine.areal_transfer_checksums()["rank"] == 2
 
 
 def test_a_sign_flipped_on_one_workers_link_is_named():

@@ -80,30 +80,33 @@ def broadcast(corrupt_rank: int = -1, staged_rank: int = -1) -> dict:
     return results
 
 
-def test_a_value_changed_on_the_broadcast_leg_is_named_by_the_worker_that_got_it():
-    results = broadcast(corrupt_rank=2)
+def assert_bit_for_bit(received: dict[str, torch.Tensor], rank: int) -> None:
+    sent = weights()
+    assert list(received) == list(sent)  # order kept
+    for name, tensor in sent.items():
+        assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), (rank, name)
+
+
+#: Bytes of embed, norm (bf16), layer.0 and count: what a stage keeps.
+STAGED_BYTES = 64 * 16 * 4 + 16 * 2 + 16 * 16 * 4 + 5 * 8
+
+
+def test_a_value_changed_on_the_broadcast_leg_is_named_and_a_staged_worker_gets_everything_bit_for_bit():
+    results = broadcast(corrupt_rank=2, staged_rank=1)  # rank 1 receives the whole update first, rank 2 streams
     error = results[2]
     assert type(error).__name__ == "WeightSyncError", error
     assert "areal_gloo broadcast, rollout worker rank 2: tensor layer.0 arrived different" in str(error)
-    assert set(results[1]) == set(weights())  # the other worker got everything intact
-
-
-def test_every_receiver_gets_every_tensor_bit_for_bit_streamed_or_staged():
-    results = broadcast(staged_rank=1)  # rank 1 receives the whole update first, rank 2 as it arrives
-    sent = weights()
     kept, staged = results[1]
-    assert kept == 64 * 16 * 4 + 16 * 2 + 16 * 16 * 4 + 5 * 8  # bytes of embed, norm (bf16), layer.0, count
-    for rank, received in ((1, staged), (2, results[2])):
-        assert list(received) == list(sent)  # order kept
-        for name, tensor in sent.items():
-            assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), (rank, name)
+    assert kept == STAGED_BYTES
+    assert_bit_for_bit(staged, 1)
 
 
-def test_a_value_changed_on_the_way_to_a_stage_stops_the_update_before_any_load():
+def test_a_value_changed_on_the_way_to_a_stage_stops_it_before_any_load_and_a_streaming_worker_is_intact():
     results = broadcast(corrupt_rank=1, staged_rank=1)
     error = results[1]
     assert type(error).__name__ == "WeightSyncError", error  # raised by stage(), before receive_weights
     assert "rollout worker rank 1: tensor layer.0 arrived different" in str(error)
+    assert_bit_for_bit(results[2], 2)
 
 
 def test_buckets_respect_the_size_and_end_with_one_that_may_be_empty():

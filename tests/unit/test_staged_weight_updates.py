@@ -109,15 +109,17 @@ def manager(log: Log, backend_cls: type, monkeypatch, tmp_path) -> staged.Staged
     built = staged.StagedCheckpointEngineManager.__new__(staged.StagedCheckpointEngineManager)
     built.backend, built.backend_cls = "areal_gloo", backend_cls
     built.actor_wg, built.replicas = ActorGroup(log), [Replica(log), Replica(log)]
+    built.before_pause = lambda: log.append("admission stopped")
     return built
 
 
 def test_a_staging_engine_transfers_while_the_engines_generate_and_pauses_them_only_for_the_load(monkeypatch, tmp_path):
     log = Log()
     metrics = manager(log, Staging, monkeypatch, tmp_path).update_weights(global_steps=4)
-    # the whole transfer (the trainer's send and every worker's stage) ends before any engine is aborted
-    assert log.index_of("trainer sends") < log.index_of("engines aborted")
-    assert log.index_of("rollout stage") < log.index_of("engines aborted")
+    # the whole transfer (the trainer's send and every worker's stage) ends before any engine is aborted, and
+    # prompts are submitted until then: the trainer's admission stops just before the abort
+    assert log.index_of("trainer sends") < log.index_of("admission stopped") < log.index_of("engines aborted")
+    assert log.index_of("rollout stage") < log.index_of("admission stopped")
     # paused: abort, load from the stages, resume; nothing else is transferred in between
     paused = log[log.index_of("engines aborted") : len(log) - log[::-1].index("engines resumed")]
     assert "rollout loads" in paused and "trainer sends" not in paused and "rollout stage" not in paused
@@ -134,10 +136,11 @@ def test_other_checkpoint_engines_keep_verls_order(backend, monkeypatch, tmp_pat
         built.backend = "naive"
         built.actor_wg.update_weights = lambda global_steps=None, mode=None: log.append(f"trainer {mode} sync")
         built.update_weights(global_steps=4)
-        assert log == ["trainer naive sync"]
+        assert log == ["admission stopped", "trainer naive sync"]
         return
     built.update_weights(global_steps=4)
     assert log.index_of("engines aborted") < log.index_of("trainer sends")  # verl's: paused for the transfer
+    assert log[0] == "admission stopped"
     assert "rollout stage" not in log and not (tmp_path / staged.RECORD).exists()
 
 
@@ -150,5 +153,6 @@ def test_what_every_rollout_worker_received_is_compared_with_what_the_trainer_se
     log.clear()
     with pytest.raises(WeightSyncError, match=r"rollout worker rank 3: tensor norm arrived different"):
         manager(log, backend_cls, monkeypatch, tmp_path).update_weights(global_steps=5)
-    if backend_cls is CheckedStaging:  # staged: stopped before any engine was paused or loaded
+    if backend_cls is CheckedStaging:  # staged: stopped before any engine was paused or loaded, stages freed
         assert "engines aborted" not in log and "rollout loads" not in log
+        assert log[-2:] == ["trainer finalize", "rollout finalize"]

@@ -29,7 +29,9 @@ class ArealServerAdapter(ServerAdapter):
             async for name, tensor in ensure_async_iterator(weights):
                 # What this adapter passes on: the trainer's own tensors when colocated; in separate, what the
                 # checkpoint engine delivered (its leg is checked by the manager: weight_sync/checked_transfer.py).
-                sent[name] = tensor_checksum(tensor)
+                # A checkpoint engine that checked its leg took it already (areal_gloo, our nccl mixin).
+                known = getattr(tensor, "areal_checksum", None)
+                sent[name] = known if known is not None else tensor_checksum(tensor)
                 yield name, tensor
 
         result = await super().update_weights(checksummed(), global_steps, wire_format, **kwargs)
