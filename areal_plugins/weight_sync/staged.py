@@ -67,6 +67,13 @@ class StagedCheckpointEngineManager(CheckpointEngineManager):
     def _actor_group(self) -> Any:
         return self.actor_wg  # typed by verl as the base group; its methods are the workers' registered ones
 
+    @staticmethod
+    def _finalize(actor_wg: Any, rollout: Any) -> None:
+        ray.get(
+            actor_wg.execute_checkpoint_engine(["finalize"] * actor_wg.world_size)
+            + rollout.execute_checkpoint_engine(["finalize"] * rollout.world_size)
+        )
+
     def _check_transfer(self, rollout: Any) -> int | None:
         """What each rollout worker received against what the trainer sent, where the engine keeps both; the
         tensors compared per worker (None: this engine keeps no checksums)."""
@@ -106,11 +113,15 @@ class StagedCheckpointEngineManager(CheckpointEngineManager):
             await self.resume_kv_cache_replicas()
             await self.resume_generation_replicas()
             resumed = time.monotonic()
-        finally:  # also after a failed update: the stages (a model's size each) and the group go
-            ray.get(
-                actor_wg.execute_checkpoint_engine(["finalize"] * actor_wg.world_size)
-                + rollout.execute_checkpoint_engine(["finalize"] * n)
-            )
+        except BaseException:
+            # The stages (a model's size each) and the group go after a failed update too; the update's own error
+            # is what the run reports, not a dead worker's refusal to finalize.
+            try:
+                self._finalize(actor_wg, rollout)
+            except Exception:
+                logger.warning("after the failed weight update, finalizing the transfer failed too", exc_info=True)
+            raise
+        self._finalize(actor_wg, rollout)
         now = time.time()
         record = {
             "time": now,

@@ -156,3 +156,19 @@ def test_what_every_rollout_worker_received_is_compared_with_what_the_trainer_se
     if backend_cls is CheckedStaging:  # staged: stopped before any engine was paused or loaded, stages freed
         assert "engines aborted" not in log and "rollout loads" not in log
         assert log[-2:] == ["trainer finalize", "rollout finalize"]
+
+
+def test_a_failed_update_reports_its_own_error_even_when_finalizing_fails_too(monkeypatch, tmp_path):
+    log = Log()
+    built = manager(log, CheckedStaging, monkeypatch, tmp_path)
+    monkeypatch.setattr(RolloutGroup, "norm_on_worker_3", [2.0, 2.0, 2.0, 0.6])
+    finalize = RolloutGroup.execute_checkpoint_engine
+
+    def dead_worker(self, method, *args, **kwargs):
+        if method[0] == "finalize":
+            raise RuntimeError("the actor died")
+        return finalize(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(RolloutGroup, "execute_checkpoint_engine", dead_worker)
+    with pytest.raises(WeightSyncError, match="tensor norm arrived different"):
+        built.update_weights(global_steps=5)
