@@ -166,9 +166,9 @@ def areal_before_weight_update(version: int) -> None:
     Called from: verl's TaskRunner in the async trainer, after the step trained, before the weights are
     sent. Where the engines stand then depends on the placement: ``colocated`` engines were already
     interrupted and put to sleep when sampling ended (they share the trainer's devices), and admission is
-    paused; ``separate`` engines are still generating and prompts still submitted: a staging checkpoint
-    engine (``areal_gloo``) transfers the weights first and stops admission and the engines only to load
-    them; verl's others (``nccl``) stop both as the transfer starts.
+    paused; ``separate`` engines are still generating (and, unless the run is a replay, admission is still
+    open): a staging checkpoint engine (``areal_gloo``) transfers the weights first and stops admission and
+    the engines only to load them; verl's others (``nccl``) stop both as the transfer starts.
     Default: none.
     """
 

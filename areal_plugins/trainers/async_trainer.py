@@ -271,11 +271,11 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         with marked_timer("update_weights", self.timing_raw, color="red"), self.recorder.span("trainer", "update"):
             if self.replay is not None:
                 self.replay.finish_version(self.version, self.supervisor.waiting())
-            if self.replay is not None or not self.placement.sync_stops_admission:
+            if self.replay is not None or getattr(self.weight_sync, "before_pause", None) is None:
                 self.manager.pause()  # else the sync stops it just before the abort (weight_sync/staged.py)
             call_hook("areal_before_weight_update", version=new_version)
-            # Interruption: colocated engines were aborted and put to sleep after sampling; verl's
-            # checkpoint manager aborts standalone ones itself before a non-naive sync.
+            # Interruption: colocated engines were aborted and put to sleep after sampling; standalone ones are
+            # aborted by the checkpoint manager, before verl's transfers and after a staged one (areal_gloo).
             try:
                 self.replica_pool.prune()  # the sync's process group is built from the replicas still serving
                 self.replacer.grow(self.areal.max_rollout_replicas)  # a node joined: one more replica starts
@@ -283,6 +283,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 self.weight_sync.update_weights(new_version)
                 self.replacer.serve(new_version)  # and only then requests
             except Exception:
+                self.manager.pause()  # a sync that failed before stopping admission: nothing more is drawn
                 # The step is trained (and may be checkpointed): its line is written before the error stops
                 # the run, so a resume shows no gap.
                 self._write_step_line(self._step_metrics, self.timing_raw, new_version, time.time())

@@ -23,9 +23,6 @@ class Placement:
     name: str
     #: verl builds engines inside the trainer's workers (``_enable_hybrid_replicas``).
     hybrid_replicas: bool
-    #: The weight sync stops admission itself, just before it aborts the engines (a staged transfer runs with
-    #: prompts still submitted); otherwise the trainer stops it before the sync.
-    sync_stops_admission: bool = False
 
     def setup(self, trainer: Any) -> None:
         """After verl's own setup: build what verl does not for this placement."""
@@ -70,7 +67,6 @@ class Colocated(Placement):
 class Separate(Placement):
     name = "separate"
     hybrid_replicas = False
-    sync_stops_admission = True
 
     def __init__(self) -> None:
         self.server_manager: Any = None
@@ -90,6 +86,8 @@ class Separate(Placement):
             config=engine_config, actor_wg=trainer.actor_rollout_wg, replicas=self.server_manager.get_replicas()
         )
 
+        # The sync stops admission just before it aborts the engines (after a staged transfer: weight_sync/staged.py),
+        # not the trainer before the sync; a replay still stops it first (async_trainer.on_step_end).
         def stop_admission() -> None:  # the rollout manager is built later (on_train_begin); the first sync has none
             if trainer.manager is not None:
                 trainer.manager.pause()

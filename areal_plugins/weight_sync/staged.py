@@ -113,9 +113,10 @@ class StagedCheckpointEngineManager(CheckpointEngineManager):
             await self.resume_kv_cache_replicas()
             await self.resume_generation_replicas()
             resumed = time.monotonic()
-        except BaseException:
+        except Exception:
             # The stages (a model's size each) and the group go after a failed update too; the update's own error
-            # is what the run reports, not a dead worker's refusal to finalize.
+            # is what the run reports, not a dead worker's refusal to finalize. (An interrupt goes straight out:
+            # finalizing may wait on the very workers that hung.)
             try:
                 self._finalize(actor_wg, rollout)
             except Exception:
