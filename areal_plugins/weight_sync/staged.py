@@ -74,11 +74,13 @@ class StagedCheckpointEngineManager(CheckpointEngineManager):
             + rollout.execute_checkpoint_engine(["finalize"] * rollout.world_size)
         )
 
-    def _check_transfer(self, rollout: Any) -> int | None:
+    def _check_transfer(self, rollout: Any | None) -> int | None:
         """What each rollout worker received against what the trainer sent, where the engine keeps both; the
-        tensors compared per worker (None: this engine keeps no checksums)."""
+        tensors compared per worker (None: this engine keeps no checksums). ``rollout``: the update's group, or
+        None to build one (verl's update keeps its own)."""
         if not getattr(self.backend_cls, "reports_transfer_checksums", False):
             return None
+        rollout = self._rollout_group() if rollout is None else rollout
         method, actor_wg = "areal_transfer_checksums", self._actor_group()
         trainer = ray.get(actor_wg.execute_checkpoint_engine([method] * actor_wg.world_size))
         workers = ray.get(rollout.execute_checkpoint_engine([method] * rollout.world_size))
@@ -88,14 +90,12 @@ class StagedCheckpointEngineManager(CheckpointEngineManager):
     async def update_weights(self, global_steps: int | None = None) -> dict:
         if self.backend == "naive" or not stages_weights(self.backend_cls):
             self._pausing()  # verl's order: the engines are aborted first
-        if self.backend == "naive":
-            return await CheckpointEngineManager.update_weights.__wrapped__(self, global_steps)  # type: ignore[attr-defined]
-        if not stages_weights(self.backend_cls):
             metrics = await CheckpointEngineManager.update_weights.__wrapped__(self, global_steps)  # type: ignore[attr-defined]
-            self._check_transfer(self._rollout_group())
+            if self.backend != "naive":
+                self._check_transfer(None)
             return metrics
         rollout, actor_wg = self._rollout_group(), self._actor_group()
-        started = time.monotonic()
+        started_at, started = time.time(), time.monotonic()
         n = rollout.world_size
         try:
             self.build_process_group(rollout)
@@ -123,11 +123,10 @@ class StagedCheckpointEngineManager(CheckpointEngineManager):
                 logger.warning("after the failed weight update, finalizing the transfer failed too", exc_info=True)
             raise
         self._finalize(actor_wg, rollout)
-        now = time.time()
         record = {
-            "time": now,
+            "time": time.time(),
             "version": global_steps,
-            "started": round(now - (time.monotonic() - started), 3),
+            "started": round(started_at, 3),
             "backend": self.backend,
             "staged_s": round(staged - started, 4),
             "engines_paused_s": round(resumed - staged, 4),
