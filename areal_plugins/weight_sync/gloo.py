@@ -12,7 +12,9 @@ generator, which is collective over the trainer's ranks, and leave) packs tensor
 whether it is the last bucket) and then the bucket's bytes, on a gloo group of its own (a TCP store on
 rank 0's node, not the workers' default process group). The header also carries the sender's checksum of
 each tensor (:mod:`.checksums`); every rollout worker rebuilds the tensors, compares each with the sender's
-checksum (so a tensor changed on the broadcast leg stops the update, naming the worker and the tensor) and
+checksum (so a tensor changed on the broadcast leg stops the update, naming the worker and the tensor; that
+worker still takes the rest of the broadcast, so the sender and the other workers finish instead of waiting out
+the group's timeout) and
 hands them to its server adapter, which checks the next leg, to the engine. Under ``areal_async`` the workers
 receive the whole update first (:meth:`stage`) while the engines generate, and hand it over when they are paused
 (weight_sync/staged.py).
@@ -219,30 +221,56 @@ def _make_engine_class() -> type:
                 return
             yield from self._receive(global_steps)
 
+        def _next_bucket(self) -> tuple[dict[str, Any], torch.Tensor]:
+            header = self._broadcast_object(None)
+            payload = torch.empty(sum(entry[4] for entry in header["entries"]), dtype=torch.uint8)
+            self._broadcast(payload)
+            return header, payload
+
+        def _drain(self) -> None:
+            """Take the rest of the update without keeping it: every broadcast waits for every rank, so a worker
+            that stops part-way would hold the sender and the other workers until the group's timeout."""
+            while not self._next_bucket()[0]["is_last"]:
+                pass
+
         @torch.no_grad()
         def _receive(self, global_steps=None) -> Iterator[tuple[str, torch.Tensor]]:
             if self.rank < 1:
                 raise RuntimeError("areal_gloo: only rollout workers (ranks >= 1) receive weights")
             self.areal_received = {}
             self.areal_rank = self.rank
-            while True:
-                header = self._broadcast_object(None)
-                entries = header["entries"]
-                payload = torch.empty(sum(entry[4] for entry in entries), dtype=torch.uint8)
-                self._broadcast(payload)
-                for (name, tensor), sent in zip(_unpack(entries, payload), header["checksums"], strict=True):
-                    received = tensor_checksum(tensor)
-                    self.areal_received[name] = received
-                    tensor.areal_checksum = received  # type: ignore[attr-defined]  # the adapter's "sent", not again
-                    if not same_checksum(sent, received):
-                        raise WeightSyncError(
-                            f"areal_gloo broadcast, rollout worker rank {self.rank}: tensor {name} arrived different "
-                            "from what trainer rank 0 sent ([elements, sum, sum of squares, position-weighted sum] "
-                            f"sent {sent}, received {received}); stopping before the engine loads it"
-                        )
-                    yield name, tensor
-                if header["is_last"]:
-                    return
+            failure: WeightSyncError | None = None
+            is_last = False
+            try:
+                while not is_last and failure is None:
+                    header, payload = self._next_bucket()
+                    is_last = header["is_last"]
+                    for (name, tensor), sent in zip(
+                        _unpack(header["entries"], payload), header["checksums"], strict=True
+                    ):
+                        received = tensor_checksum(tensor)
+                        self.areal_received[name] = received
+                        tensor.areal_checksum = received  # type: ignore[attr-defined]  # the adapter's "sent"
+                        if not same_checksum(sent, received):
+                            failure = WeightSyncError(
+                                f"areal_gloo broadcast, rollout worker rank {self.rank}: tensor {name} arrived "
+                                "different from what trainer rank 0 sent ([elements, sum, sum of squares, "
+                                f"position-weighted sum] sent {sent}, received {received}); stopping before the "
+                                "engine loads it"
+                            )
+                            break
+                        yield name, tensor
+            except GeneratorExit:  # the consumer stopped part-way (its own check failed): the others go on
+                if not is_last:
+                    try:
+                        self._drain()
+                    except Exception:
+                        logger.warning("areal_gloo: taking the rest of an abandoned update failed", exc_info=True)
+                raise
+            if failure is not None:
+                if not is_last:
+                    self._drain()
+                raise failure
 
     return GlooCheckpointEngine
 

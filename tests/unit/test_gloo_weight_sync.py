@@ -11,14 +11,17 @@ import torch
 from areal_plugins.weight_sync.gloo import buckets
 
 
-def weights() -> dict[str, torch.Tensor]:
+def weights(large: bool = False) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return {
+    tensors = {
         "embed": torch.randn(64, 16, generator=generator),
         "norm": torch.randn(16, generator=generator).to(torch.bfloat16),
         "layer.0": torch.randn(16, 16, generator=generator),
         "count": torch.arange(5, dtype=torch.int64),
     }
+    if large:
+        tensors["lm_head"] = torch.randn(LARGE, generator=generator)
+    return tensors
 
 
 def free_port() -> int:
@@ -29,10 +32,27 @@ def free_port() -> int:
     return port
 
 
-def run_rank(rank: int, world: int, port: int, out, read, corrupt_rank: int = -1, staged_rank: int = -1) -> None:
+#: A tensor after the others, in a bucket of its own, larger than what a loopback socket buffers: its broadcast
+#: waits until every receiver takes it.
+LARGE = 8 * 1024 * 1024 // 4
+
+
+def run_rank(
+    rank: int,
+    world: int,
+    port: int,
+    out,
+    read,
+    corrupt_rank: int = -1,
+    staged_rank: int = -1,
+    large: bool = False,
+    abandon_rank: int = -1,
+) -> None:
     import asyncio
 
     from areal_plugins.weight_sync import gloo
+
+    gloo.TIMEOUT_S = 20.0  # a rank left waiting fails the test in seconds, not in 10 minutes
 
     if rank == corrupt_rank:  # the broadcast leg goes wrong on this worker: one received value changes
         unpack = gloo._unpack
@@ -48,8 +68,13 @@ def run_rank(rank: int, world: int, port: int, out, read, corrupt_rank: int = -1
     engine.init_process_group(rank=rank, world_size=world, master={"host": "127.0.0.1", "port": port})
     try:
         if rank == 0:
-            asyncio.run(engine.send_weights(iter(weights().items()), global_steps=3))
+            asyncio.run(engine.send_weights(iter(weights(large).items()), global_steps=3))
             out.put((rank, None))
+        elif rank == abandon_rank:  # its consumer stops after the first tensor (as the adapter does when it raises)
+            received = engine.receive_weights(global_steps=3)
+            first = next(received)[0]
+            received.close()
+            out.put((rank, first))
         elif rank == staged_rank:  # the whole update first (the engines generate meanwhile), handed over at the load
             kept = engine.stage(global_steps=3)
             out.put((rank, (kept, {name: t.clone() for name, t in engine.receive_weights(global_steps=3)})))
@@ -62,13 +87,17 @@ def run_rank(rank: int, world: int, port: int, out, read, corrupt_rank: int = -1
     engine.finalize()
 
 
-def broadcast(corrupt_rank: int = -1, staged_rank: int = -1) -> dict:
+def broadcast(
+    corrupt_rank: int = -1, staged_rank: int = -1, large: bool = False, abandon_rank: int = -1, world: int = 3
+) -> dict:
     context = multiprocessing.get_context("spawn")
     out, read = context.Queue(), context.Event()
     port = free_port()
     processes = [
-        context.Process(target=run_rank, args=(rank, 3, port, out, read, corrupt_rank, staged_rank))
-        for rank in range(3)
+        context.Process(
+            target=run_rank, args=(rank, world, port, out, read, corrupt_rank, staged_rank, large, abandon_rank)
+        )
+        for rank in range(world)
     ]
     for process in processes:
         process.start()
@@ -80,8 +109,8 @@ def broadcast(corrupt_rank: int = -1, staged_rank: int = -1) -> dict:
     return results
 
 
-def assert_bit_for_bit(received: dict[str, torch.Tensor], rank: int) -> None:
-    sent = weights()
+def assert_bit_for_bit(received: dict[str, torch.Tensor], rank: int, large: bool = False) -> None:
+    sent = weights(large)
     assert list(received) == list(sent)  # order kept
     for name, tensor in sent.items():
         assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), (rank, name)
@@ -107,6 +136,16 @@ def test_a_value_changed_on_the_way_to_a_stage_stops_it_before_any_load_and_a_st
     assert type(error).__name__ == "WeightSyncError", error  # raised by stage(), before receive_weights
     assert "rollout worker rank 1: tensor layer.0 arrived different" in str(error)
     assert_bit_for_bit(results[2], 2)
+
+
+def test_workers_that_stop_part_way_take_the_rest_so_the_sender_and_the_others_finish():
+    # Rank 1 finds layer.0 corrupted in the second bucket; rank 2's consumer stops after the first tensor (as the
+    # adapter does when its own check raises). 8 MB follow, more than a socket buffers for either of them.
+    results = broadcast(corrupt_rank=1, staged_rank=1, large=True, abandon_rank=2, world=4)
+    assert results[0] is None, results[0]  # the sender finished: it was not left waiting for rank 1 or rank 2
+    assert "rollout worker rank 1: tensor layer.0 arrived different" in str(results[1])
+    assert results[2] == "embed"
+    assert_bit_for_bit(results[3], 3, large=True)
 
 
 def test_buckets_respect_the_size_and_end_with_one_that_may_be_empty():
