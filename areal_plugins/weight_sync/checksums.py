@@ -87,6 +87,8 @@ def check_weight_reports(
     for report in reports:
         received = report.get("checksums") or {}
         worker = f"{where}, {worker_kind} rank {report.get('rank')}"
+        if report.get("name"):
+            worker += f" ({report['name']})"
         missing = sorted(set(sent) - set(received))
         if missing:
             raise WeightSyncError(f"{worker}: {len(missing)} of {len(sent)} tensors never arrived, e.g. {missing[0]}")

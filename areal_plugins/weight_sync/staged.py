@@ -84,7 +84,15 @@ class StagedCheckpointEngineManager(CheckpointEngineManager):
         method, actor_wg = "areal_transfer_checksums", self._actor_group()
         trainer = ray.get(actor_wg.execute_checkpoint_engine([method] * actor_wg.world_size))
         workers = ray.get(rollout.execute_checkpoint_engine([method] * rollout.world_size))
-        return check_transfer_reports(trainer, workers, str(self.backend))
+        return check_transfer_reports(trainer, workers, str(self.backend), self._worker_names())
+
+    def _worker_names(self) -> list[str]:
+        """Replica and worker of each rollout worker, in the group's order (that of verl's update)."""
+        return [
+            f"replica {getattr(replica, 'replica_rank', index)}, its worker {position}"
+            for index, replica in enumerate(self.replicas)
+            for position in range(len(replica.workers))
+        ]
 
     @auto_await
     async def update_weights(self, global_steps: int | None = None) -> dict:
