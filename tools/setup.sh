@@ -60,3 +60,32 @@ assert vllm.platforms.current_platform.is_cpu()
 print('setup: verl', verl.__version__, 'with vLLM', vllm.__version__, 'on CPU: ok')" 2>&1 | grep "^setup:"
   touch .venv-verl-vllm/.complete
 fi
+# The copy's launchers (areal-plugins, pytest, ...) and activate scripts still name .venv's interpreter and path:
+# point them at the copy, so `.venv-verl-vllm/bin/areal-plugins` runs with vLLM. Each file is written anew and
+# renamed into place, so the hard-linked original in .venv keeps its own. A second run finds nothing to change.
+if [ -f .venv-verl-vllm/.complete ]; then
+  .venv-verl-vllm/bin/python - "$(pwd)" <<'PY'
+import os, sys
+root = sys.argv[1]
+old, new = f"{root}/.venv".encode(), f"{root}/.venv-verl-vllm".encode()
+bin_dir = os.path.join(root, ".venv-verl-vllm", "bin")
+fixed = 0
+for name in sorted(os.listdir(bin_dir)):
+    path = os.path.join(bin_dir, name)
+    if os.path.islink(path) or not os.path.isfile(path):
+        continue
+    with open(path, "rb") as file:
+        data = file.read()
+    if b"\0" in data[:4096]:  # a binary (ruff, ...): it names no interpreter
+        continue
+    text = data.replace(old + b"/", new + b"/").replace(old + b'"', new + b'"')
+    if text != data:
+        with open(path + ".areal-tmp", "wb") as file:
+            file.write(text)
+        os.chmod(path + ".areal-tmp", os.stat(path).st_mode)
+        os.replace(path + ".areal-tmp", path)
+        fixed += 1
+if fixed:
+    print(f"setup: {fixed} launchers and activate scripts of .venv-verl-vllm now name its own interpreter")
+PY
+fi

@@ -269,7 +269,10 @@ def _make_engine_class() -> type:
                 raise
             if failure is not None:
                 if not is_last:
-                    self._drain()
+                    try:
+                        self._drain()
+                    except Exception:  # the sender went too: the corruption is still what this worker reports
+                        logger.warning("areal_gloo: taking the rest of a failed update failed", exc_info=True)
                 raise failure
 
     return GlooCheckpointEngine

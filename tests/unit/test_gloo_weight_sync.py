@@ -52,7 +52,7 @@ def run_rank(
 
     from areal_plugins.weight_sync import gloo
 
-    gloo.TIMEOUT_S = 20.0  # a rank left waiting fails the test in seconds, not in 10 minutes
+    gloo.TIMEOUT_S = 60.0  # a rank left waiting fails the test in a minute, not in 10; the start-up fits in it
 
     if rank == corrupt_rank:  # the broadcast leg goes wrong on this worker: one received value changes
         unpack = gloo._unpack
@@ -146,6 +146,24 @@ def test_workers_that_stop_part_way_take_the_rest_so_the_sender_and_the_others_f
     assert "rollout worker rank 1: tensor layer.0 arrived different" in str(results[1])
     assert results[2] == "embed"
     assert_bit_for_bit(results[3], 3, large=True)
+
+
+def test_a_corruption_is_what_the_worker_reports_even_when_taking_the_rest_fails():
+    from areal_plugins.weight_sync import gloo
+
+    engine = gloo._make_engine_class()(bucket_size=5000)
+    engine.rank = 1
+    entries, payload = gloo._pack([("norm", torch.ones(4))])
+    arrivals = iter([({"entries": entries, "checksums": [[4.0, 4.0, 4.0, 9.0]], "is_last": False}, payload)])
+
+    def next_bucket():  # the first bucket's checksum disagrees; then the sender is gone
+        for arrival in arrivals:
+            return arrival
+        raise RuntimeError("gloo: connection reset by peer")
+
+    engine._next_bucket = next_bucket
+    with pytest.raises(gloo.WeightSyncError, match="rollout worker rank 1: tensor norm arrived different"):
+        engine.stage(global_steps=3)
 
 
 def test_buckets_respect_the_size_and_end_with_one_that_may_be_empty():

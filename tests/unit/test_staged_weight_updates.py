@@ -108,7 +108,8 @@ def manager(log: Log, backend_cls: type, monkeypatch, tmp_path) -> staged.Staged
     monkeypatch.setenv("AREAL_RUN_DIR", str(tmp_path))
     built = staged.StagedCheckpointEngineManager.__new__(staged.StagedCheckpointEngineManager)
     built.backend, built.backend_cls = "areal_gloo", backend_cls
-    built.actor_wg, built.replicas = ActorGroup(log), [Replica(log, 0), Replica(log, 1)]
+    # replica 1 died and was replaced by replica 2: names are replica ranks, not positions
+    built.actor_wg, built.replicas = ActorGroup(log), [Replica(log, 0), Replica(log, 2)]
     built.before_pause = lambda: log.append("admission stopped")
     return built
 
@@ -151,9 +152,9 @@ def test_what_every_rollout_worker_received_is_compared_with_what_the_trainer_se
     assert "rollout areal_transfer_checksums" in log and "trainer areal_transfer_checksums" in log
     monkeypatch.setattr(RolloutGroup, "norm_on_worker_3", [2.0, 2.0, 2.0, 0.6])  # two values swapped on the way
     log.clear()
-    # rank 3 is the third of the group's workers [replica 0: 2 workers, replica 1: 2]: replica 1's first
+    # rank 3 is the third of the group's workers [replica 0: 2 workers, replica 2: 2]: replica 2's first
     with pytest.raises(
-        WeightSyncError, match=r"rollout worker rank 3 \(replica 1, its worker 0\): tensor norm arrived"
+        WeightSyncError, match=r"rollout worker rank 3 \(replica 2, its worker 0\): tensor norm arrived"
     ):
         manager(log, backend_cls, monkeypatch, tmp_path).update_weights(global_steps=5)
     if backend_cls is CheckedStaging:  # staged: stopped before any engine was paused or loaded, stages freed

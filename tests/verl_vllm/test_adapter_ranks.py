@@ -126,3 +126,26 @@ def test_a_worker_missing_from_the_reports_is_refused(adapter_at):
     adapter, _ = adapter_at(0, [worker_report(0)])  # TP = 2, one report
     with pytest.raises(WeightSyncError):
         update(adapter)
+
+
+def test_a_load_that_stops_part_way_closes_the_transports_weights_at_once(adapter_at, monkeypatch):
+    # A streaming transport (areal_gloo without a stage) takes the rest of its update when closed, so that its
+    # sender is not left waiting; the adapter must close it when verl's transport fails, not leave it to the GC.
+    closed = []
+
+    def received():
+        try:
+            yield from WEIGHTS.items()
+        finally:
+            closed.append("closed")
+
+    async def engine_dies(self, weights, global_steps=None, wire_format="named_tensors", **kwargs):
+        async for _name, _tensor in ensure_async_iterator(weights):
+            raise RuntimeError("the engine died mid-load")
+
+    monkeypatch.setattr(ServerAdapter, "update_weights", engine_dies)
+    adapter, _ = adapter_at(2, [worker_report(0), worker_report(1)])
+    weights = received()  # held here: the garbage collector cannot close it for the adapter
+    with pytest.raises(RuntimeError, match="engine died"):
+        asyncio.run(adapter.update_weights(weights, global_steps=3))
+    assert closed == ["closed"]

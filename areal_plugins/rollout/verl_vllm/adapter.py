@@ -7,6 +7,7 @@ ArealVLLMHttpServer`, which only ``areal_async`` builds); under verl's own train
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
@@ -19,6 +20,15 @@ class ArealServerAdapter(ServerAdapter):
     async def update_weights(  # type: ignore[override]  # verl's ServerAdapter's signature, as verl overrides it
         self, weights: Any, global_steps: Any = None, wire_format: str = "named_tensors", **kwargs: Any
     ) -> Any:
+        try:
+            return await self._update_weights(weights, global_steps, wire_format, **kwargs)
+        finally:
+            # A transport that streams (areal_gloo without a stage) must take the rest of its update even when the
+            # load stopped part-way, or its sender and the other workers wait out their timeout: close it now, not
+            # whenever the garbage collector gets to it.
+            await close_weights(weights)
+
+    async def _update_weights(self, weights: Any, global_steps: Any, wire_format: str, **kwargs: Any) -> Any:
         if wire_format != "named_tensors" or not self._serves_areal():
             return await super().update_weights(weights, global_steps, wire_format, **kwargs)
         sent: dict[str, list[float]] = {}
@@ -53,3 +63,11 @@ class ArealServerAdapter(ServerAdapter):
         if not self._ensure_server_handle():
             return False
         return hasattr(self.server_handle, "areal_weight_reports")  # a Ray handle has the actor class's methods
+
+
+async def close_weights(weights: Any) -> None:
+    """Close a generator of weights (sync or async); a no-op for one that is done or a list."""
+    if inspect.isasyncgen(weights):
+        await weights.aclose()
+    elif inspect.isgenerator(weights):
+        weights.close()
