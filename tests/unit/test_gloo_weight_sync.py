@@ -90,7 +90,9 @@ def run_rank(
 def broadcast(
     corrupt_rank: int = -1, staged_rank: int = -1, large: bool = False, abandon_rank: int = -1, world: int = 3
 ) -> dict:
-    context = multiprocessing.get_context("spawn")
+    # Ranks fork from a server that has imported torch and verl once (spawning, each imported both: ~8 s of CPU).
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["areal_plugins.weight_sync.gloo", "verl.checkpoint_engine.base", __name__])
     out, read = context.Queue(), context.Event()
     port = free_port()
     processes = [
