@@ -246,16 +246,18 @@ def test_a_trainer_worker_killed_once_is_resumed_automatically_and_the_run_finis
 
 
 def test_a_dead_replica_of_two_costs_capacity_not_the_run(tiny_dir, tmp_path):
-    """``placement: separate`` with two areal_cpu replicas, 10 steps: one server is SIGKILLed just after the engines
+    """``placement: separate`` with two areal_cpu replicas, 11 steps: one server is SIGKILLed just after the engines
     resumed generating under version 3, after step 3 (the admission loop has new groups to send then, so requests
     are in flight on it). Its requests continue on the other replica, the run drops it (load balancer, weight sync,
-    statistics) and trains all 10 steps, each prompt group once, none lost. A replacement starts on the freed
+    statistics) and trains all 11 steps, each prompt group once, none lost. A replacement starts on the freed
     device, takes the weights of the next sync like the survivor (the same checksum) and only then requests."""
     import time
 
     from tests.integration.conftest import cli_output, kill_tree, read_jsonl, sigkill_processes_running, start_cli
 
-    run_dir, steps, killed_after = tmp_path / "run", 10, 3
+    # 11 steps: the replacement takes about a minute to start and joined at version 8 in two CI rehearsals (it
+    # must join before the last version and then generate); killing at version 2 instead made it no earlier.
+    run_dir, steps, killed_after = tmp_path / "run", 11, 3
     two_replicas = ("actor_rollout_ref.rollout.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=3")
     process = start_cli(*train_args("grpo_cpu_async_separate.yaml", run_dir, tiny_dir, steps, *two_replicas))
     try:
