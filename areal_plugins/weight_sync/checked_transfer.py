@@ -72,12 +72,10 @@ def transfer_report(engine: Any) -> dict[str, Any]:
     }
 
 
-def check_transfer_reports(
-    trainer: list[dict[str, Any]], rollout: list[dict[str, Any]], backend: str, names: list[str] | None = None
-) -> int:
+def check_transfer_reports(trainer: list[dict[str, Any]], rollout: list[dict[str, Any]], backend: str) -> int:
     """Raise :class:`WeightSyncError` naming the rollout worker and the tensor where what it received differs from
-    what the trainer's sending rank sent. ``names``: where each rollout report came from (replica and worker), in
-    the reports' order. Returns the tensors compared per worker."""
+    what the trainer's sending rank sent; a report's ``name`` (its replica and worker, set by the manager) goes in
+    the message. Returns the tensors compared per worker."""
     senders = [report for report in trainer if report["rank"] == 0 and report["sent"]]
     if len(senders) != 1:
         raise WeightSyncError(
@@ -85,12 +83,8 @@ def check_transfer_reports(
             f"{len(senders)}: the transfer cannot be checked"
         )
     sent = senders[0]["sent"]
-    labels: list[str | None] = [None] * len(rollout)
-    if names is not None and len(names) == len(rollout):
-        labels = list(names)
     as_received = [
-        {"rank": report["rank"], "checksums": report["received"], "name": label}
-        for report, label in zip(rollout, labels, strict=True)
+        {"rank": report["rank"], "checksums": report["received"], "name": report.get("name")} for report in rollout
     ]
     check_weight_reports(as_received, sent, f"{backend} transfer from trainer rank 0", worker_kind="rollout worker")
     return len(sent)

@@ -227,11 +227,15 @@ def _make_engine_class() -> type:
             self._broadcast(payload)
             return header, payload
 
-        def _drain(self) -> None:
+        def _drain(self, update: str) -> None:
             """Take the rest of the update without keeping it: every broadcast waits for every rank, so a worker
-            that stops part-way would hold the sender and the other workers until the group's timeout."""
-            while not self._next_bucket()[0]["is_last"]:
-                pass
+            that stops part-way would hold the sender and the other workers until the group's timeout. A failure
+            here (the sender went too) is logged: the caller's own error is what this worker reports."""
+            try:
+                while not self._next_bucket()[0]["is_last"]:
+                    pass
+            except Exception:
+                logger.warning("areal_gloo: taking the rest of %s failed", update, exc_info=True)
 
         @torch.no_grad()
         def _receive(self, global_steps=None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -262,17 +266,11 @@ def _make_engine_class() -> type:
                         yield name, tensor
             except GeneratorExit:  # the consumer stopped part-way (its own check failed): the others go on
                 if not is_last:
-                    try:
-                        self._drain()
-                    except Exception:
-                        logger.warning("areal_gloo: taking the rest of an abandoned update failed", exc_info=True)
+                    self._drain("an abandoned update")
                 raise
             if failure is not None:
                 if not is_last:
-                    try:
-                        self._drain()
-                    except Exception:  # the sender went too: the corruption is still what this worker reports
-                        logger.warning("areal_gloo: taking the rest of a failed update failed", exc_info=True)
+                    self._drain("a failed update")
                 raise failure
 
     return GlooCheckpointEngine

@@ -84,7 +84,9 @@ class StagedCheckpointEngineManager(CheckpointEngineManager):
         method, actor_wg = "areal_transfer_checksums", self._actor_group()
         trainer = ray.get(actor_wg.execute_checkpoint_engine([method] * actor_wg.world_size))
         workers = ray.get(rollout.execute_checkpoint_engine([method] * rollout.world_size))
-        return check_transfer_reports(trainer, workers, str(self.backend), self._worker_names())
+        for report, name in zip(workers, self._worker_names(), strict=True):
+            report["name"] = name
+        return check_transfer_reports(trainer, workers, str(self.backend))
 
     def _worker_names(self) -> list[str]:
         """Replica and worker of each rollout worker, in the group's order (that of verl's update)."""
