@@ -45,6 +45,9 @@ NO_VALIDATION = ("trainer.val_before_train=false", "trainer.test_freq=-1")
 #: Nor does it checkpoint: it cannot be resumed (a restart would pick up mid-record), and with the recorded run's own
 #: trainer.default_local_dir it would write over the recorded checkpoints.
 NO_CHECKPOINTS = ("trainer.save_freq=-1",)
+#: Nor does its engine hold requests to make interruptions (rollout/cpu/holds.py): the replay cuts each request
+#: where the record says, and a held request would never reach its recorded end.
+NO_HOLDS = ("++actor_rollout_ref.rollout.engine_kwargs.areal_cpu.finish_groups_per_version=null",)
 
 
 def resume_from(run_dir: Path, recorded_overrides: list[str], step: int, until: int) -> list[str]:
@@ -121,6 +124,7 @@ def replay(
             *overrides,
             *NO_VALIDATION,
             *NO_CHECKPOINTS,
+            *NO_HOLDS,
             f"areal.replay.run_dir={run_dir}",
             f"trainer.total_training_steps={until}",
             *start,

@@ -1,7 +1,8 @@
 """``areal-plugins replay``: an asynchronous run, run again by its record, through verl's real trainer.
 
-A colocated η = 2 run of the main recipe on areal_cpu with ``batch_invariant`` is recorded (η = 2 keeps requests
-in flight when sampling ends, so they are cut and continue under newer weights), then replayed: the replay must
+A colocated η = 2 run of the main recipe on areal_cpu with ``batch_invariant`` is recorded (the engine finishes only
+a batch of groups per version, rollout/cpu/holds.py, so the others are in flight when sampling ends: they are cut
+and continue under newer weights), then replayed: the replay must
 train the same tokens with the same behaviour log-probs, and compute the same losses and gradient norms, to the
 last bit. A replay with another learning rate must report the first step it changes, naming the field and both
 values. A replay from the step-1 checkpoint must train steps 2-3 as the record did.
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.integration
 
 ETA = 2
 STEPS = 3
+BATCH = 16  # prompt groups per step (the recipes' data.train_batch_size)
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +34,10 @@ def recorded_run(tiny_dir, tmp_path_factory) -> Path:
         tiny_dir,
         STEPS,
         f"areal.max_staleness={ETA}",
-        # Four requests decoded at a time: when sampling ends, some are always mid-answer, and are cut. With the
-        # default 64 they start and finish in waves, and a fast machine cut none (CI, 2026-12-02).
-        "+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.max_batch_size=4",
+        # Cuts by construction, on a fast machine or a slow one: under each version only the first 16 groups (the
+        # batch, data.train_batch_size) finish; the others stop after a token until the update cuts them (and the
+        # step-1 checkpoint keeps them in flight). Timing alone cut none on a fast machine (2026-12-04).
+        f"+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.finish_groups_per_version={BATCH}",
         "+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.batch_invariant=true",
         "trainer.save_freq=1",  # a checkpoint per step: a replay can start from one
     )

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from areal_plugins.rollout.base import Generated
+from areal_plugins.rollout.cpu.holds import FinishFirstGroups
 from areal_plugins.rollout.prompt_seeds import PromptSeeds
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class _Request:
     # Per layer (keys, values), each (kv_heads, length, head_dim); None until prefilled.
     cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     aborted: bool = False
+    hold: bool = False  # stop after the hold policy's tokens until aborted or new weights load (holds.py)
 
     @property
     def cache_length(self) -> int:
@@ -69,6 +71,10 @@ class ContinuousBatchingEngine:
             same whatever else is in flight (a batched step left-pads the caches, and the kernels' results then
             depend on the batch's shapes in the last bits: measured up to 4e-6 in a log-prob on the tiny model).
             What a replay of an asynchronous run needs; costs the batching.
+        holds: for tests, the requests of which prompt groups finish under each weight version; the others are held
+            until aborted or new weights load (:mod:`areal_plugins.rollout.cpu.holds`). None: every request runs.
+        step_delay_s: for tests, seconds added to every model step (prefill or decode), to run a test suite with
+            the engines slower than the trainer; 0 in use.
     """
 
     def __init__(
@@ -79,8 +85,14 @@ class ContinuousBatchingEngine:
         seed: int = 0,
         version: int = 0,
         batch_invariant: bool = False,
+        holds: FinishFirstGroups | None = None,
+        step_delay_s: float = 0.0,
     ) -> None:
+        if step_delay_s < 0:
+            raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s}")
         self.model = model
+        self.holds = holds
+        self.step_delay_s = step_delay_s
         self.batch_invariant = batch_invariant
         self.eos_token_ids = set(eos_token_ids)
         self.max_batch_size = max_batch_size
@@ -89,9 +101,11 @@ class ContinuousBatchingEngine:
         self._seeds = PromptSeeds(seed)
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
+        self._held: list[_Request] = []  # out of the batch (holds), their caches kept
         self._model_lock = threading.Lock()  # a step and a weight load never overlap
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.generated_tokens = 0
         self.busy_seconds = 0.0  # wall time spent in model steps (rollout idle ratio = 1 - busy / wall)
         self.weights_loaded = True  # False between release_weights() and the next load_state_dict()
@@ -131,6 +145,7 @@ class ContinuousBatchingEngine:
             future=loop.create_future(),
             seed=seed,
             generator=torch.Generator().manual_seed(seed),
+            hold=self.holds is not None and self.holds.holds(request_id, prompt_ids),
         )
         self._waiting.append(request)
         self._ensure_loop()
@@ -140,36 +155,38 @@ class ContinuousBatchingEngine:
 
     def abort_all(self) -> list[str]:
         """Finish every waiting and running request now with its partial output; return their ids."""
-        aborted = [*self._running, *self._waiting]
+        aborted = [*self._running, *self._waiting, *self._held]
         for request in aborted:
             request.aborted = True
-        # Requests that never ran finish at once; running ones finish after the current step.
-        for request in self._waiting:
+        # Requests that are not in a step finish at once; running ones finish after the current step.
+        for request in [*self._waiting, *self._held]:
             self._finish(request, STOP_ABORTED)
         self._waiting.clear()
+        self._held.clear()
         return [request.request_id for request in aborted]
 
     def abort(self, request_id: str) -> bool:
         """Finish the in-flight request ``request_id`` with its partial output; False if none is in flight."""
-        for request in [*self._running, *self._waiting]:
+        for request in [*self._running, *self._waiting, *self._held]:
             if request.request_id == request_id and not request.aborted:
                 request.aborted = True
-                if request in self._waiting:
-                    self._waiting.remove(request)
-                    self._finish(request, STOP_ABORTED)
+                for idle in (self._waiting, self._held):
+                    if request in idle:
+                        idle.remove(request)
+                        self._finish(request, STOP_ABORTED)
                 return True
         return False
 
     async def wait_idle(self) -> None:
         """Return once no request is waiting or running."""
-        while self._running or self._waiting:
+        while self._running or self._waiting or self._held:
             await asyncio.sleep(0.005)
 
     # ------------------------------------------------------------------ memory (sleep / wake-up)
 
     def kv_cache_bytes(self) -> int:
         """Bytes held by the KV caches of in-flight requests (freed as each request finishes)."""
-        return sum(k.nbytes + v.nbytes for r in self._running if r.cache for k, v in r.cache)
+        return sum(k.nbytes + v.nbytes for r in [*self._running, *self._held] if r.cache for k, v in r.cache)
 
     def weight_bytes(self) -> int:
         """Bytes of parameter storage the engine holds (0 once :meth:`release_weights` ran)."""
@@ -208,17 +225,27 @@ class ContinuousBatchingEngine:
                 )
             self.version = version
             self.weights_loaded = True
+            if self.holds is not None:  # held requests go on under the new weights; new groups are chosen
+                self.holds.new_version()
+                for request in self._held:
+                    request.hold = False
+                if self._held:
+                    self._running.extend(self._held)
+                    self._held.clear()
+                    if self._loop is not None and self._wakeup is not None:  # loads may come from another thread
+                        self._loop.call_soon_threadsafe(self._wakeup.set)
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._running) + len(self._waiting)
+        return len(self._running) + len(self._waiting) + len(self._held)
 
     # ------------------------------------------------------------------ scheduling loop
 
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._wakeup = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            self._loop = asyncio.get_running_loop()
+            self._loop_task = self._loop.create_task(self._run())
 
     async def _run(self) -> None:
         assert self._wakeup is not None
@@ -243,6 +270,10 @@ class ContinuousBatchingEngine:
             for request, reason in finished:
                 self._running.remove(request)
                 self._finish(request, reason)
+            if self.holds is not None:
+                for request in [r for r in self._running if r.hold and len(r.token_ids) >= self.holds.hold_at_token]:
+                    self._running.remove(request)
+                    self._held.append(request)
 
     def _admit(self) -> list[_Request]:
         room = self.max_batch_size - len(self._running)
@@ -252,6 +283,8 @@ class ContinuousBatchingEngine:
 
     def _finish(self, request: _Request, reason: str) -> None:
         request.cache = None
+        if self.holds is not None and reason == STOP_COMPLETED:
+            self.holds.forget(request.request_id)
         if not request.future.done():
             result = Generated(request.token_ids, request.logprobs, request.versions, reason, request.seed)
             request.future.set_result(result)
@@ -262,6 +295,8 @@ class ContinuousBatchingEngine:
     def _step(self, admitted: list[_Request]) -> list[tuple[_Request, str]]:
         """Prefill the admitted requests, decode one token for the others; return finished ones."""
         finished: dict[_Request, str] = {}
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         with self._model_lock:
             version = self.version
             sampling: list[_Request] = []

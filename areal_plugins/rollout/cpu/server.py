@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 from typing import Any
 
 import torch
@@ -21,6 +22,10 @@ from areal_plugins.rollout.base import (
     record_weight_sync,
 )
 from areal_plugins.rollout.cpu.engine import ContinuousBatchingEngine
+from areal_plugins.rollout.cpu.holds import FinishFirstGroups
+
+#: Seconds added to every model step of the engine, for running the tests with slow engines (0: off).
+STEP_DELAY_ENV = "AREAL_TEST_ENGINE_STEP_DELAY_S"
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +37,18 @@ def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
         digest.update(name.encode())
         digest.update(state_dict[name].detach().to(torch.float32).contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def step_delay_from_env() -> float:
+    """:data:`STEP_DELAY_ENV` as seconds; a value that is not a number >= 0 is refused, naming the variable."""
+    raw = os.environ.get(STEP_DELAY_ENV, "").strip()
+    try:
+        delay = float(raw) if raw else 0.0
+    except ValueError:
+        delay = -1.0
+    if not delay >= 0:
+        raise ValueError(f"{STEP_DELAY_ENV}={raw!r}: set it to a number of seconds >= 0, or unset it")
+    return delay
 
 
 class CPURolloutServer(RolloutServer):
@@ -48,10 +65,25 @@ class CPURolloutServer(RolloutServer):
         free_cache_engine: verl's ``rollout.free_cache_engine``: whether sleep releases memory.
         batch_invariant: each request decoded alone (:class:`ContinuousBatchingEngine`): the same tokens and
             log-probs bit for bit whatever else is in flight.
+        finish_groups_per_version: for tests that need requests cut by a weight update on any machine: only the
+            first this many prompt groups of each weight version finish, the others are held after
+            ``hold_others_at_token`` tokens (:mod:`areal_plugins.rollout.cpu.holds`). None: every request runs.
+        hold_others_at_token: see ``finish_groups_per_version``.
+
+    The environment variable ``AREAL_TEST_ENGINE_STEP_DELAY_S`` (seconds, default 0) adds that much to every model
+    step: the test suite run with slow engines (CONTRIBUTING.md, test tiers).
     """
 
     backend_name = "areal_cpu"
     releases_memory_on_sleep = True
+    #: ``engine_kwargs.areal_cpu`` keys (verl_registration.ENGINE_OPTIONS and this backend's own).
+    engine_options = (
+        "num_threads",
+        "max_batch_size",
+        "batch_invariant",
+        "finish_groups_per_version",
+        "hold_others_at_token",
+    )
 
     def __init__(
         self,
@@ -65,6 +97,8 @@ class CPURolloutServer(RolloutServer):
         free_cache_engine: bool = False,
         ignore_eos: bool = False,
         batch_invariant: bool = False,
+        finish_groups_per_version: int | None = None,
+        hold_others_at_token: int = 1,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -75,8 +109,17 @@ class CPURolloutServer(RolloutServer):
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
             eos_ids.append(tokenizer.eos_token_id)
+        holds = None
+        if finish_groups_per_version is not None:
+            holds = FinishFirstGroups(int(finish_groups_per_version), int(hold_others_at_token))
         self.engine = ContinuousBatchingEngine(
-            model.eval(), eos_ids, max_batch_size=max_batch_size, seed=seed, batch_invariant=batch_invariant
+            model.eval(),
+            eos_ids,
+            max_batch_size=max_batch_size,
+            seed=seed,
+            batch_invariant=batch_invariant,
+            holds=holds,
+            step_delay_s=step_delay_from_env(),
         )
         self.response_length = response_length
         self.max_model_len = max_model_len

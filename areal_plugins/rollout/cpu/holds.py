@@ -1,0 +1,68 @@
+"""Interruptions made by construction, for tests: only the first prompt groups of each weight version finish.
+
+Whether a weight update finds a request mid-generation is a matter of timing: on a fast machine every answer of
+the tiny model ends before the trainer gets round to the update, and nothing is cut. A test that needs cuts (a
+replay of interrupted trajectories, a checkpoint that keeps requests in flight) sets
+``engine_kwargs.areal_cpu.finish_groups_per_version: N``: under each weight version the engine decodes to the end the
+requests of the first ``N`` prompt groups it is asked for, and stops every other request after
+``hold_others_at_token`` tokens of its current request, holding it (out of the running batch, its KV cache kept)
+until the request is aborted or new weights are loaded. With ``N`` at least the trainer's batch of groups
+(``data.train_batch_size``), the trainer always gets its batch from the groups that finish, so the held ones are in
+flight when the update comes, on any machine, and nothing waits on them.
+
+A group is the set of requests asked with the same prompt (GRPO's ``rollout.n`` answers of one prompt). A request
+continued after an interruption arrives as prompt + partial output under the same request id; it keeps the group
+of its first request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+
+class FinishFirstGroups:
+    """Which requests of a weight version run to the end and which are held.
+
+    Args:
+        groups_per_version: groups (distinct first prompts) per weight version whose requests finish.
+        hold_at_token: tokens a held request generates (in its current request) before it is held; >= 1, so a
+            held request always has output of this version to cut.
+    """
+
+    def __init__(self, groups_per_version: int, hold_at_token: int = 1) -> None:
+        if groups_per_version < 1:
+            raise ValueError(
+                "actor_rollout_ref.rollout.engine_kwargs.areal_cpu.finish_groups_per_version must be >= 1 "
+                f"(at least data.train_batch_size, else the trainer waits for held groups), got {groups_per_version}"
+            )
+        if hold_at_token < 1:
+            raise ValueError(
+                "actor_rollout_ref.rollout.engine_kwargs.areal_cpu.hold_others_at_token must be >= 1 (a held request "
+                f"needs output to cut), got {hold_at_token}"
+            )
+        self.groups_per_version = groups_per_version
+        self.hold_at_token = hold_at_token
+        self._group_of: dict[str, str] = {}  # request id -> digest of its first prompt
+        self._finishing: set[str] = set()  # groups that finish under the weights served now
+
+    def new_version(self) -> None:
+        """New weights are served: the next groups asked for are the ones that finish."""
+        self._finishing.clear()
+
+    def holds(self, request_id: str, prompt_ids: list[int]) -> bool:
+        """Whether the request ``request_id`` (asked with ``prompt_ids``) is to be held under the weights served now."""
+        group = self._group_of.setdefault(request_id, _digest(prompt_ids))
+        if group in self._finishing:
+            return False
+        if len(self._finishing) < self.groups_per_version:
+            self._finishing.add(group)
+            return False
+        return True
+
+    def forget(self, request_id: str) -> None:
+        """The request completed: no continuation of it will come."""
+        self._group_of.pop(request_id, None)
+
+
+def _digest(prompt_ids: list[int]) -> str:
+    return hashlib.blake2b(repr(prompt_ids).encode(), digest_size=8).hexdigest()
