@@ -6,6 +6,12 @@ server parks the request behind its closed gate until generation resumes, so not
 keeps the generating version of every token, which is what staleness and the log-linear proximal
 approximation need (docs/design.md, Versions). Runs inside verl's agent-loop workers.
 
+The fields of verl's ``TokenOutput`` that span the requests of one call are merged as verl's own client merges
+them (:class:`SpanningFields`): ``routed_experts`` (router replay) cover the prompt and every response token,
+``num_preempted`` is summed, ``num_cached_tokens`` is the first prefill's. verl keeps that merge inline in its
+``generate`` loop (no function to call), so ours is a copy held to verl's by tests/unit/test_client_vs_verl.py, which
+runs both clients through the same interrupted request.
+
 A request whose server died (``placement: separate`` with several replicas) continues the same way on another
 replica: the dead server leaves the load balancer, and the tokens it returned before dying are kept
 (docs/faults.md, A rollout replica dies).
@@ -15,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import ray
 from omegaconf import OmegaConf
 from verl.workers.rollout.llm_server import LLMServerClient
@@ -32,6 +40,32 @@ logger = logging.getLogger(__name__)
 ABORTED = ("aborted", "abort")
 #: How many dead servers one request may meet before its group fails (and is re-issued by admission).
 MAX_FAILOVERS = 8
+
+
+@dataclass
+class SpanningFields:
+    """verl's rollout-output fields that span the requests of one interrupted call, merged request by request as
+    verl 0.9.1's ``FullyAsyncLLMServerClient.generate`` merges them (``verl/workers/rollout/llm_server.py``)."""
+
+    #: (prompt + response tokens, layers, top-k) expert ids: the first request's whole array (its prompt's rows
+    #: and its tokens'), then only the rows of each later request's new tokens (the resubmitted prefix was
+    #: routed again under newer weights; the tokens keep the routing that generated them).
+    routed_experts: Any = None
+    num_preempted: int = 0  # summed over the requests (0 when no engine reports it, as verl's)
+    num_cached_tokens: int | None = None  # the first prefill's prefix-cache hits, the only one of the prompt alone
+
+    def add(self, output: Any) -> None:
+        """Merge one request's ``TokenOutput``."""
+        new = len(output.token_ids)
+        if output.routed_experts is not None and new:
+            if self.routed_experts is None:
+                self.routed_experts = output.routed_experts
+            else:
+                self.routed_experts = np.concatenate([self.routed_experts, output.routed_experts[-new:]])
+        if output.num_preempted is not None:
+            self.num_preempted += output.num_preempted
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = output.extra_fields.get("num_cached_tokens")
 
 
 class InterruptibleLLMClient(LLMServerClient):
@@ -101,6 +135,7 @@ class InterruptibleLLMClient(LLMServerClient):
         partial = partial or PartialOutput("")
         # The lists are extended in place: the checkpoint's copy sees every finished request.
         token_ids, log_probs, versions, chunks = partial.tokens, partial.log_probs, partial.versions, partial.chunks
+        spanning = SpanningFields()
         failovers = 0
         while True:
             params[limit_key] = budget - len(token_ids)
@@ -116,6 +151,7 @@ class InterruptibleLLMClient(LLMServerClient):
                 continue
             finally:
                 self._routed_to().pop(request_id, None)
+            spanning.add(output)
             chunk_versions = output.extra_fields.get("token_versions")
             if chunk_versions is None:  # a backend without per-token versions: stamp the served version
                 chunk_versions = [output.extra_fields.get("global_steps", 0)] * len(output.token_ids)
@@ -135,6 +171,7 @@ class InterruptibleLLMClient(LLMServerClient):
             episode.add_turn(versions, interrupts, chunks)
         extra = {**output.extra_fields, **version_fields(versions), "num_interrupts": interrupts}
         extra[CHUNKS_FIELD] = [list(chunk) for chunk in chunks]
+        extra["num_cached_tokens"] = spanning.num_cached_tokens
         extra.pop(SEED_FIELD, None)  # the last request's: each request's seed is in its chunk
         stop_reason = "length" if output.stop_reason in ABORTED else output.stop_reason
         partial.stop_reason = stop_reason
@@ -143,8 +180,9 @@ class InterruptibleLLMClient(LLMServerClient):
         return TokenOutput(
             token_ids=token_ids,
             log_probs=log_probs if output.log_probs is not None or log_probs else None,
+            routed_experts=spanning.routed_experts,
             stop_reason=stop_reason,
-            num_preempted=output.num_preempted,
+            num_preempted=spanning.num_preempted,
             extra_fields=extra,
         )
 
