@@ -5,13 +5,14 @@ sampler, LLM client, verl's vLLM replica and adapter) is registered, not patched
 exists only where verl 0.9.1 has no seam; each says why, where upstream stands and when to delete it.
 
 ``apply_enabled_patches(config)`` is the one entry point: it walks :data:`PATCHES` in order and
-applies each patch whose feature is enabled. Five exist: the CPU platform's three (selected by
+applies each patch whose feature is enabled. Six exist: the CPU platform's three (selected by
 ``VERL_PLATFORM=cpu``, applied at plugin load in every process: gloo, vLLM's CPU build seen as ``vllm``, and
 the trainer's port chosen outside the ephemeral range), the routing of ``areal.enable`` in
 any recipe (applied at plugin load in verl's ``main_ppo`` driver only) and token-budget micro-batching
 (FFD, or runs of like length where verl pads)
-(selected by ``areal.micro_batch.max_tokens``; the trainer applies it in its worker processes with
-:func:`apply_in_workers`, since only the driver sees the recipe). With ``areal.enable: false`` on a GPU
+(selected by ``areal.micro_batch.max_tokens``) and the count of micro-batches the stall guard reads as
+progress (selected by ``areal.enable`` with ``areal.mode: async``); the trainer applies these two in its worker
+processes with :func:`apply_in_workers`, since only the driver sees the recipe. With ``areal.enable: false`` on a GPU
 machine only the routing wrapper is installed, in the driver, and it passes verl's config through unchanged.
 """
 
@@ -26,6 +27,7 @@ from areal_plugins.patches import (
     master_port,
     micro_batch_partitioner,
     route_areal_node,
+    trainer_progress,
     vllm_cpu_distribution,
 )
 
@@ -59,6 +61,16 @@ def _token_budget_micro_batches(config: Any) -> bool:
     return areal.enable and areal.micro_batch.max_tokens is not None
 
 
+def _async_trainer(config: Any) -> bool:
+    node = None if config is None else config.get("areal")
+    if node is None:
+        return False
+    from areal_plugins.config.settings import ArealConfig
+
+    areal = ArealConfig.from_node(node)
+    return areal.enable and areal.mode == "async"
+
+
 #: (feature, is it enabled for this run?, patch), in the order they are applied.
 PATCHES: tuple[tuple[str, Callable[[Any], bool], ModuleType], ...] = (
     ("cpu platform (VERL_PLATFORM=cpu)", _cpu_platform, gloo_backend),
@@ -70,6 +82,7 @@ PATCHES: tuple[tuple[str, Callable[[Any], bool], ModuleType], ...] = (
     ("cpu platform (VERL_PLATFORM=cpu): the trainer's port outside the ephemeral range", _cpu_platform, master_port),
     ("areal.enable in any recipe (verl's main_ppo driver)", _verl_driver, route_areal_node),
     ("areal.micro_batch.max_tokens", _token_budget_micro_batches, micro_batch_partitioner),
+    ("areal_async's stall guard: trainer workers report micro-batches", _async_trainer, trainer_progress),
 )
 
 

@@ -62,13 +62,15 @@ def ffd_partition_agreed(
     """
     import torch
     import torch.distributed as dist
+    from verl.utils.device import get_device_name
 
     allocate = ALLOCATORS[strategy]
     groups = allocate(lengths, capacity, min_groups=min_groups)
     if dp_group is None or not dist.is_initialized():
         return groups
     while True:
-        count = torch.tensor([len(groups), -len(groups)], dtype=torch.long)
+        # On verl's device, as verl's own partitioner does: the data-parallel group may be NCCL-only (a CUDA mesh).
+        count = torch.tensor([len(groups), -len(groups)], dtype=torch.long, device=get_device_name())
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
         largest, smallest = int(count[0]), -int(count[1])
         if largest == smallest:

@@ -4,7 +4,8 @@ verl's ``main_ppo`` runs in a process group of its own. On the first SIGINT or S
 when the run is ``areal_async`` with checkpoints on (``trainer.save_freq > 0``), it writes
 :data:`STOP_REQUEST_FILE` into the run directory, which the trainer reads between two steps (it
 checkpoints the last finished step and stops), and sends SIGTERM only if verl is still running after
-:data:`STOP_WAIT_S`; otherwise (verl's own trainers, ``areal.mode: sync``, no checkpoints) it sends
+:func:`stop_wait_s`, the run's own longest phase plus its longest checkpoint as the trainer measured them
+(:data:`PHASE_TIMES_FILE`); otherwise (verl's own trainers, ``areal.mode: sync``, no checkpoints) it sends
 SIGTERM at once. SIGKILL follows SIGTERM after :data:`GRACE_S`; a second signal sends SIGKILL at once.
 Whatever the run started and left behind (Ray's daemons and workers, engine servers) carries the run
 directory in its environment (``AREAL_RUN_DIR``, inherited from verl's driver) and is killed after the
@@ -13,12 +14,15 @@ driver is gone.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +35,61 @@ class RunStoppedOnRequestError(RuntimeError):
 GRACE_S = 20.0
 #: The file in the run directory that asks the trainer to stop between two steps (with a checkpoint).
 STOP_REQUEST_FILE = "areal_stop_requested"
-#: How long the first Ctrl-C waits for that checkpointed stop before it sends SIGTERM.
-STOP_WAIT_S = 120.0
+#: What the trainer measured of its phases, for the CLI's wait: one JSON line each time a longest time grows.
+PHASE_TIMES_FILE = "areal_phase_times.jsonl"
+#: Of the Ctrl-C's wait beyond the measured phase and checkpoint: the trainer's look at the stop request and
+#: its stop, as a share of what was measured (a phase is timed once per step; the next may run a bit longer).
+STOP_WAIT_SLACK = 0.25
+
+
+class PhaseTimes:
+    """The longest phase (old log-probs, update, weight sync, validation) and checkpoint a run measured.
+
+    The trainer reads a stop request at each phase boundary, so a stop takes at most one phase and then a
+    checkpoint. Unmeasured, each counts as ``areal.watchdog_s``: the longest the stall guard lets a phase go
+    without progress would be a hang, and a phase that moves may be longer, which the next record says.
+    """
+
+    def __init__(self, watchdog_s: float) -> None:
+        self.watchdog_s = watchdog_s
+        self.longest: dict[str, float] = {}
+
+    def measured(self, phase: str, seconds: float) -> bool:
+        """Record one phase's time; True when it is the longest of its kind so far (worth a new record)."""
+        if seconds <= self.longest.get(phase, 0.0):
+            return False
+        self.longest[phase] = seconds
+        return True
+
+    def record(self) -> dict[str, Any]:
+        phases = {k: v for k, v in self.longest.items() if k != "checkpoint"}
+        return {
+            "watchdog_s": self.watchdog_s,
+            "longest_phase": max(phases, key=phases.__getitem__) if phases else None,
+            "longest_phase_s": max(phases.values()) if phases else None,
+            "checkpoint_s": self.longest.get("checkpoint"),
+            "phases_s": dict(self.longest),
+        }
+
+
+def stop_wait_s(run_dir: Path | None) -> float | None:
+    """How long a checkpointed stop may take: the measured longest phase plus the measured checkpoint, plus
+    :data:`STOP_WAIT_SLACK`; ``areal.watchdog_s`` for each not measured yet. None: the run published nothing."""
+    if run_dir is None or not (run_dir / PHASE_TIMES_FILE).exists():
+        return None
+    lines = [line for line in (run_dir / PHASE_TIMES_FILE).read_text().splitlines() if line.strip()]
+    if not lines:
+        return None
+    try:
+        last = json.loads(lines[-1])
+    except json.JSONDecodeError:  # a line being written: the one before is whole
+        if len(lines) < 2:
+            return None
+        last = json.loads(lines[-2])
+    fallback = float(last["watchdog_s"])
+    phase = last.get("longest_phase_s") or fallback
+    checkpoint = last.get("checkpoint_s") or fallback
+    return (float(phase) + float(checkpoint)) * (1.0 + STOP_WAIT_SLACK)
 
 
 def new_group_dying_with_parent() -> None:
@@ -57,14 +114,24 @@ class RunStopper:
         process: subprocess.Popen,
         grace_s: float = GRACE_S,
         stop_request: Path | None = None,
-        stop_wait_s: float = STOP_WAIT_S,
+        stop_wait_s: float | None = None,
     ) -> None:
         self.process = process
         self.grace_s = grace_s
         self.stop_request = stop_request
-        self.stop_wait_s = stop_wait_s
+        self._stop_wait_s = stop_wait_s  # None: what the run measured (stop_wait_s), asked at the signal
         self.signal_received: int | None = None
         self._count = 0
+        self._signalled_at = 0.0
+
+    def stop_wait_s(self) -> float:
+        """How long the first signal waits for the checkpointed stop: given, else what the run measured."""
+        if self._stop_wait_s is not None:
+            return self._stop_wait_s
+        measured = stop_wait_s(self.stop_request.parent if self.stop_request is not None else None)
+        if measured is None:  # the trainer has not started (it publishes at once): nothing to checkpoint yet
+            return self.grace_s
+        return measured
 
     def install(self) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -74,14 +141,16 @@ class RunStopper:
         self._count += 1
         self.signal_received = self.signal_received or signum
         if self._count == 1 and self.stop_request is not None:
+            wait = self.stop_wait_s()
             logger.warning(
-                "%s: stopping after the current step with a checkpoint (SIGTERM to verl in %.0f s if it has not "
-                "stopped; Ctrl-C again to kill at once)",
+                "%s: stopping at the next phase boundary with a checkpoint (SIGTERM to verl in %.0f s, the run's "
+                "longest phase plus checkpoint, if it has not stopped; Ctrl-C again to kill at once)",
                 signal.Signals(signum).name,
-                self.stop_wait_s,
+                wait,
             )
             self.stop_request.write_text(f"{signal.Signals(signum).name}\n")
-            self._later(self.stop_wait_s, self._terminate)
+            self._signalled_at = time.monotonic()
+            self._later(wait, self._terminate_when_due)
         elif self._count == 1:
             logger.warning(
                 "%s: stopping the run (SIGTERM to verl; SIGKILL in %.0f s; Ctrl-C again to kill at once)",
@@ -92,6 +161,14 @@ class RunStopper:
         else:
             logger.warning("%s again: killing the run now", signal.Signals(signum).name)
             self._kill_group(signal.SIGKILL)
+
+    def _terminate_when_due(self) -> None:
+        """SIGTERM, unless the run measured a longer phase or checkpoint meanwhile: then wait for that too."""
+        remaining = self._signalled_at + self.stop_wait_s() - time.monotonic()
+        if remaining > 1.0 and self.process.poll() is None:
+            self._later(remaining, self._terminate_when_due)
+            return
+        self._terminate()
 
     def _terminate(self) -> None:
         self._kill_group(signal.SIGTERM)

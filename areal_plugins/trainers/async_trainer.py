@@ -42,9 +42,9 @@ from areal_plugins.hooks.contracts import RolloutManager as RolloutManagerContra
 from areal_plugins.hooks.contracts import SampleBuffer as SampleBufferContract
 from areal_plugins.hooks.manager import call_hook, hook_implemented
 from areal_plugins.rollout.capabilities import check_backend_capabilities
-from areal_plugins.run.control import RunStoppedOnRequestError
+from areal_plugins.run.control import PHASE_TIMES_FILE, STOP_REQUEST_FILE, PhaseTimes, RunStoppedOnRequestError
 from areal_plugins.run.record_sink import start_record_sink
-from areal_plugins.run.records import RunRecorder
+from areal_plugins.run.records import RunRecorder, record_exists
 from areal_plugins.trainers.admission import require_single_prompt_fetches
 from areal_plugins.trainers.async_checkpoint import (
     DrawCounts,
@@ -59,6 +59,7 @@ from areal_plugins.trainers.hooked import HookedTrainerMixin
 from areal_plugins.trainers.llm_client import InterruptibleLLMClient
 from areal_plugins.trainers.partial_outputs import remove_rotated_partials, save_partials, start_resumed
 from areal_plugins.trainers.placements import placement_for
+from areal_plugins.trainers.progress import start_progress_board
 from areal_plugins.trainers.replay_driver import ReplayDriver
 from areal_plugins.trainers.replica_pool import ReplicaPool, RolloutServerDiedError, weight_group_rebuilt_each_sync
 from areal_plugins.trainers.replica_replacement import ReplicaReplacer
@@ -159,10 +160,19 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.nccl.rebuild_group=true"
             )
         self.replica_pool.on_drop = self.replacer.replace
-        self.engine_stats = EngineStats(backend, self.replica_pool, self.recorder)
+        self.engine_stats = EngineStats(backend, self.replica_pool, self.recorder, watchdog_s=self.areal.watchdog_s)
         self.supervisor = Supervisor(
-            self, self.areal.watchdog_s, self.engine_stats, self.recorder, stop_on_request=self._stop_on_request
+            self,
+            self.areal.watchdog_s,
+            self.engine_stats,
+            self.recorder,
+            stop_on_request=self._stop_on_request,
+            board=start_progress_board(),  # before verl creates the trainer workers that report to it
         )
+        # What the CLI's Ctrl-C waits for: the longest phase and checkpoint measured (run/control.py).
+        self.phase_times = PhaseTimes(self.areal.watchdog_s)
+        self._phase_started = time.monotonic()
+        self.recorder.write(PHASE_TIMES_FILE, self.phase_times.record())
 
     # ------------------------------------------------------------------ construction
 
@@ -211,7 +221,15 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     # ------------------------------------------------------------------ lifecycle
 
     def on_init_end(self) -> None:
-        self.weight_sync.update_weights(self.global_steps)
+        # The first sync is watched like any later one: a hang stops the run, a dead actor behind a failure is named.
+        try:
+            with self.supervisor.watching("first weight sync"):
+                self.weight_sync.update_weights(self.global_steps)
+        except BaseException as error:
+            self.supervisor.stalled(error)
+            if isinstance(error, ray.exceptions.RayActorError | RolloutServerDiedError):
+                self.supervisor.explain()
+            raise
         self.version = self.global_steps
         if self.replay is not None:
             self.replay.served(self.version)
@@ -257,6 +275,40 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     def on_step_begin(self) -> None:
         self._step_started = time.time()
 
+    # ------------------------------------------------------------------ phase boundaries
+
+    def _phase_end(self, phase: str, next_phase: str) -> None:
+        """``phase`` ended: measure it (for the CLI's stop grace), tell the stall guard, look for a stop request."""
+        now = time.monotonic()
+        if self.phase_times.measured(phase, now - self._phase_started):
+            self.recorder.write(PHASE_TIMES_FILE, self.phase_times.record())
+        self._phase_started = now
+        self.supervisor.phase(next_phase)
+
+    def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
+        self._phase_end("reward and balance", "old log-probs")
+        batch = super()._compute_old_log_prob(batch, metrics)
+        self._phase_end("old log-probs", "advantages")
+        self._stop_at_boundary(trained=False)
+        return batch
+
+    def _update_actor(self, batch: Any, metrics: dict) -> Any:
+        self._phase_end("advantages", "update")
+        batch = super()._update_actor(batch, metrics)
+        self._phase_end("update", "checkpoint")
+        self._stop_at_boundary(trained=True)
+        return batch
+
+    def _stop_at_boundary(self, trained: bool) -> None:
+        """A stop requested by the CLI, honoured at a phase boundary inside a step: ``trained``: this step's
+        update is done (it is checkpointed and its line written), else the last finished step is."""
+        if self.recorder.run_dir is None or not record_exists(STOP_REQUEST_FILE, self.recorder.run_dir):
+            return
+        if trained:
+            self._write_step_line(self._step_metrics, self.timing_raw, self.global_steps, time.time())
+            self._stop_on_request(done=self.global_steps)
+        self._stop_on_request()
+
     def on_sample_end(self) -> None:
         if self.replay is not None and self.placement.hybrid_replicas:  # colocated engines stop serving this version
             self.replay.finish_version(self.version, self.supervisor.waiting())
@@ -267,6 +319,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         return super().step(metrics, timing_raw)
 
     def on_step_end(self) -> None:
+        self._phase_end("checkpoint", "weight sync")  # verl's save, when this step had one, ran since the update
         new_version = self.global_steps
         with marked_timer("update_weights", self.timing_raw, color="red"), self.recorder.span("trainer", "update"):
             if self.replay is not None:
@@ -295,18 +348,30 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 self.weight_sync.resume_generation_replicas()
             self.manager.resume(new_version)
         call_hook("areal_on_weights_updated", version=new_version)
+        self._phase_end("weight sync", "validation and metrics")
+        if self.recorder.run_dir is not None and record_exists(STOP_REQUEST_FILE, self.recorder.run_dir):
+            self._write_step_line(self._step_metrics, self.timing_raw, new_version, time.time())
+            self._stop_on_request(done=new_version)
 
     def _validate(self) -> dict[str, float]:
+        started = time.monotonic()
         with self.supervisor.paused():  # validation's generation is judged by nothing else; it may be long
-            return super()._validate()
+            result = super()._validate()
+        if self.phase_times.measured("validation", time.monotonic() - started):  # the stop is read after it
+            self.recorder.write(PHASE_TIMES_FILE, self.phase_times.record())
+        return result
 
     def fit(self, agent_loop_manager: Any) -> None:
         try:
             super().fit(agent_loop_manager)
-        except (ray.exceptions.RayActorError, RolloutServerDiedError):
+        except (ray.exceptions.RayActorError, RolloutServerDiedError) as error:
+            self.supervisor.stalled(error)
             # An actor was lost under a call (a weight sync to a lost node's engines, the step's look at the
             # engines' statistics): name it and its node.
             self.supervisor.explain()
+            raise
+        except BaseException as error:  # the stall guard's interrupt, or Ray's cancelled task under it
+            self.supervisor.stalled(error)
             raise
 
     def stop_rollout(self) -> None:
@@ -359,6 +424,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 if groups:
                     break
         self._wait_s = time.time() - started
+        self._phase_started = time.monotonic()  # the wait reads the stop every second: not a phase to wait for
+        self.supervisor.phase("reward and balance")
         self.counts.consumed_groups += len(groups)
         tq.kv_clear(keys=[g.group_id for g in groups], partition_id="train")
         metrics = consumed_metrics(groups, trainer_version) | admission_metrics(self.manager, self.sample_buffer)
@@ -370,7 +437,15 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     # ------------------------------------------------------------------ checkpoints and stops
 
     def _save_checkpoint(self) -> None:
-        """verl's checkpoint (weights, dataloader, TransferQueue) plus ours, taken at one quiet moment.
+        """verl's checkpoint (weights, dataloader, TransferQueue) plus ours, taken at one quiet moment; its time is
+        measured for the CLI's stop grace."""
+        started = time.monotonic()
+        self._save_checkpoint_now()
+        if self.phase_times.measured("checkpoint", time.monotonic() - started):
+            self.recorder.write(PHASE_TIMES_FILE, self.phase_times.record())
+
+    def _save_checkpoint_now(self) -> None:
+        """verl's checkpoint plus ours.
 
         The rollout manager is held between polls, so no prompt is drawn from the dataloader without being
         registered in TransferQueue (it would be lost) or registered after the dataloader state was saved
@@ -398,9 +473,11 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         if self.global_steps > 0:
             self._resumed_partials = start_resumed(resume_folder(self.config.trainer, self.global_steps))
 
-    def _stop_on_request(self) -> None:
-        """Between two steps: checkpoint the last finished step (if checkpoints are on), then stop."""
-        done = self.global_steps - 1  # verl counts the step being waited for
+    def _stop_on_request(self, done: int | None = None) -> None:
+        """Checkpoint finished step ``done`` (if checkpoints are on), then stop. By default the step before the one
+        verl counts (the stop is read in its batch wait, or after its old log-probs: its batch is not trained and
+        a resume generates it anew)."""
+        done = self.global_steps - 1 if done is None else done
         saved = checkpoint_before_stopping(self.config.trainer, done, self._save_checkpoint_of)
         raise RunStoppedOnRequestError(
             f"areal: stopped on request (Ctrl-C or SIGTERM) after step {done}{saved}; "
@@ -433,6 +510,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
 
     def _write_step_line(self, metrics: dict, timing_raw: dict, global_steps: int, now: float) -> None:
         metrics["areal/rollout_stats_errors"] = float(self.engine_stats.errors)
+        metrics["areal/rollout_stats_timeouts"] = float(self.engine_stats.timeouts)
         metrics["areal/rollout_replicas"] = float(len(self.replica_pool.replicas))
         metrics["areal/rollout_replicas_replaced"] = float(self.replacer.replaced)
         metrics["areal/rollout_replicas_added"] = float(self.replacer.grown)

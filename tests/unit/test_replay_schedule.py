@@ -260,7 +260,8 @@ def trainer_stub(calls: list, hybrid: bool) -> SimpleNamespace:
         weight_sync=SimpleNamespace(
             update_weights=note("update"), backend="naive", resume_generation_replicas=note("wake")
         ),
-        recorder=SimpleNamespace(span=lambda *args, **kwargs: nullcontext()),
+        recorder=SimpleNamespace(span=lambda *args, **kwargs: nullcontext(), run_dir=None),
+        _phase_end=lambda phase, next_phase: None,  # phase boundaries: measured, and the stop request read
         timing_raw={},
         version=3,
         global_steps=4,

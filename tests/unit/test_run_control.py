@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from areal_plugins.run.control import RunStopper, kill_run_leftovers, new_group_dying_with_parent
 from tests.unit.conftest import wait_until
@@ -80,3 +82,56 @@ def test_with_checkpoints_the_first_signal_asks_for_a_stop_between_steps(tmp_pat
     started = time.monotonic()
     assert child.wait(timeout=10) == -signal.SIGTERM
     assert time.monotonic() - started >= 0.4
+
+
+def write_phase_times(run_dir, watchdog_s, phases):
+    from areal_plugins.run.control import PHASE_TIMES_FILE, PhaseTimes
+
+    times = PhaseTimes(watchdog_s)
+    lines = [json.dumps(times.record())]
+    for phase, seconds in phases:
+        if times.measured(phase, seconds):
+            lines.append(json.dumps(times.record()))
+    (run_dir / PHASE_TIMES_FILE).write_text("\n".join(lines) + "\n")
+
+
+def test_the_stop_waits_for_the_runs_measured_longest_phase_and_checkpoint(tmp_path):
+    """A 7B step: old log-probs 15 min, update 40 min, checkpoint 6 min (then a shorter update, 30 min). The
+    wait before SIGTERM covers one whole phase and a checkpoint: (2400 + 360) x 1.25 = 3450 s, past 40 min."""
+    from areal_plugins.run.control import stop_wait_s
+
+    write_phase_times(
+        tmp_path, 3600.0, [("old log-probs", 900.0), ("update", 2400.0), ("checkpoint", 360.0), ("update", 1800.0)]
+    )
+    wait = stop_wait_s(tmp_path)
+    assert wait == pytest.approx(3450.0)
+    assert wait > 40 * 60
+    stopper = RunStopper(start("import time; time.sleep(60)"), stop_request=tmp_path / "areal_stop_requested")
+    try:
+        assert stopper.stop_wait_s() == pytest.approx(3450.0)
+    finally:
+        stopper.process.kill()
+
+
+def test_what_is_not_measured_yet_counts_as_the_watchdog(tmp_path):
+    """Step 1 has not ended its first phase: each term is areal.watchdog_s (3600 s in recipes/gpu/):
+    (3600 + 3600) x 1.25 = 9000 s; with the phase measured (2400 s) and no checkpoint yet: 7500 s."""
+    from areal_plugins.run.control import stop_wait_s
+
+    write_phase_times(tmp_path, 3600.0, [])
+    assert stop_wait_s(tmp_path) == pytest.approx(9000.0)
+    write_phase_times(tmp_path, 3600.0, [("update", 2400.0)])
+    assert stop_wait_s(tmp_path) == pytest.approx(7500.0)
+    assert stop_wait_s(tmp_path / "nothing") is None
+
+
+def test_a_longer_phase_measured_during_the_wait_extends_it(tmp_path):
+    request = tmp_path / "areal_stop_requested"
+    write_phase_times(tmp_path, 0.4, [("update", 0.4), ("checkpoint", 0.4)])  # (0.4 + 0.4) x 1.25 = 1 s
+    child = start("import time; time.sleep(60)")
+    stopper = RunStopper(child, grace_s=30, stop_request=request)
+    started = time.monotonic()
+    stopper._on_signal(signal.SIGINT, None)
+    write_phase_times(tmp_path, 0.4, [("update", 2.0), ("checkpoint", 0.4)])  # now (2.0 + 0.4) x 1.25 = 3 s
+    assert child.wait(timeout=20) == -signal.SIGTERM
+    assert time.monotonic() - started >= 2.9
