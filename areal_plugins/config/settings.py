@@ -69,8 +69,25 @@ class RewardConfig:
         default=True, metadata={"help": "score in worker processes with a time limit (a hung verifier costs 0)"}
     )
     num_workers: int = field(default=1, metadata={"help": "reward worker processes per verl reward worker"})
-    timeout_s: float = field(default=10.0, metadata={"help": "most seconds one reward may take"})
+    timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "most seconds one reward may take for an answer of up to timeout_chars characters; longer "
+            "answers get proportionally more (a 16k-token answer, ~64k characters, 160 s at the defaults)"
+        },
+    )
+    timeout_chars: int = field(
+        default=4096,
+        metadata={"help": "answer length (characters) timeout_s is for; the limit grows linearly past it"},
+    )
     retries: int = field(default=1, metadata={"help": "further attempts after a timeout or a crashed worker"})
+    warn_timeout_share: float = field(
+        default=0.01,
+        metadata={
+            "help": "warn once more than this share of a reward worker's answers got reward 0 by timing out "
+            "(each such reward biases the advantages); counted per step in areal/reward_timeouts"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -79,6 +96,14 @@ class RewardConfig:
             raise ArealConfigError(f"areal.reward.timeout_s must be > 0, got {self.timeout_s}")
         if self.retries < 0:
             raise ArealConfigError(f"areal.reward.retries must be >= 0, got {self.retries}")
+        if not isinstance(self.timeout_chars, int) or self.timeout_chars < 1:
+            raise ArealConfigError(
+                f"areal.reward.timeout_chars must be a character count >= 1, got {self.timeout_chars!r}"
+            )
+        if not 0 <= self.warn_timeout_share <= 1:
+            raise ArealConfigError(
+                f"areal.reward.warn_timeout_share must be a share in [0, 1], got {self.warn_timeout_share!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,14 @@ def _service(fn: Callable[..., float], settings: dict[str, Any]) -> RewardServic
     """This process's reward service for ``fn`` (None: score in-process)."""
     if not settings.get("service", False):
         return None
-    key = (fn, settings.get("num_workers", 1), settings.get("timeout_s", 10.0), settings.get("retries", 1))
+    key = (
+        fn,
+        settings.get("num_workers", 1),
+        settings.get("timeout_s", 10.0),
+        settings.get("retries", 1),
+        settings.get("timeout_chars", 4096),
+        settings.get("warn_timeout_share", 0.01),
+    )
     with _lock:
         if key not in _services:
             try:
@@ -58,7 +65,14 @@ def _service(fn: Callable[..., float], settings: dict[str, Any]) -> RewardServic
             except Exception:
                 logger.warning("reward function %r cannot be sent to worker processes; scoring in-process", fn)
                 return None
-            _services[key] = RewardService(fn, num_workers=key[1], timeout_s=key[2], retries=key[3])
+            _services[key] = RewardService(
+                fn,
+                num_workers=key[1],
+                timeout_s=key[2],
+                retries=key[3],
+                timeout_chars=key[4],
+                warn_timeout_share=key[5],
+            )
         return _services[key]
 
 

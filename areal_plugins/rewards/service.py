@@ -101,18 +101,33 @@ class RewardService:
         fn: the reward function ``(data_source, solution_str, ground_truth, extra_info) -> float``;
             module-level (it is sent to the workers by reference).
         num_workers: worker processes (calls beyond that wait for a free worker).
-        timeout_s: most seconds one attempt may take.
+        timeout_s: most seconds one attempt may take (for an answer of up to ``timeout_chars`` characters).
         retries: further attempts after a timeout or a crash.
+        timeout_chars: the answer length ``timeout_s`` is for; a longer answer (the second argument) gets
+            ``timeout_s x length / timeout_chars``. None: ``timeout_s`` for any length.
+        warn_timeout_share: warn once the rewards lost to timeouts pass this share of the calls.
     """
 
-    def __init__(self, fn: Callable[..., float], num_workers: int = 2, timeout_s: float = 10.0, retries: int = 1):
+    def __init__(
+        self,
+        fn: Callable[..., float],
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        retries: int = 1,
+        timeout_chars: int | None = None,
+        warn_timeout_share: float = 0.01,
+    ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.fn = fn
         self.timeout_s = timeout_s
+        self.timeout_chars = timeout_chars
         self.retries = retries
+        self.warn_timeout_share = warn_timeout_share
+        self.timed_out = 0  # rewards that are 0 because every attempt timed out
+        self._warned = False
         self._context = mp.get_context("spawn")
         self._idle: queue.Queue[_Worker] = queue.Queue()
         for _ in range(num_workers):
@@ -130,11 +145,12 @@ class RewardService:
         """The reward for ``args`` and what it took (never raises, never hangs past the retries)."""
         started = time.monotonic()
         report = ScoreReport()
+        limit = self.limit_s(args)
         worker = self._idle.get()
         try:
             for attempt in range(self.retries + 1):
                 worker.connection.send(args)
-                outcome = self._wait(worker)
+                outcome = self._wait(worker, limit)
                 if outcome[0] == "ok":
                     report.score = float(outcome[1])
                     return report
@@ -149,6 +165,8 @@ class RewardService:
                 worker.stop()
                 worker = _Worker(self._context, self.fn)
             report.failed = True
+            if report.timeouts:
+                self._lost_to_timeout()
             return report
         finally:
             self._idle.put(worker)
@@ -159,11 +177,37 @@ class RewardService:
                 self.latency_s_total += elapsed
                 self.latency_s_max = max(self.latency_s_max, elapsed)
 
-    def _wait(self, worker: _Worker) -> tuple[str, Any]:
+    def limit_s(self, args: tuple) -> float:
+        """The time limit of one attempt at ``args`` (``data_source, solution_str, ...``): it scales with the
+        answer's length past ``timeout_chars`` (a verifier's parse grows with the text it reads)."""
+        if self.timeout_chars is None or len(args) < 2:
+            return self.timeout_s
+        return self.timeout_s * max(1.0, len(str(args[1])) / self.timeout_chars)
+
+    def _lost_to_timeout(self) -> None:
+        with self._lock:
+            self.timed_out += 1
+            calls = self.counts["calls"] + 1  # this call is counted when it returns
+            share = self.timed_out / calls
+            # Judged once the share can be told apart from a single timeout: 1/share calls at least.
+            due = not self._warned and calls * self.warn_timeout_share >= 1 and share > self.warn_timeout_share
+            self._warned = self._warned or due
+        if due:
+            logger.warning(
+                "areal: %d of %d rewards were 0 because scoring timed out (%.1f%%, past areal.reward."
+                "warn_timeout_share = %.1f%%): the advantages are biased against long answers; raise "
+                "areal.reward.timeout_s or areal.reward.timeout_chars, or use a faster verifier",
+                self.timed_out,
+                calls,
+                100 * share,
+                100 * self.warn_timeout_share,
+            )
+
+    def _wait(self, worker: _Worker, limit_s: float) -> tuple[str, Any]:
         if not worker.wait_ready():  # starting a worker on a busy machine is not the reward timing out
             return ("crashes", None)
         try:
-            if worker.connection.poll(self.timeout_s):
+            if worker.connection.poll(limit_s):
                 return worker.connection.recv()
         except (EOFError, OSError):
             return ("crashes", None)
