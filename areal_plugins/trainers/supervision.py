@@ -163,8 +163,8 @@ class Supervisor:
         counted = dict(marker[0]) if marker else {}
         batches = counted.get("trainer_micro_batches")
         return (
-            f"areal watchdog: nothing moved for {idle:.0f} s while the trainer was in its {phase} of step "
-            f"{self.trainer.global_steps}: no trainer worker started a micro-batch"
+            f"areal watchdog: the trainer has been computing step {self.trainer.global_steps} ({phase}) with "
+            f"nothing moving for {idle:.0f} s: no trainer worker started a micro-batch"
             + (f" ({batches} so far)" if batches is not None else " (none reported one yet)")
             + ", no engine generated a token and no phase ended (limit: areal.watchdog_s = "
             f"{self.watchdog_s:.0f} s, less the time to stop within it): a trainer worker ({phase}) is stuck. "
