@@ -259,13 +259,28 @@ def __getattr__(name: str) -> Any:
 VERL_VLLM_ADAPTER_FQN = "areal_plugins.rollout.verl_vllm.adapter.ArealServerAdapter"
 
 
-def register_rollout_backends() -> None:
-    """Add every backend of :data:`BACKENDS` to both verl rollout registries (idempotent)."""
+def register_rollout_adapters() -> None:
+    """Name our trainer-side adapters in verl's ``_ROLLOUT_REGISTRY`` (by import path: nothing is imported)."""
     from verl.workers.rollout import base
-    from verl.workers.rollout.replica import RolloutReplicaRegistry
 
     # verl's own vllm: its adapter plus the received-weights check, active only with our server (areal_async).
     base._ROLLOUT_REGISTRY[("vllm", "async")] = VERL_VLLM_ADAPTER_FQN
     for backend in BACKENDS:
         base._ROLLOUT_REGISTRY[(backend, "async")] = ADAPTER_FQN
+
+
+def register_rollout_replicas() -> None:
+    """Add every backend of :data:`BACKENDS` to verl's ``RolloutReplicaRegistry`` (the class is built on first use)."""
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    for backend in BACKENDS:
         RolloutReplicaRegistry.register(backend, lambda: __getattr__("ArealRolloutReplica"))
+
+
+def register_rollout_backends() -> None:
+    """Add every backend of :data:`BACKENDS` to both verl rollout registries (idempotent).
+
+    The plugin calls the two halves separately, each once verl has imported its registry (verl_plugin.py).
+    """
+    register_rollout_adapters()
+    register_rollout_replicas()

@@ -21,11 +21,11 @@ def register_trainers() -> None:
     from verl.trainer.ppo.v1 import get_trainer_cls, register_trainer
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 
-    from areal_plugins.trainers.async_trainer import ArealAsyncTrainer
     from areal_plugins.trainers.hooked import HookedTrainerMixin
 
     if SYNC_MODE not in TRAINER_REGISTRY:
         base = get_trainer_cls("sync")
         register_trainer(SYNC_MODE)(type(f"Areal{base.__name__}", (HookedTrainerMixin, base), {}))
-    if ASYNC_MODE not in TRAINER_REGISTRY:
-        register_trainer(ASYNC_MODE)(ArealAsyncTrainer)
+    # The module registers its class where it defines it (as verl's trainers do): a plain import, so that
+    # verl's V1 package finishing its import half way through ours (ours imports it first) still registers it.
+    import areal_plugins.trainers.async_trainer  # noqa: F401

@@ -31,7 +31,7 @@ import ray
 import transfer_queue as tq
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
-from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, PPOTrainer, register_trainer
 from verl.utils import tensordict_utils as tu
 from verl.utils.debug import marked_timer
 
@@ -45,6 +45,7 @@ from areal_plugins.rollout.capabilities import check_backend_capabilities
 from areal_plugins.run.control import PHASE_TIMES_FILE, STOP_REQUEST_FILE, PhaseTimes, RunStoppedOnRequestError
 from areal_plugins.run.record_sink import start_record_sink
 from areal_plugins.run.records import RunRecorder, record_exists
+from areal_plugins.trainers import ASYNC_MODE
 from areal_plugins.trainers.admission import require_single_prompt_fetches
 from areal_plugins.trainers.async_checkpoint import (
     DrawCounts,
@@ -528,3 +529,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         """Where every submitted rollout group ended up (``areal_accounting.jsonl``)."""
         submitted = self._submitted_groups  # this process's count; the restored groups of a resume excluded
         write_accounting(self.recorder, self.manager, self.sample_buffer, submitted, self.counts, self.version)
+
+
+# Registered where it is defined (verl's own trainers use the same decorator), whichever module imports it first.
+if ASYNC_MODE not in TRAINER_REGISTRY:
+    register_trainer(ASYNC_MODE)(ArealAsyncTrainer)

@@ -1,0 +1,98 @@
+"""The entry point verl loads in every process registers lazily (issue 50 item 7).
+
+Each check runs in a fresh interpreter: what ``import verl`` loads depends on what the process imported before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_LOADED_MODULES = """
+import json, sys
+import verl
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("verl", "ray"))))
+"""
+
+_REGISTERED = """
+import json
+import verl
+from verl.checkpoint_engine.base import CheckpointEngineRegistry
+from verl.plugin.platform import PlatformRegistry
+from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.v1 import get_trainer_cls
+from verl.workers.rollout import base
+from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+print(json.dumps({
+    "trainers": [get_trainer_cls(name).__name__ for name in ("areal_async", "areal_sync")],
+    "losses": sorted(n for n in core_algos.POLICY_LOSS_REGISTRY if n.startswith("areal")),
+    "adapters": sorted(n for (n, mode) in base._ROLLOUT_REGISTRY if n.startswith("areal")),
+    "replicas": [RolloutReplicaRegistry.get(n).__name__ for n in ("areal_cpu", "areal_paced")],
+    "engine": "areal_gloo" in CheckpointEngineRegistry._registry,
+    "platform": PlatformRegistry.get("cpu") is not None,
+}))
+"""
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_PLUGINS", "VERL_PLATFORM")}
+    environment.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=240, check=True
+    )
+
+
+def test_import_verl_loads_no_verl_or_ray_module_beyond_verl_own_and_warns_nothing() -> None:
+    without = _run(_LOADED_MODULES, VERL_USE_EXTERNAL_PLUGINS="none")
+    with_us = _run(_LOADED_MODULES)
+    extra = sorted(set(json.loads(with_us.stdout)) - set(json.loads(without.stdout)))
+    assert extra == [], f"loading areal_plugins' entry point imported {extra}"
+    assert with_us.stderr == without.stderr == "", with_us.stderr
+
+
+def test_every_name_is_registered_once_verl_imports_its_registry() -> None:
+    registered = json.loads(_run(_REGISTERED).stdout)
+    assert registered == {
+        "trainers": ["ArealAsyncTrainer", "ArealPPOTrainerSync"],
+        "losses": ["areal_decoupled", "areal_decoupled_loglinear"],
+        "adapters": ["areal_cpu", "areal_paced"],
+        "replicas": ["ArealRolloutReplica", "ArealRolloutReplica"],
+        "engine": True,
+        "platform": True,
+    }
+
+
+def test_our_trainer_imported_first_is_still_registered() -> None:
+    # Our module imports verl's V1 package, which finishes (and fires the registration) half way through ours.
+    code = (
+        "from areal_plugins.trainers.async_trainer import ArealAsyncTrainer\n"
+        "from verl.trainer.ppo.v1 import get_trainer_cls\n"
+        "print(get_trainer_cls('areal_async') is ArealAsyncTrainer)\n"
+    )
+    assert _run(code).stdout.strip() == "True"
+
+
+def test_a_registry_module_imported_before_the_plugin_is_served_at_once() -> None:
+    code = (
+        "import os\n"
+        "os.environ['VERL_USE_EXTERNAL_PLUGINS'] = 'none'\n"
+        "from verl.trainer.ppo import core_algos\n"
+        "import areal_plugins.verl_plugin as plugin\n"
+        "print('areal_decoupled' in core_algos.POLICY_LOSS_REGISTRY,"
+        " 'verl.trainer.ppo.core_algos' in plugin.pending_registrations())\n"
+    )
+    assert _run(code).stdout.split() == ["True", "False"]
+
+
+def test_a_failing_registration_is_logged_and_does_not_break_verl_import(caplog: pytest.LogCaptureFixture) -> None:
+    from areal_plugins.verl_plugin import _AfterImport
+
+    finder = _AfterImport({"json.tool": ("areal_plugins.no_such_module:register",)})
+    finder.imported("json.tool")
+    assert "areal_plugins.no_such_module:register after json.tool" in caplog.text
+    assert finder.pending == {}
