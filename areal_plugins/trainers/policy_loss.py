@@ -17,6 +17,9 @@ the global token mean, not a mean of micro-batch means.
 
 from __future__ import annotations
 
+import functools
+import os
+import time
 from typing import Any
 
 import torch
@@ -25,6 +28,21 @@ from areal_plugins.config.routing import LOGLINEAR_LOSS_NAME, RECOMPUTE_LOSS_NAM
 from areal_plugins.core.losses import decoupled_ppo_loss
 
 LOSS_NAME = RECOMPUTE_LOSS_NAME
+#: Seconds added to every micro-batch's loss, for running the tests with a slow trainer (0: off).
+MICRO_BATCH_DELAY_ENV = "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S"
+
+
+@functools.cache
+def micro_batch_delay_s() -> float:
+    """:data:`MICRO_BATCH_DELAY_ENV` as seconds, read once per trainer worker; refused unless a number >= 0."""
+    raw = os.environ.get(MICRO_BATCH_DELAY_ENV, "").strip()
+    try:
+        delay = float(raw) if raw else 0.0
+    except ValueError:
+        delay = -1.0
+    if not delay >= 0:
+        raise ValueError(f"{MICRO_BATCH_DELAY_ENV}={raw!r}: set it to a number of seconds >= 0, or unset it")
+    return delay
 
 
 def areal_decoupled_policy_loss(
@@ -38,6 +56,8 @@ def areal_decoupled_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl ``PolicyLossFn`` computing :func:`decoupled_ppo_loss` over the global batch."""
     _require_token_mean(LOSS_NAME, loss_agg_mode)
+    if delay := micro_batch_delay_s():
+        time.sleep(delay)
     if rollout_is_weights is None:
         raise ValueError(
             f"policy loss {LOSS_NAME} needs the behaviour importance weights: set "
@@ -79,6 +99,8 @@ def areal_decoupled_loglinear_policy_loss(
     The cap comes from ``actor.policy_loss.rollout_correction.rollout_is_threshold`` (routed by ``areal.loss``).
     """
     _require_token_mean(LOGLINEAR_LOSS_NAME, loss_agg_mode)
+    if delay := micro_batch_delay_s():
+        time.sleep(delay)
     correction = config.policy_loss.get("rollout_correction", None) or {}
     cap, mode = parse_cap_threshold(correction.get("rollout_is_threshold", 2.0))
     mask = response_mask.to(torch.bool)

@@ -117,3 +117,33 @@ def test_the_step_delay_comes_from_its_variable_and_a_bad_value_is_refused(monke
     started = time.perf_counter()
     asyncio.run(engine.generate([3, 4], max_tokens=3))
     assert time.perf_counter() - started >= 0.6
+
+
+def test_the_trainers_micro_batch_delay_comes_from_its_variable_and_is_spent_in_the_loss(monkeypatch):
+    import time
+
+    import torch
+
+    from areal_plugins.trainers import policy_loss
+
+    def fresh(value: str | None) -> float:
+        policy_loss.micro_batch_delay_s.cache_clear()
+        if value is None:
+            monkeypatch.delenv(policy_loss.MICRO_BATCH_DELAY_ENV, raising=False)
+        else:
+            monkeypatch.setenv(policy_loss.MICRO_BATCH_DELAY_ENV, value)
+        return policy_loss.micro_batch_delay_s()
+
+    try:
+        assert fresh(None) == 0.0
+        for bad in ("slow", "-0.5"):
+            with pytest.raises(ValueError, match=policy_loss.MICRO_BATCH_DELAY_ENV):
+                fresh(bad)
+        assert fresh("0.3") == 0.3
+        zeros = torch.zeros(1, 4)
+        started = time.perf_counter()
+        with pytest.raises(ValueError):  # the delay comes first: before the loss looks at its inputs
+            policy_loss.areal_decoupled_policy_loss(zeros, zeros, zeros, torch.ones(1, 4), "token-mean")
+        assert time.perf_counter() - started >= 0.3
+    finally:
+        policy_loss.micro_batch_delay_s.cache_clear()
