@@ -1,7 +1,9 @@
 """What the async trainer requires of the objects the rollout hooks return, as ``typing.Protocol``s.
 
 ``areal_make_sample_buffer`` returns a :class:`SampleBuffer`; ``areal_make_rollout_manager`` returns a
-:class:`RolloutManager`, whose ``controller`` is a :class:`AdmissionCounters`. These are the whole contract:
+:class:`RolloutManager`, whose ``controller`` is a :class:`AdmissionCounters`; ``areal_make_reward_fn`` returns a
+:class:`RewardFunction`, ``areal_make_policy_loss`` a :class:`PolicyLoss`; a rollout backend's server class has the
+members of :class:`BackendCapabilities`. These are the whole contract:
 the trainer calls nothing else on them, and checks at startup that an object returned by a plugin has every
 member (:func:`missing_members`), naming what is missing. ``areal_plugins.testing`` checks behaviour too
 (the conformance kit, docs/guides/plugins.md). The defaults: :class:`areal_plugins.core.buffer.SampleBuffer`,
@@ -11,8 +13,9 @@ member (:func:`missing_members`), naming what is missing. ``areal_plugins.testin
 
 from __future__ import annotations
 
+import inspect
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from areal_plugins.core.buffer import BufferedGroup
@@ -119,6 +122,55 @@ class RolloutManager(Protocol):
         """Generate accepted groups past η again from their prompts (``on_stale: reissue``), same slots."""
 
 
+@runtime_checkable
+class RewardFunction(Protocol):
+    """Scores one response; called with these keywords by verl's reward loop (``rewards/hooked.py``)."""
+
+    def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+        """The reward (a float; the trainer records it as ``reward`` in ``BufferedGroup.info``)."""
+        ...
+
+
+@runtime_checkable
+class PolicyLoss(Protocol):
+    """The per-token objective (:func:`areal_plugins.core.losses.decoupled_ppo_loss` by default)."""
+
+    def __call__(
+        self,
+        logprobs: Any,
+        proximal_logprobs: Any,
+        behav_logprobs: Any,
+        advantages: Any,
+        loss_mask: Any,
+        **options: Any,
+    ) -> tuple[Any, dict[str, Any]]:
+        """``(token-mean loss, stats)``; ``options`` are the clip and cap settings (eps_clip, c_clip, ...)."""
+        ...
+
+
+@runtime_checkable
+class BackendCapabilities(Protocol):
+    """What a rollout backend's server class declares (:class:`areal_plugins.rollout.base.RolloutServer`)."""
+
+    #: Names of ``areal_plugins.rollout.capabilities.CAPABILITIES`` the backend keeps.
+    capabilities: frozenset[str]
+    #: ``sleep`` frees the engine's memory (colocated engines must).
+    releases_memory_on_sleep: bool
+    #: The server runs on the GPUs Ray reserved for its replica.
+    uses_reserved_gpus: bool
+
+    @staticmethod
+    def verify_weights(reply: dict[str, Any], state_dict: dict[str, Any], version: int, where: str) -> None:
+        """Raise unless the server's reply to a weight update shows it loaded ``state_dict`` at ``version``."""
+
+
+#: The Protocols that are called, with these arguments in this order (then keywords: the loss's options).
+CALL_PARAMETERS = {
+    RewardFunction: ("data_source", "solution_str", "ground_truth", "extra_info"),
+    PolicyLoss: ("logprobs", "proximal_logprobs", "behav_logprobs", "advantages", "loss_mask"),
+}
+
+
 def contract_members(contract: type) -> list[str]:
     """The members a Protocol above declares: its annotated attributes, then its methods and properties."""
     names = list(getattr(contract, "__annotations__", {}))
@@ -130,15 +182,34 @@ def contract_members(contract: type) -> list[str]:
 
 
 def missing_members(obj: object, contract: type) -> list[str]:
-    """The members of ``contract`` that ``obj`` lacks, in declaration order."""
-    return [name for name in contract_members(contract) if not hasattr(obj, name)]
+    """The members of ``contract`` that ``obj`` lacks, in declaration order.
+
+    For a called contract (:data:`CALL_PARAMETERS`) the members are the parameters ``obj`` must accept.
+    """
+    if contract in CALL_PARAMETERS:
+        return _missing_parameters(obj, CALL_PARAMETERS[contract])
+    return [name for name in contract_members(contract) if name != "__call__" and not hasattr(obj, name)]
+
+
+def _missing_parameters(obj: object, names: tuple[str, ...]) -> list[str]:
+    """The trainer calls these positionally: ``obj`` must take as many positional arguments as ``names``."""
+    if not callable(obj):
+        return ["__call__"]
+    try:
+        parameters = list(inspect.signature(obj).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return []
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+        return []
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [f"parameter {name!r}" for name in names[len(positional) :]]
 
 
 def require_contract(obj: object, contract: type, hook: str) -> None:
     """Refuse, at startup, an object a hook returned that lacks members of ``contract``."""
     missing = missing_members(obj, contract)
     if missing:
-        kind = type(obj)
+        kind = obj if isinstance(obj, type) else type(obj)
         raise TypeError(
             f"{hook} returned a {kind.__module__}.{kind.__qualname__}, which lacks {', '.join(missing)} of the "
             f"{contract.__name__} contract (areal_plugins.hooks.contracts; docs/guides/plugins.md): add them, "

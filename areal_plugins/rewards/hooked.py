@@ -34,12 +34,15 @@ def _reward_fn(enable: bool, plugins: dict[str, Any]) -> Callable[..., float]:
             if not enable:
                 _chosen[key] = math_verify_score
             else:
+                from areal_plugins.hooks.contracts import RewardFunction, require_contract
                 from areal_plugins.hooks.manager import call_hook, configure_plugins
 
                 if include is not None or exclude:  # the default set needs no rebuild
                     configure_plugins(include=include, exclude=exclude)
                 settings = {"areal": {"enable": enable, "plugins": dict(plugins)}}
-                _chosen[key] = call_hook("areal_make_reward_fn", config=settings)
+                fn = call_hook("areal_make_reward_fn", config=settings)
+                require_contract(fn, RewardFunction, "areal_make_reward_fn")
+                _chosen[key] = fn
         return _chosen[key]
 
 

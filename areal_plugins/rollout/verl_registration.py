@@ -72,7 +72,10 @@ def engine_options(rollout_config: Any) -> dict[str, Any]:
 
 def check_capabilities(rollout_config: Any) -> None:
     """Refuse, before any server starts, a setting the backend cannot honour."""
+    from areal_plugins.hooks.contracts import BackendCapabilities, require_contract
+
     cls = server_class(rollout_config.name)
+    require_contract(cls, BackendCapabilities, f"rollout backend {rollout_config.name} (its server class)")
     if rollout_config.free_cache_engine and not cls.releases_memory_on_sleep:
         raise ValueError(
             f"actor_rollout_ref.rollout.free_cache_engine=true asks the {rollout_config.name} servers to release "

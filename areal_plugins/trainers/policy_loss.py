@@ -134,9 +134,12 @@ def pure_loss() -> Any:
     """The loss the ``areal_make_policy_loss`` hook chose in this worker (asked once per process)."""
     global _pure_loss
     if _pure_loss is None:
+        from areal_plugins.hooks.contracts import PolicyLoss, require_contract
         from areal_plugins.hooks.manager import call_hook
 
-        _pure_loss = call_hook("areal_make_policy_loss", config=None) or decoupled_ppo_loss
+        chosen = call_hook("areal_make_policy_loss", config=None) or decoupled_ppo_loss
+        require_contract(chosen, PolicyLoss, "areal_make_policy_loss")
+        _pure_loss = chosen
     return _pure_loss
 
 
