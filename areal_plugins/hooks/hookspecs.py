@@ -80,7 +80,9 @@ def areal_make_rollout_manager(
 
     :param config: the composed recipe.
     :param buffer: what ``areal_make_sample_buffer`` returned.
-    :param submit_prompts: submits ``n`` new prompt groups for generation; returns how many it sent.
+    :param submit_prompts: submits exactly ``n`` new prompt groups for generation and returns ``n``; it raises
+        rather than send fewer (the default manager counts ``n`` submitted before the call, and takes them back
+        if it raises).
     :param accept_trajectory: asks every ``areal_accept_trajectory`` implementation about one finished
         :class:`~areal_plugins.core.trajectory.Trajectory`; False means drop it (its slot is freed). With no
         implementation installed it is :func:`~areal_plugins.core.trajectory.keep_every_trajectory` itself,
@@ -195,7 +197,9 @@ def areal_after_train_step(step: int, metrics: dict[str, Any]) -> None:
     :param step: the trainer's global step just completed (1-based).
     :param metrics: the step's metrics, mutable; keys are namespaced (``areal/...``).
 
-    Called from: verl's TaskRunner, after each step's metrics are computed, before verl logs them.
+    Called from: verl's TaskRunner, after each step's metrics are computed, before verl logs them: after
+    the step's actor update, its checkpoint (when due), its weight sync to the engines (every step syncs,
+    the last included) and its validation (when due).
     Default: none.
     """
 
