@@ -183,7 +183,7 @@ def train(
     policy = RestartPolicy(max_restarts)
     attempt_overrides = list(overrides)
     while True:
-        prepare_run_dir(run_dir, env)
+        prepare_run_dir(run_dir, env, restart=policy.restarts > 0)
         command = [
             sys.executable,
             "-m",
@@ -196,6 +196,7 @@ def train(
         attempt, elapsed, log_path = run_verl(
             command, run_dir, checkpoints, env, config, total_steps(recipe, overrides)
         )
+        join_metrics(run_dir)  # one metrics.jsonl for the whole run, restarts included
         latch = SignalLatch()  # verl has ended: a Ctrl-C from now on cancels any restart
         latch.install()
         if attempt.user_signal is None and latch.received is not None:
@@ -279,19 +280,65 @@ def run_verl(
     return attempt, time.monotonic() - started, log_file.path
 
 
-def prepare_run_dir(run_dir: Path, env: dict[str, str]) -> Path:
-    """Make the run folder (an existing one is resumed: its metrics are kept aside, since verl's file logger
-    truncates) and point the run's records there through ``env``."""
+#: The rows of a run's earlier attempts while an automatic restart runs (verl's file logger truncates its file);
+#: joined back into ``metrics.jsonl`` when the attempt ends (:func:`join_metrics`).
+EARLIER_METRICS = "metrics.earlier.jsonl"
+
+
+def prepare_run_dir(run_dir: Path, env: dict[str, str], restart: bool = False) -> Path:
+    """Make the run folder and point the run's records there through ``env``.
+
+    An automatic restart (``restart``) continues the run's ``metrics.jsonl``: its rows wait in
+    :data:`EARLIER_METRICS` while verl writes the new attempt's. A folder found at the start of ``train``
+    (resumed by hand, or reused) has its metrics kept aside as ``metrics.before-<time>.jsonl``."""
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
+    earlier = run_dir / EARLIER_METRICS
+    if not restart:
+        join_metrics(run_dir)  # a restart interrupted before its join: its rows belong to that run
+    if metrics.exists() and restart:
+        with earlier.open("ab") as kept_rows:
+            kept_rows.write(metrics.read_bytes())
+        metrics.unlink()
+    elif metrics.exists():
         kept = run_dir / f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
         metrics.rename(kept)
         logger.info("run directory exists (resuming?): earlier metrics kept as %s", kept.name)
     env["VERL_FILE_LOGGER_PATH"] = str(metrics)
     env["AREAL_RUN_DIR"] = str(run_dir)
     return run_dir
+
+
+def _step_of(line: bytes) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def join_metrics(run_dir: Path) -> None:
+    """Put the earlier attempts' rows (:data:`EARLIER_METRICS`) back before the last attempt's, in one file.
+
+    The last attempt resumed from a checkpoint, so it trains again the steps after it: an earlier row of a step
+    the last attempt logged is dropped (the retrained step counts, as ``areal-plugins compare`` reads it)."""
+    earlier = run_dir / EARLIER_METRICS
+    if not earlier.exists():
+        return
+    metrics = run_dir / "metrics.jsonl"
+    latest = metrics.read_bytes().splitlines(keepends=True) if metrics.exists() else []
+    steps = [step for step in map(_step_of, latest) if step is not None]
+    first = min(steps) if steps else None
+    kept = [
+        line
+        for line in earlier.read_bytes().splitlines(keepends=True)
+        if line.strip() and (first is None or (_step_of(line) or 0) < first)
+    ]
+    joined = run_dir / "metrics.jsonl.joining"
+    joined.write_bytes(b"".join(line if line.endswith(b"\n") else line + b"\n" for line in kept + latest))
+    joined.replace(metrics)
+    earlier.unlink()
 
 
 #: How an error raised by this package starts on verl's output (the exception's module path).
