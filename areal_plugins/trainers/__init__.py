@@ -12,8 +12,9 @@ is the fair synchronous baseline of the benchmarks.
 
 from __future__ import annotations
 
-ASYNC_MODE = "areal_async"
-SYNC_MODE = "areal_sync"
+from areal_plugins.config.routing import ASYNC_MODE, SYNC_MODE
+
+__all__ = ["ASYNC_MODE", "SYNC_MODE", "register_trainers"]
 
 
 def register_trainers() -> None:

@@ -35,6 +35,7 @@ from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, PPOTrainer, regis
 from verl.utils import tensordict_utils as tu
 from verl.utils.debug import marked_timer
 
+from areal_plugins.config.routing import ASYNC_MODE
 from areal_plugins.config.settings import ArealConfig, ArealConfigError
 from areal_plugins.core.trajectory import keep_every_trajectory
 from areal_plugins.hooks.contracts import AdmissionCounters, require_contract
@@ -45,7 +46,6 @@ from areal_plugins.rollout.capabilities import check_backend_capabilities
 from areal_plugins.run.control import PHASE_TIMES_FILE, STOP_REQUEST_FILE, PhaseTimes, RunStoppedOnRequestError
 from areal_plugins.run.record_sink import start_record_sink
 from areal_plugins.run.records import RunRecorder, record_exists
-from areal_plugins.trainers import ASYNC_MODE
 from areal_plugins.trainers.admission import require_single_prompt_fetches
 from areal_plugins.trainers.async_checkpoint import (
     DrawCounts,
