@@ -252,6 +252,7 @@ def test_a_dead_replica_of_two_costs_capacity_not_the_run(tiny_dir, tmp_path):
     are in flight on it). Its requests continue on the other replica, the run drops it (load balancer, weight sync,
     statistics) and trains all 11 steps, each prompt group once, none lost. A replacement starts on the freed
     device, takes the weights of the next sync like the survivor (the same checksum) and only then requests."""
+    import os
     import time
 
     from tests.integration.conftest import cli_output, kill_tree, read_jsonl, sigkill_processes_running, start_cli
@@ -260,7 +261,12 @@ def test_a_dead_replica_of_two_costs_capacity_not_the_run(tiny_dir, tmp_path):
     # must join before the last version and then generate); killing at version 2 instead made it no earlier.
     run_dir, steps, killed_after = tmp_path / "run", 11, 3
     two_replicas = ("actor_rollout_ref.rollout.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=3")
-    process = start_cli(*train_args("grpo_cpu_async_separate.yaml", run_dir, tiny_dir, steps, *two_replicas))
+    # Requests are in flight at the kill by construction: every model step of the engines takes at least 0.25 s, so
+    # an answer of more than 4 tokens begun after the resume is still being generated 1 s later, on any machine.
+    slow_engines = dict(os.environ, AREAL_TEST_ENGINE_STEP_DELAY_S="0.25")
+    process = start_cli(
+        *train_args("grpo_cpu_async_separate.yaml", run_dir, tiny_dir, steps, *two_replicas), env=slow_engines
+    )
     try:
         deadline = time.monotonic() + 900
 
