@@ -67,13 +67,15 @@ def test_a_continuation_keeps_its_group_and_new_weights_choose_the_groups_again(
         partial = await second
         assert partial.stop_reason == STOP_ABORTED and len(partial.token_ids) == 1
         engine.load_state_dict(state, version=1)  # version 1: the first group asked for finishes again
-        # "b" continues as prompt + partial output: its group is still [7, 8] (asked first under version 1), so it
-        # finishes; a new group after it is held.
-        resumed = asyncio.ensure_future(engine.generate([7, 8, *partial.token_ids], max_tokens=3, request_id="b"))
+        # Under version 1 another answer of the prompt [7, 8] is asked for first, then "b" continues as prompt +
+        # partial output under a new request id (verl's client draws one per call), then a new prompt: "b" is still of
+        # the group [7, 8], which finishes under version 1; the new prompt's group is held.
+        sibling = asyncio.ensure_future(engine.generate([7, 8], max_tokens=3, request_id="d"))
+        resumed = asyncio.ensure_future(engine.generate([7, 8, *partial.token_ids], max_tokens=3, request_id="b2"))
         other = asyncio.ensure_future(engine.generate([9, 9], max_tokens=4, request_id="c"))
         await asyncio.sleep(0)
         await settled(engine)
-        assert resumed.done() and resumed.result().stop_reason == STOP_COMPLETED
+        assert sibling.done() and resumed.done() and resumed.result().stop_reason == STOP_COMPLETED
         assert resumed.result().versions == [1, 1, 1]
         assert not other.done() and engine.num_in_flight == 1
         # New weights release a held request: it goes on under them.

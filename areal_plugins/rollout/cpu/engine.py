@@ -145,7 +145,7 @@ class ContinuousBatchingEngine:
             future=loop.create_future(),
             seed=seed,
             generator=torch.Generator().manual_seed(seed),
-            hold=self.holds is not None and self.holds.holds(request_id, prompt_ids),
+            hold=self.holds is not None and self.holds.holds(prompt_ids),
         )
         self._waiting.append(request)
         self._ensure_loop()
@@ -283,8 +283,6 @@ class ContinuousBatchingEngine:
 
     def _finish(self, request: _Request, reason: str) -> None:
         request.cache = None
-        if self.holds is not None and reason == STOP_COMPLETED:
-            self.holds.forget(request.request_id)
         if not request.future.done():
             result = Generated(request.token_ids, request.logprobs, request.versions, reason, request.seed)
             request.future.set_result(result)

@@ -11,13 +11,13 @@ until the request is aborted or new weights are loaded. With ``N`` at least the 
 flight when the update comes, on any machine, and nothing waits on them.
 
 A group is the set of requests asked with the same prompt (GRPO's ``rollout.n`` answers of one prompt). A request
-continued after an interruption arrives as prompt + partial output under the same request id; it keeps the group
-of its first request.
+continued after an interruption arrives as prompt + partial output (under a new request id: verl's client draws one
+per call), and a later turn of an episode as the whole conversation so far: each keeps the group whose prompt it
+starts with. (Every prompt ends with the chat template's assistant header, so no fresh prompt starts with another.)
+The engine keeps every group's prompt for its lifetime: a few kB per group, for test runs.
 """
 
 from __future__ import annotations
-
-import hashlib
 
 
 class FinishFirstGroups:
@@ -42,27 +42,28 @@ class FinishFirstGroups:
             )
         self.groups_per_version = groups_per_version
         self.hold_at_token = hold_at_token
-        self._group_of: dict[str, str] = {}  # request id -> digest of its first prompt
-        self._finishing: set[str] = set()  # groups that finish under the weights served now
+        self._groups: dict[int, set[tuple[int, ...]]] = {}  # the groups' prompts, by length
+        self._finishing: set[tuple[int, ...]] = set()  # groups that finish under the weights served now
 
     def new_version(self) -> None:
         """New weights are served: the next groups asked for are the ones that finish."""
         self._finishing.clear()
 
-    def holds(self, request_id: str, prompt_ids: list[int]) -> bool:
-        """Whether the request ``request_id`` (asked with ``prompt_ids``) is to be held under the weights served now."""
-        group = self._group_of.setdefault(request_id, _digest(prompt_ids))
+    def group_of(self, prompt_ids: list[int]) -> tuple[int, ...]:
+        """The prompt of the group a request asked with ``prompt_ids`` belongs to (a new group's: its own)."""
+        for length in sorted(self._groups):
+            if length <= len(prompt_ids) and (prefix := tuple(prompt_ids[:length])) in self._groups[length]:
+                return prefix
+        group = tuple(prompt_ids)
+        self._groups.setdefault(len(group), set()).add(group)
+        return group
+
+    def holds(self, prompt_ids: list[int]) -> bool:
+        """Whether a request asked with ``prompt_ids`` is to be held under the weights served now."""
+        group = self.group_of(prompt_ids)
         if group in self._finishing:
             return False
         if len(self._finishing) < self.groups_per_version:
             self._finishing.add(group)
             return False
         return True
-
-    def forget(self, request_id: str) -> None:
-        """The request completed: no continuation of it will come."""
-        self._group_of.pop(request_id, None)
-
-
-def _digest(prompt_ids: list[int]) -> str:
-    return hashlib.blake2b(repr(prompt_ids).encode(), digest_size=8).hexdigest()
