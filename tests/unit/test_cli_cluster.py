@@ -58,6 +58,8 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
         "RUN_DIR_ENV": "AREAL_RUN_DIR",
         "CORRUPT_VARIABLE": "AREAL_CORRUPT_RECEIVED_WEIGHT",
         "CORRUPT_LOADED_VARIABLE": "AREAL_CORRUPT_LOADED_WEIGHT",
+        "STEP_DELAY_ENV": "AREAL_TEST_ENGINE_STEP_DELAY_S",
+        "MICRO_BATCH_DELAY_ENV": "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
     }
     read = re.compile(r"os\.environ(?:\.get\(|\[)\s*([A-Z_]+|\"[A-Z_]+\")")
     names = set()
@@ -69,13 +71,21 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
     # RANK: verl's worker sets it in every worker process itself (our rollout adapter reads it, as verl's does).
     set_by_verl = {"RANK"}
     # Fault injection: a test sets it in the job's runtime_env itself (++ray_kwargs.ray_init.runtime_env...).
-    set_by_tests = {"AREAL_CORRUPT_RECEIVED_WEIGHT", "AREAL_CORRUPT_LOADED_WEIGHT"}
+    # The speed knobs of a test run (CONTRIBUTING.md): a local run's workers inherit them from the test's environment.
+    set_by_tests = {
+        "AREAL_CORRUPT_RECEIVED_WEIGHT",
+        "AREAL_CORRUPT_LOADED_WEIGHT",
+        "AREAL_TEST_ENGINE_STEP_DELAY_S",
+        "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
+    }
     expected = {
         "AREAL_RUN_DIR",
         "VERL_PLATFORM",
         "RANK",
         "AREAL_CORRUPT_RECEIVED_WEIGHT",
         "AREAL_CORRUPT_LOADED_WEIGHT",
+        "AREAL_TEST_ENGINE_STEP_DELAY_S",
+        "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
     }
     assert names == expected  # found by grep, listed by hand
     assert names - set_by_verl - set_by_tests <= set(cluster_env.JOB_ENV_VARS)
