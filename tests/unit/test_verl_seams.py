@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -334,7 +336,13 @@ def _our_verl_subclasses() -> list[type]:
     for info in pkgutil.walk_packages(areal_plugins.__path__, "areal_plugins."):
         if ".verl_vllm" in info.name:  # needs vLLM (VLLM_SEAMS)
             continue
-        module = importlib.import_module(info.name)
+        try:
+            module = importlib.import_module(info.name)
+        except ValueError as error:  # verl's tool registry loaded this file by its path already (another test)
+            if "already registered" not in str(error):
+                raise
+            origin = importlib.util.find_spec(info.name).origin  # type: ignore[union-attr]
+            module = next(m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == origin)
         for value in vars(module).values():
             if inspect.isclass(value) and value.__module__ == module.__name__ and _verl_bases(value):
                 classes.append(value)
