@@ -37,8 +37,8 @@ REGISTRATIONS: dict[str, tuple[str, ...]] = {
     "verl.plugin.platform": ("areal_plugins.platforms.cpu:register_cpu_platform",),
     "verl.workers.rollout.base": ("areal_plugins.rollout.verl_registration:register_rollout_adapters",),
     "verl.workers.rollout.replica": ("areal_plugins.rollout.verl_registration:register_rollout_replicas",),
-    "verl.trainer.ppo.core_algos": ("areal_plugins.trainers.policy_loss:register_policy_loss_with_verl",),
-    "verl.trainer.ppo.v1": ("areal_plugins.trainers:register_trainers",),
+    "verl.trainer.ppo.core_algos": ("areal_plugins.trainer_workers.policy_loss:register_policy_loss_with_verl",),
+    "verl.trainer.ppo.v1": ("areal_plugins.driver:register_trainers",),
     # The package, not .base: verl's own engines (nccl, ...) are registered by its __init__, and we wrap them.
     "verl.checkpoint_engine": (
         "areal_plugins.weight_sync.gloo:register_gloo_checkpoint_engine",

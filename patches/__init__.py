@@ -12,8 +12,9 @@ any recipe (applied at plugin load in verl's ``main_ppo`` driver only) and token
 (FFD, or runs of like length where verl pads)
 (selected by ``areal.micro_batch.max_tokens``) and the count of micro-batches the stall guard reads as
 progress (selected by ``areal.enable`` with ``areal.mode: async``); the trainer applies these two in its worker
-processes with :func:`apply_in_workers`, since only the driver sees the recipe. With ``areal.enable: false`` on a GPU
-machine only the routing wrapper is installed, in the driver, and it passes verl's config through unchanged.
+processes with :func:`areal_plugins.driver.worker_calls.apply_patches_in_workers`, since only the driver sees the
+recipe. With ``areal.enable: false`` on a GPU machine only the routing wrapper is installed, in the driver, and it
+passes verl's config through unchanged.
 """
 
 from __future__ import annotations
@@ -100,21 +101,8 @@ def apply_enabled_patches(config: Any = None) -> list[str]:
     return applied
 
 
-def apply_in_workers(config: Any, worker_groups: list[Any]) -> list[str]:
-    """Apply the run's enabled patches inside every process of ``worker_groups`` (verl Ray worker groups).
-
-    Worker processes load our plugin without the recipe, so features chosen in the recipe reach them
-    from the driver (:func:`areal_plugins.trainers.workers.run_in_workers`).
-    """
-    from areal_plugins.trainers.workers import run_in_workers
-
-    names = [patch.__name__ for patch in enabled_patches(config)]
-    if names:
-        run_in_workers(worker_groups, _apply_by_name, names)
-    return names
-
-
-def _apply_by_name(names: list[str]) -> None:
+def apply_by_name(names: list[str]) -> None:
+    """Apply the patches named by module (what the driver sends a worker process that has not seen the recipe)."""
     import importlib
 
     for name in names:

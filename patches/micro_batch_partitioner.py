@@ -14,7 +14,8 @@ token mean does not depend on the partition) and the restore of the original ord
 lists returned here).
 *Upstream*: no seam in verl 0.9.1. *Remove when*: verl lets the engine config name a partitioner.
 
-The trainer applies it inside the actor worker processes (:func:`areal_plugins.patches.apply_in_workers`).
+The trainer applies it inside the actor worker processes
+(:func:`areal_plugins.driver.worker_calls.apply_patches_in_workers`).
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def _make_replacement(original: Any) -> Any:
 
 
 def _record(lengths: list[int], groups: list[list[int]], capacity: int, strategy: str) -> None:
-    from areal_plugins.run.records import append_record
+    from areal_plugins.records.writer import append_record
 
     tokens = [sum(lengths[i] for i in group) for group in groups]
     padded = [len(group) * max(lengths[i] for i in group) for group in groups]

@@ -6,12 +6,13 @@ actor runs one call at a time), so it must say itself that it moves. verl 0.9.1'
 micro-batches ``prepare_micro_batches`` returns (``forward_backward_batch`` in
 ``verl/workers/engine/fsdp/transformer_impl.py``) and has no callback per micro-batch. The replacement returns
 the same micro-batches in a list that reports each one as the loop takes it
-(:func:`areal_plugins.trainers.progress.report_progress`, ``trainer_micro_batches``); nothing else changes.
+(:func:`areal_plugins.actors.progress_board.report_progress`, ``trainer_micro_batches``); nothing else changes.
 Megatron's engine is not covered (verl's megatron engine does not import here); there the guard sees the
 engines, the phases and the weight syncs only.
 *Upstream*: no seam in verl 0.9.1. *Remove when*: verl's engine offers a per-micro-batch callback.
 
-The trainer applies it inside the actor worker processes (:func:`areal_plugins.patches.apply_in_workers`).
+The trainer applies it inside the actor worker processes
+(:func:`areal_plugins.driver.worker_calls.apply_patches_in_workers`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class CountedMicroBatches(list):
     """verl's micro-batch list; iterating reports each micro-batch as it is taken."""
 
     def __iter__(self) -> Iterator[Any]:
-        from areal_plugins.trainers.progress import report_progress
+        from areal_plugins.actors.progress_board import report_progress
 
         for micro_batch in super().__iter__():
             report_progress(KIND)

@@ -1,4 +1,4 @@
-"""Async vs sync on the same hardware: ``areal-plugins bench`` (or ``python tools/bench.py``).
+"""Async vs sync on the same hardware: ``python tools/bench.py`` (from a source checkout).
 
 Trains the same recipe body (task, model, seeds, batch) in synchronous verl (``grpo_cpu_sync``,
 our features off) and in our async trainer at each η and placement, repeats every configuration,
@@ -49,7 +49,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal_plugins.run.records import read_jsonl
+from areal_plugins.records.writer import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -72,7 +72,7 @@ def sync_poll_overrides(poll_s: float) -> list[str]:
     if poll_s == VERL_POLL_S:
         return []
     return [
-        "trainer.v1.sampler.custom_sampler.path=${areal_package_path:trainers/baseline_sampler.py}",
+        "trainer.v1.sampler.custom_sampler.path=${areal_package_path:bench/baseline_sampler.py}",
         "trainer.v1.sampler.custom_sampler.name=PollingReplayBuffer",
         f"+trainer.v1.sampler.sampler_kwargs.poll_interval_s={poll_s}",
     ]
@@ -526,7 +526,10 @@ def plot(bench: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="areal-plugins bench", description=__doc__.split("\n\n")[0])
+    from areal_plugins.rollout.verl_registration import BENCH_ENV
+
+    os.environ[BENCH_ENV] = "1"  # the paced engine (areal_paced) is a benchmark's stand-in: opt in
+    parser = argparse.ArgumentParser(prog="tools/bench.py", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -602,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, key, value)
     if not 1 <= args.warmup_steps < args.steps:
         parser.error(f"--warmup-steps must be at least 1 and below --steps ({args.steps}), got {args.warmup_steps}")
-    from areal_plugins.run.launch import ensure_tiny_assets
+    from areal_plugins.cli.launch import ensure_tiny_assets
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")  # build progress
 

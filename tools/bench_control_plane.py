@@ -2,7 +2,7 @@
 
 What runs is the async trainer's rollout side with the model taken out (docs/results/control_plane.md):
 
-- in the driver (this process): :class:`AdmissionLoop` (``trainers/admission.py``) with the default
+- in the driver (this process): :class:`AdmissionLoop` (``driver/admission.py``) with the default
   :class:`StalenessController` and :class:`SampleBuffer`, polling the real TransferQueue every 50 ms as the
   default rollout manager does (``builtin/async_rollout.py``); a trainer loop that takes batches from the buffer
   as ``ArealAsyncTrainer._take_train_batch`` does, "trains" for ``--train-s`` seconds, then runs the weight
@@ -10,7 +10,7 @@ What runs is the async trainer's rollout side with the model taken out (docs/res
 - rollout workers (Ray actors standing for verl's ``AgentLoopWorkerTQ``): per prompt group, ``n`` calls of our
   :class:`InterruptibleLLMClient` through verl's own load balancer, and the trajectories written to TransferQueue
   with the tags verl's agent loop writes;
-- engines: :class:`areal_plugins.testing.paced_engine.PacedRolloutServer` Ray actors, sized as our trainer sizes
+- engines: :class:`areal_plugins.bench.paced_engine.PacedRolloutServer` Ray actors, sized as our trainer sizes
   them (``rollout/server_slots.py``), that return tokens at ``--tokens-per-s`` per request with no model.
 
 It measures, per configuration (B prompts x n answers, η, engines): the driver's CPU seconds per step and per 1k
@@ -208,7 +208,7 @@ class RolloutWorker:
     def __init__(self, load_balancer: Any, response_length: int, store: Any = None, report: bool = False) -> None:
         from omegaconf import OmegaConf
 
-        from areal_plugins.trainers.llm_client import InterruptibleLLMClient
+        from areal_plugins.agent_loop.llm_client import InterruptibleLLMClient
 
         if store is None:
             import transfer_queue as tq
@@ -230,7 +230,7 @@ class RolloutWorker:
             task.add_done_callback(self.tasks.discard)
 
     async def _run_group(self, uid: str, index: int, lengths: list[int], version: int) -> None:
-        from areal_plugins.trainers.admission import output_summary
+        from areal_plugins.core.trajectory_rows import output_summary
 
         await self.store.async_kv_put(key=uid, partition_id=PARTITION, tag={"status": "running"})
         prompt = [index, 1, 2, 3]  # the paced engine stamps each group's first arrival by prompt_ids[0]
@@ -257,7 +257,7 @@ class RolloutWorker:
             await self.store.async_kv_put(key=uid, partition_id=PARTITION, tag={"status": "finished"})
             summaries = [output_summary(uid, as_agent_loop_output(prompt, output)) for output in outputs]
         if self.report:
-            from areal_plugins.trainers.settled_groups import report_settled
+            from areal_plugins.actors.settled_groups import report_settled
 
             await report_settled(uid, keys, summaries)
 
@@ -349,7 +349,7 @@ class RayRig:
         self.workers: list[Any] = []
         self.engines: list[Any] = []
         self._rollout_side = (workers, response_length)
-        from areal_plugins.trainers.settled_groups import drain_reports, start_inbox
+        from areal_plugins.actors.settled_groups import drain_reports, start_inbox
 
         self.inbox = start_inbox()
         self.settled_reports = lambda: drain_reports(self.inbox)  # the workers report settled groups, as in a run
@@ -365,7 +365,7 @@ class RayRig:
         self.ray.get([worker.stats.remote() for worker in self.workers])
 
     def start_engines(self, count: int, tokens_per_s: float, slots: int) -> None:
-        from areal_plugins.testing.paced_engine import PacedRolloutServer
+        from areal_plugins.bench.paced_engine import PacedRolloutServer
 
         if not self.workers:
             self._start_rollout_side()
@@ -425,7 +425,7 @@ class LocalRig:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
 
     def start_engines(self, count: int, tokens_per_s: float, slots: int) -> None:
-        from areal_plugins.testing.paced_engine import PacedRolloutServer
+        from areal_plugins.bench.paced_engine import PacedRolloutServer
 
         self.engines = [PacedRolloutServer(tokens_per_s=tokens_per_s, replica_rank=i) for i in range(count)]
         self._balancer.add_servers({f"paced-{i}": LocalHandle(e) for i, e in enumerate(self.engines)})
@@ -593,7 +593,7 @@ def cpu_of_others(before: dict[int, tuple[str, float]], after: dict[int, tuple[s
 
 def timed_admission_loop(*args: Any, **kwargs: Any) -> Any:
     """Our :class:`AdmissionLoop`, counting the admission thread's CPU per poll."""
-    from areal_plugins.trainers.admission import AdmissionLoop
+    from areal_plugins.driver.admission import AdmissionLoop
 
     class TimedAdmissionLoop(AdmissionLoop):
         poll_cpu_s: list[float]
@@ -815,7 +815,7 @@ def poll_scale_once(
 ) -> dict[str, Any]:
     """Our admission loop against a partition holding ``groups`` finished groups of ``answers`` trajectories.
 
-    ``reports``: the loop learns which groups settled from the workers' reports (trainers/settled_groups.py, as
+    ``reports``: the loop learns which groups settled from the workers' reports (actors/settled_groups.py, as
     in a run, through the ``inbox`` actor when given), having made its first look at the partition while it was
     still empty; else it lists the partition on every poll. ``summaries``: the reports carry each trajectory's
     summary and no accept hook is installed, so no row is read back (else one is, and every row is read). The first
@@ -830,7 +830,7 @@ def poll_scale_once(
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
     from areal_plugins.core.staleness import StalenessController
-    from areal_plugins.trainers.admission import output_summary
+    from areal_plugins.core.trajectory_rows import output_summary
 
     clear_partition(store)
     settled: list[tuple[str, list[str], list[dict[str, Any]] | None]] = []
@@ -876,7 +876,7 @@ def poll_scale_once(
     if reports and inbox is not None:
         import ray
 
-        from areal_plugins.trainers.settled_groups import drain_reports
+        from areal_plugins.actors.settled_groups import drain_reports
 
         drain_reports(inbox)  # nothing left from an earlier shape
         ray.get([inbox.report.remote(*report) for report in settled])
@@ -1050,6 +1050,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> dict[str, Any]:
+    from areal_plugins.rollout.verl_registration import BENCH_ENV
+
+    os.environ[BENCH_ENV] = "1"  # the paced engine (areal_paced) is a benchmark's stand-in: opt in
     args = parse_args(argv)
     if args.table:
         result = json.loads(args.table.read_text())

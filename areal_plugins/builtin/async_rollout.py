@@ -32,10 +32,10 @@ def areal_make_rollout_manager(
 ) -> Any:
     import transfer_queue
 
+    from areal_plugins.actors.settled_groups import drain_reports, start_inbox
     from areal_plugins.core.staleness import StalenessController
     from areal_plugins.core.trajectory import keep_every_trajectory
-    from areal_plugins.trainers.admission import AdmissionLoop
-    from areal_plugins.trainers.settled_groups import drain_reports, start_inbox
+    from areal_plugins.driver.admission import AdmissionLoop
 
     settings = _settings(config)
     # With no plugin to ask, settled groups need not be read back: their workers' reports say what is recorded.

@@ -93,7 +93,7 @@ def _check_agent_loop_manager(class_path: str | None) -> None:
         raise ArealConfigError(f"{hint}; the recipe sets it to null")
     import importlib
 
-    from areal_plugins.trainers.episode_workers import ArealAgentLoopManager
+    from areal_plugins.agent_loop.episode_workers import ArealAgentLoopManager
 
     module, _, name = class_path.rpartition(".")
     try:

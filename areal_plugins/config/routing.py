@@ -14,11 +14,11 @@ from areal_plugins.config.settings import ArealConfig, ArealConfigError, LossCon
 
 RECOMPUTE_LOSS_NAME = "areal_decoupled"
 LOGLINEAR_LOSS_NAME = "areal_decoupled_loglinear"
-#: Our trainer modes in verl's trainer registry (``trainer.v1.trainer_mode``; registered by areal_plugins/trainers/).
+#: Our trainer modes in verl's trainer registry (``trainer.v1.trainer_mode``; registered by areal_plugins/driver/).
 ASYNC_MODE = "areal_async"
 SYNC_MODE = "areal_sync"
-#: verl's agent-loop manager under the async trainer (areal_plugins/trainers/episode_workers.py).
-EPISODE_MANAGER_CLASS = "areal_plugins.trainers.episode_workers.ArealAgentLoopManager"
+#: verl's agent-loop manager under the async trainer (areal_plugins/agent_loop/episode_workers.py).
+EPISODE_MANAGER_CLASS = "areal_plugins.agent_loop.episode_workers.ArealAgentLoopManager"
 #: ``cap_threshold`` without a cap: a bound that never binds.
 NO_CAP = 1e9
 
@@ -45,7 +45,7 @@ def routed_settings(config: ArealConfig) -> dict[str, tuple[bool, Any, Any]]:
     recompute = decoupled and not loglinear
     ffd = on and config.micro_batch.max_tokens is not None
     return {
-        # async: our staleness-bounded trainer (areal_plugins.trainers); sync: verl's, with our hooks.
+        # async: our staleness-bounded trainer (areal_plugins.driver); sync: verl's, with our hooks.
         "trainer_mode": (on, ASYNC_MODE if config.mode == "async" else SYNC_MODE, "sync"),
         "loss_mode": (decoupled, LOGLINEAR_LOSS_NAME if loglinear else RECOMPUTE_LOSS_NAME, "vanilla"),
         "calculate_log_probs": (on, True, False),  # the engine's per-token behaviour log-probs

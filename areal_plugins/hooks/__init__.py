@@ -1,2 +1,3 @@
-"""The plugin system: hook specifications, the contracts of what the rollout hooks return (``contracts.py``),
-the marker plugin authors use, and the plugin manager."""
+"""The plugin API: hook specifications (``hookspecs.py``), the contracts of what the hooks return (``contracts.py``)
+and the marker plugin authors use (``hookimpl.py``). The manager that loads plugins and calls hooks is
+:mod:`areal_plugins.plugin_manager`; the names a plugin author needs are re-exported by :mod:`areal_plugins`."""

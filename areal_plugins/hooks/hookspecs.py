@@ -41,7 +41,7 @@ def areal_validate_config(config: DictConfig) -> None:
     :param config: the whole composed recipe (verl's config with our ``areal:`` node).
 
     Called from: verl's TaskRunner (the trainer's driver, a Ray actor), when the trainer initialises,
-    before any worker starts (``areal_plugins.trainers.hooked.HookedTrainerMixin.init``).
+    before any worker starts (``areal_plugins.driver.hooked.HookedTrainerMixin.init``).
     Default: ``areal_plugins.builtin.validation``: refuses combinations of ``areal:`` and verl settings
     that cannot work (single fields validate themselves in ``areal_plugins.config.settings``).
     """

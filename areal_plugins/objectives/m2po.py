@@ -26,7 +26,7 @@ import torch
 
 from areal_plugins.hooks.hookimpl import hookimpl
 
-#: Loaded only when named in ``areal.plugins.include`` (areal_plugins.hooks.manager).
+#: Loaded only when named in ``areal.plugins.include`` (areal_plugins.plugin_manager).
 AREAL_PLUGIN_OPT_IN = True
 #: τ of the paper ("a single setting of 0.04 works robustly across all training settings").
 M2_THRESHOLD = 0.04

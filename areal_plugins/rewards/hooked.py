@@ -35,7 +35,7 @@ def _reward_fn(enable: bool, plugins: dict[str, Any]) -> Callable[..., float]:
                 _chosen[key] = math_verify_score
             else:
                 from areal_plugins.hooks.contracts import RewardFunction, require_contract
-                from areal_plugins.hooks.manager import call_hook, configure_plugins
+                from areal_plugins.plugin_manager import call_hook, configure_plugins
 
                 if include is not None or exclude:  # the default set needs no rebuild
                     configure_plugins(include=include, exclude=exclude)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from areal_plugins.run.records import append_record
+from areal_plugins.records.writer import append_record
 
 
 class RolloutServer(abc.ABC):
@@ -228,10 +228,6 @@ class Generated:
     stop_reason: str
     #: the seed the engine sampled with (None where it cannot say)
     seed: int | None = None
-
-
-class WeightSyncError(RuntimeError):
-    """The engine does not serve the weights the trainer sent."""
 
 
 def token_budget(

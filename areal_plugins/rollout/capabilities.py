@@ -49,9 +49,9 @@ VERL_BACKENDS = {
 def provided_capabilities(backend: str) -> frozenset[str]:
     """What ``backend`` provides: its server class's declaration for ours, the table above for verl's, nothing
     for others."""
-    from areal_plugins.rollout.verl_registration import BACKENDS, server_class
+    from areal_plugins.rollout.verl_registration import backends, server_class
 
-    if backend in BACKENDS:
+    if backend in backends():
         return server_class(backend).capabilities
     return VERL_BACKENDS.get(backend, frozenset())
 

@@ -25,11 +25,23 @@ from areal_plugins.rollout.server_slots import UNBOUNDED_SLOTS, server_concurren
 logger = logging.getLogger(__name__)
 
 #: ``actor_rollout_ref.rollout.name`` -> ``module:Class`` of its server (imported on first use).
+#: Benchmarks' stand-ins are added (:func:`backends`) only in processes that inherit :data:`BENCH_ENV` = ``1``.
 BACKENDS = {
     "areal_cpu": "areal_plugins.rollout.cpu.server:CPURolloutServer",
-    # No model: tokens at a fixed rate, for benchmarks of the control plane through verl's trainers.
-    "areal_paced": "areal_plugins.testing.paced_engine:VerlPacedServer",
 }
+#: Set to ``1`` by the benchmarks under ``tools/`` (their Ray workers inherit it): registers :data:`BENCH_BACKENDS`.
+BENCH_ENV = "AREAL_BENCH_BACKENDS"
+#: No model: tokens at a fixed rate, for benchmarks of the control plane through verl's trainers.
+BENCH_BACKENDS = {
+    "areal_paced": "areal_plugins.bench.paced_engine:VerlPacedServer",
+}
+
+
+def backends() -> dict[str, str]:
+    """Our backends in this process: :data:`BACKENDS`, and the benchmarks' where :data:`BENCH_ENV` asks for them."""
+    return BACKENDS | BENCH_BACKENDS if os.environ.get(BENCH_ENV) == "1" else dict(BACKENDS)
+
+
 ADAPTER_FQN = f"{__name__}.ArealServerAdapter"
 #: CPU share Ray reserves for each server actor: fractional so that it never starves verl's own
 #: actors on a 2-core machine; torch threads are set separately (``engine_kwargs.<backend>.num_threads``).
@@ -40,9 +52,15 @@ ENGINE_OPTIONS = ("num_threads", "max_batch_size", "batch_invariant")
 
 def server_class(backend: str) -> type[RolloutServer]:
     """The server class of ``backend`` (one of :data:`BACKENDS`)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown areal rollout backend {backend!r}; ours: {', '.join(BACKENDS)}")
-    module, _, name = BACKENDS[backend].partition(":")
+    known = backends()
+    if backend in BENCH_BACKENDS and backend not in known:
+        raise ValueError(
+            f"rollout backend {backend!r} is a benchmark's stand-in with no model (areal_plugins.bench): set "
+            f"{BENCH_ENV}=1 in the environment that starts the run (tools/bench*.py do), or pick a real engine"
+        )
+    if backend not in known:
+        raise ValueError(f"unknown areal rollout backend {backend!r}; ours: {', '.join(known)}")
+    module, _, name = known[backend].partition(":")
     return getattr(importlib.import_module(module), name)
 
 
@@ -268,7 +286,7 @@ def register_rollout_adapters() -> None:
 
     # verl's own vllm: its adapter plus the received-weights check, active only with our server (areal_async).
     base._ROLLOUT_REGISTRY[("vllm", "async")] = VERL_VLLM_ADAPTER_FQN
-    for backend in BACKENDS:
+    for backend in backends():
         base._ROLLOUT_REGISTRY[(backend, "async")] = ADAPTER_FQN
 
 
@@ -276,7 +294,7 @@ def register_rollout_replicas() -> None:
     """Add every backend of :data:`BACKENDS` to verl's ``RolloutReplicaRegistry`` (the class is built on first use)."""
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    for backend in BACKENDS:
+    for backend in backends():
         RolloutReplicaRegistry.register(backend, lambda: __getattr__("ArealRolloutReplica"))
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import pluggy
 import pytest
 
-from areal_plugins.hooks.manager import check_plugins, get_plugin_manager
+from areal_plugins.plugin_manager import check_plugins, get_plugin_manager
 from areal_plugins.testing.buffer_kit import check_sample_buffer
 from areal_plugins.testing.manager_kit import ManagerKit, check_rollout_manager
 from areal_plugins.testing.memory_transfer_queue import InMemoryTransferQueue

@@ -16,8 +16,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from areal_plugins.rollout.base import WeightSyncError
 from areal_plugins.weight_sync.checksums import check_weight_reports, tensor_checksum
+from areal_plugins.weight_sync.errors import WeightSyncError
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from areal_plugins.rollout.base import WeightSyncError
+from areal_plugins.weight_sync.errors import WeightSyncError
 
 #: Relative tolerance of each sum (float64 sums of the same values may differ in their last bits between the
 #: reduction kernels of the sender and the receiver); a changed weight moves them by far more.

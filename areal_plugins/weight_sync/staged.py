@@ -29,7 +29,7 @@ from verl.checkpoint_engine.base import CheckpointEngineManager
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
 from verl.utils.ray_utils import auto_await
 
-from areal_plugins.run.records import append_record
+from areal_plugins.records.writer import append_record
 from areal_plugins.weight_sync.checked_transfer import check_transfer_reports
 
 logger = logging.getLogger(__name__)

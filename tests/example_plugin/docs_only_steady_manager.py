@@ -16,7 +16,7 @@ import pluggy
 
 from areal_plugins.config.settings import ArealConfig
 from areal_plugins.core.staleness import StalenessController
-from areal_plugins.trainers.admission import AdmissionLoop
+from areal_plugins.driver.admission import AdmissionLoop
 
 AREAL_PLUGIN_OPT_IN = True
 PER_POLL = 4

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_plugins.run.records import read_jsonl  # the tests import it from here
+from areal_plugins.records.writer import read_jsonl  # the tests import it from here
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_DIR = REPO / ".areal" / "tiny"  # shared with the demo: built once per machine

@@ -94,7 +94,7 @@ def test_the_bound_is_what_admission_allows_times_the_answers_per_prompt():
     assert bound_requests_from_config(config(mode="sync")) == 512 * 16
 
 
-def test_under_verls_own_trainers_our_replica_gives_its_server_a_slot_for_every_parked_request(local_ray):
+def test_under_verls_own_trainers_our_replica_gives_its_server_a_slot_for_every_parked_request(local_ray, monkeypatch):
     """verl's own trainers set no bound (ours does). Our replica (verl's registry, ``launch_servers``) then sizes the
     server past any number parked: 1,100 requests parked beyond verl's 1,040 slots, and the statistics and resume
     calls still run. verl's colocate_async on areal_paced at 128 x 16 hung in its weight update without it."""
@@ -105,6 +105,10 @@ def test_under_verls_own_trainers_our_replica_gives_its_server_a_slot_for_every_
     from verl.workers.rollout.replica import get_rollout_replica_class
 
     import areal_plugins.verl_plugin  # noqa: F401  (registers our backends, as verl's plugin loading does)
+    from areal_plugins.rollout import verl_registration
+
+    monkeypatch.setenv(verl_registration.BENCH_ENV, "1")  # the paced engine is a benchmark's stand-in: opt in
+    verl_registration.register_rollout_backends()
 
     config = RolloutConfig(
         name="areal_paced",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_plugins.trainers.partial_outputs import read_partials
+from areal_plugins.agent_loop.partial_outputs import read_partials
 from tests.integration.conftest import read_jsonl, run_cli, train_tiny
 
 pytestmark = pytest.mark.integration

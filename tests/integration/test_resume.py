@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from areal_plugins.trainers.partial_outputs import read_partials
+from areal_plugins.agent_loop.partial_outputs import read_partials
 from tests.integration.conftest import (
     assert_within_staleness_bound,
     cli_output,

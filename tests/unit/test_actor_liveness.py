@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from areal_plugins.trainers.actor_liveness import ActorLiveness, RunActorDiedError, describe_actor
+from areal_plugins.driver.actor_liveness import ActorLiveness, RunActorDiedError, describe_actor
 
 
 def actor(actor_id, class_name, state="ALIVE", reason=None, message=""):
@@ -134,11 +134,11 @@ def test_a_rollout_server_found_dead_by_the_statistics_look_is_named_with_its_no
     # The step's look at the engines' statistics may see a lost node first: the run's error must still name it.
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
-    from areal_plugins.run.records import RunRecorder
-    from areal_plugins.trainers.async_trainer import ArealAsyncTrainer
-    from areal_plugins.trainers.engine_stats import EngineStats, RolloutServerDiedError
-    from areal_plugins.trainers.replica_pool import ReplicaPool
-    from areal_plugins.trainers.supervision import Supervisor
+    from areal_plugins.driver.async_trainer import ArealAsyncTrainer
+    from areal_plugins.driver.engine_stats import EngineStats, RolloutServerDiedError
+    from areal_plugins.driver.replica_pool import ReplicaPool
+    from areal_plugins.driver.supervision import Supervisor
+    from areal_plugins.records.writer import RunRecorder
 
     cluster = Cluster([actor("s1", "CPURolloutServer")])
     liveness = ActorLiveness(cluster)

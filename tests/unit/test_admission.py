@@ -11,10 +11,11 @@ import torch
 
 from areal_plugins.core.buffer import SampleBuffer
 from areal_plugins.core.staleness import StalenessController
+from areal_plugins.core.trajectory_rows import MissingRolloutFieldError
+from areal_plugins.driver.admission import AdmissionLoop, RolloutsFailingError
 from areal_plugins.hooks.hookimpl import hookimpl
-from areal_plugins.hooks.manager import call_hook
+from areal_plugins.plugin_manager import call_hook
 from areal_plugins.testing import InMemoryTransferQueue, plugin_registered
-from areal_plugins.trainers.admission import AdmissionLoop, MissingRolloutFieldError, RolloutsFailingError
 from tests.unit.conftest import wait_until
 
 
@@ -147,7 +148,7 @@ def test_a_trajectory_without_behaviour_logprobs_stops_the_loop_instead_of_inven
 
 
 def test_tensor_rows_reads_every_layout_transfer_queue_may_hand_out():
-    from areal_plugins.trainers.admission import tensor_rows
+    from areal_plugins.core.trajectory_rows import tensor_rows
 
     rows = [torch.tensor([1, 2, 3]), torch.tensor([4]), torch.tensor([5, 6])]
     assert tensor_rows(torch.nested.as_nested_tensor(rows, layout=torch.jagged)) == [[1, 2, 3], [4], [5, 6]]
@@ -309,7 +310,7 @@ def test_startup_is_refused_unless_verl_fetches_prompts_one_at_a_time():
     """Admission submits any count; verl 0.9.1 fetches in gen_batch_size chunks and forces 1 outside sync mode."""
     from omegaconf import OmegaConf
 
-    from areal_plugins.trainers.admission import require_single_prompt_fetches
+    from areal_plugins.driver.admission import require_single_prompt_fetches
 
     require_single_prompt_fetches(OmegaConf.create({"gen_batch_size": 1}))
     for fetch in (None, 16):
@@ -324,7 +325,7 @@ def test_each_trajectorys_schedule_keeps_the_requests_that_produced_kept_tokens(
     import numpy as np
 
     from areal_plugins.core.trajectory import Trajectory
-    from areal_plugins.trainers.admission import schedule_fields
+    from areal_plugins.core.trajectory_rows import schedule_fields
 
     chunks = [[np.int64(0), np.int64(0), np.int64(7)], [np.int64(2), np.int64(1), None], [4, 2, 9]]
     trajectory = Trajectory([1, 2], [10, 11, 12, 13], [-1.0] * 4, [0, 0, 1, 1], extra={"areal_chunks": chunks})
@@ -399,7 +400,7 @@ def test_a_token_digest_is_the_sha256_of_the_ids_as_little_endian_64_bit_integer
     import hashlib
     import struct
 
-    from areal_plugins.trainers.admission import token_digest
+    from areal_plugins.core.trajectory_rows import token_digest
 
     expected = hashlib.sha256(struct.pack("<3q", 1, 2, 300000)).hexdigest()[:16]  # packed by hand
     assert token_digest([1, 2, 300000]) == expected
@@ -491,8 +492,8 @@ def test_a_workers_summary_is_what_the_admission_loop_would_read_back_from_the_r
 
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
-    from areal_plugins.trainers.admission import TRAJECTORY_FIELDS, group_trajectories, output_summary, trajectory_info
-    from areal_plugins.trainers.episodes import CHUNKS_FIELD
+    from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, group_trajectories, output_summary, trajectory_info
+    from areal_plugins.driver.admission import TRAJECTORY_FIELDS
 
     extra = {"token_versions": [0, 1, 1], "num_interrupts": 1, CHUNKS_FIELD: [[0, 0, 7], [1, 1, 8]],
              "reward_extra_info": {"areal_reward_latency_s": 0.5, "acc": 1.0}}  # fmt: skip
@@ -519,7 +520,7 @@ def test_a_workers_summary_is_what_the_admission_loop_would_read_back_from_the_r
 
 
 def test_the_default_rollout_manager_asks_about_trajectories_only_when_a_plugin_answers():
-    from areal_plugins.hooks.manager import hook_implemented
+    from areal_plugins.plugin_manager import hook_implemented
 
     assert not hook_implemented("areal_accept_trajectory")  # none of the built-in plugins does
     with plugin_registered(RejectWrongAnswers()):

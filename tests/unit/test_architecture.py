@@ -117,3 +117,85 @@ def test_every_design_citation_names_a_section_of_the_design_doc():
                     unresolved.append(f"{path.name}: {after}")
     assert cited > 10, "the code cites the design doc's sections"
     assert not unresolved, f"citations of missing sections: {unresolved}"
+
+
+def folder_of(module: str) -> str:
+    """The folder (subpackage) of a package module, or the top-level module's own name."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    folders: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        here = folder_of(name)
+        folders.setdefault(here, set()).update(folder_of(t) for t in targets if folder_of(t) != here)
+    for targets in list(folders.values()):
+        for target in targets:
+            folders.setdefault(target, set())
+    return folders
+
+
+#: The one folder edge a cycle may use: the plugin manager registers the built-in plugins (the host loads its own
+#: plugins; a built-in plugin may build driver objects, e.g. the default rollout manager, the admission loop).
+HOST_LOADS_BUILTINS = ("plugin_manager", "builtin")
+#: Folders whose code runs in the workers or anywhere (engines, records, the pure core): never the driver's code.
+WORKER_SIDE = ("agent_loop", "trainer_workers", "actors", "rollout", "weight_sync", "records", "core", "replay")
+
+
+def test_no_cycle_between_folders():
+    folders = folder_graph(import_graph())
+    assert HOST_LOADS_BUILTINS[1] in folders[HOST_LOADS_BUILTINS[0]], "the allowed edge is still needed"
+    folders[HOST_LOADS_BUILTINS[0]].discard(HOST_LOADS_BUILTINS[1])
+    cycle = find_cycle(folders)
+    assert cycle is None, "folders import each other in a cycle: " + " -> ".join(cycle or [])
+
+
+def test_worker_side_code_never_imports_the_drivers():
+    graph = import_graph()
+    offending = {
+        (name, target)
+        for name, targets in graph.items()
+        if folder_of(name) in WORKER_SIDE and folder_of(name) != "replay"
+        for target in targets
+        if folder_of(target) == "driver"
+    }
+    # The replay package has one side in each process; only its driver side may reach the driver's code.
+    offending |= {
+        (name, target)
+        for name, targets in graph.items()
+        if folder_of(name) == "replay" and name != "areal_plugins.replay.driver_side"
+        for target in targets
+        if folder_of(target) == "driver"
+    }
+    assert not offending, f"worker-side modules import the driver's: {sorted(offending)}"
+
+
+def test_the_trainer_workers_import_neither_the_driver_nor_the_agent_loop():
+    graph = import_graph()
+    for name, targets in package_imports(graph, "areal_plugins.trainer_workers").items():
+        assert not {folder_of(t) for t in targets} & {"driver", "agent_loop", "replay"}, (name, sorted(targets))
+
+
+def test_nothing_imports_the_cli():
+    graph = import_graph()
+    importers = {name for name, targets in graph.items() for t in targets if folder_of(t) == "cli"}
+    assert {name for name in importers if folder_of(name) != "cli"} == set()
+
+
+def test_the_rule_checks_catch_a_broken_layout():
+    # The checks above on a made-up graph: an agent-loop module importing the driver, and a folder cycle.
+    graph = {
+        "areal_plugins.agent_loop.client": {"areal_plugins.driver.admission"},
+        "areal_plugins.driver.admission": {"areal_plugins.agent_loop.client"},
+    }
+    assert find_cycle(folder_graph(graph)) == ["agent_loop", "driver", "agent_loop"]
+    assert folder_of("areal_plugins.agent_loop.client") in WORKER_SIDE
+
+
+def test_the_plugin_api_is_the_packages_top():
+    import areal_plugins
+
+    for name in areal_plugins.__all__:
+        assert getattr(areal_plugins, name) is not None, name
+    assert {"hookimpl", "Trajectory", "SampleBuffer", "RolloutManager", "PolicyLoss"} <= set(areal_plugins.__all__)

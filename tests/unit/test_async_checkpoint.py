@@ -9,8 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from areal_plugins.core.staleness import StalenessController
-from areal_plugins.run.records import RunRecorder
-from areal_plugins.trainers.async_checkpoint import (
+from areal_plugins.driver.async_checkpoint import (
     DrawCounts,
     checkpoint_before_stopping,
     checkpoint_folder,
@@ -18,6 +17,7 @@ from areal_plugins.trainers.async_checkpoint import (
     resume_folder,
     save_async_state,
 )
+from areal_plugins.records.writer import RunRecorder
 
 
 def trainer_config(tmp_path, save_freq=2, resume_mode="auto", resume_from_path=None):

@@ -1,5 +1,5 @@
 """The control-plane bench (tools/bench_control_plane.py): its arithmetic on hand-derived values, the paced engine
-stand-in it drives (areal_plugins/testing/paced_engine.py), and a tiny run that produces a row (no Ray)."""
+stand-in it drives (areal_plugins/bench/paced_engine.py), and a tiny run that produces a row (no Ray)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from areal_plugins.testing.paced_engine import PacedRolloutServer
+from areal_plugins.bench.paced_engine import PacedRolloutServer
 from tests.unit.tool_scripts import load_tool
 
 bench = load_tool("bench_control_plane")
@@ -124,10 +124,10 @@ def test_areal_paced_is_built_from_verls_replica_arguments_and_declares_no_weigh
     are waived, since it holds no weights."""
     from omegaconf import OmegaConf
 
+    from areal_plugins.bench.paced_engine import VerlPacedServer
     from areal_plugins.config.settings import ArealConfigError
     from areal_plugins.rollout.capabilities import check_backend_capabilities
     from areal_plugins.rollout.verl_registration import engine_options, server_class
-    from areal_plugins.testing.paced_engine import VerlPacedServer
 
     cls = server_class("areal_paced")
     assert cls is VerlPacedServer

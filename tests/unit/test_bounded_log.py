@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from areal_plugins.run.bounded_log import BoundedLog, line_shape
+from areal_plugins.cli.bounded_log import BoundedLog, line_shape
 
 
 class FakeClock:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from areal_plugins import cli
-from areal_plugins.run.cluster_fit import Cluster, fit_cluster
-from areal_plugins.run.preflight import RecipeRefusedError, check_recipe
+from areal_plugins.cli.preflight import RecipeRefusedError, check_recipe
+from areal_plugins.planning.cluster_fit import Cluster, fit_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if not p.name.startswith("_"))

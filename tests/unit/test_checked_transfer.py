@@ -11,7 +11,6 @@ import pytest
 import torch
 from verl.checkpoint_engine.base import CheckpointEngineRegistry
 
-from areal_plugins.rollout.base import WeightSyncError
 from areal_plugins.weight_sync.checked_transfer import (
     ChecksumsOfTransfer,
     check_transfer_reports,
@@ -19,6 +18,7 @@ from areal_plugins.weight_sync.checked_transfer import (
     register_checked_checkpoint_engines,
 )
 from areal_plugins.weight_sync.checksums import tensor_checksum
+from areal_plugins.weight_sync.errors import WeightSyncError
 
 
 class LinkTransport:

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_plugins.run.cluster_env import with_ray_defaults
-from areal_plugins.run.progress import format_progress, parse_metrics, recipe_files, total_steps
+from areal_plugins.cli.cluster_env import with_ray_defaults
+from areal_plugins.cli.progress import format_progress, parse_metrics, recipe_files, total_steps
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -33,7 +33,7 @@ def test_total_steps_from_overrides_or_the_shared_recipe_body():
 def test_training_takes_any_built_workload_and_a_build_refuses_a_directory_of_another(tmp_path):
     import json
 
-    from areal_plugins.run.launch import ensure_tiny_assets
+    from areal_plugins.cli.launch import ensure_tiny_assets
 
     (tmp_path / "BUILT.json").write_text(json.dumps({"workload": "longtail"}))
     assert ensure_tiny_assets(tmp_path) == tmp_path  # train --tiny-dir: use what is there
@@ -51,7 +51,7 @@ def test_ray_task_event_cap_is_a_default_the_user_can_override():
 def test_ctrl_c_asks_for_a_checkpointed_stop_only_where_the_trainer_reads_the_request():
     from omegaconf import OmegaConf
 
-    from areal_plugins.run.launch import stops_with_a_checkpoint
+    from areal_plugins.cli.launch import stops_with_a_checkpoint
 
     def config(**areal):
         return OmegaConf.create({"trainer": {"save_freq": 5}, **({"areal": areal} if areal else {})})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from areal_plugins import cli
-from areal_plugins.run import cluster_env
+from areal_plugins.cli import cluster_env
 
 
 def test_the_run_settings_travel_in_the_jobs_runtime_env():
@@ -60,11 +60,12 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
         "CORRUPT_LOADED_VARIABLE": "AREAL_CORRUPT_LOADED_WEIGHT",
         "STEP_DELAY_ENV": "AREAL_TEST_ENGINE_STEP_DELAY_S",
         "MICRO_BATCH_DELAY_ENV": "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
+        "BENCH_ENV": "AREAL_BENCH_BACKENDS",
     }
     read = re.compile(r"os\.environ(?:\.get\(|\[)\s*([A-Z_]+|\"[A-Z_]+\")")
     names = set()
     for path in package.rglob("*.py"):
-        if path.relative_to(package).as_posix() in ("cli.py", "run/launch.py", "run/cluster_env.py"):
+        if path.relative_to(package).as_posix() in ("cli/__init__.py", "cli/launch.py", "cli/cluster_env.py"):
             continue  # the CLI's own process
         for token in read.findall(path.read_text()):
             names.add(constants.get(token, token.strip('"')))
@@ -77,6 +78,8 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
         "AREAL_CORRUPT_LOADED_WEIGHT",
         "AREAL_TEST_ENGINE_STEP_DELAY_S",
         "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
+        # The benchmarks' opt-in to their engine stand-in: tools/ set it before the run's local Ray starts.
+        "AREAL_BENCH_BACKENDS",
     }
     expected = {
         "AREAL_RUN_DIR",
@@ -86,6 +89,7 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
         "AREAL_CORRUPT_LOADED_WEIGHT",
         "AREAL_TEST_ENGINE_STEP_DELAY_S",
         "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
+        "AREAL_BENCH_BACKENDS",
     }
     assert names == expected  # found by grep, listed by hand
     assert names - set_by_verl - set_by_tests <= set(cluster_env.JOB_ENV_VARS)
@@ -103,7 +107,7 @@ def test_the_gpu_recipes_join_a_cluster_with_overrides_hydra_accepts(monkeypatch
     """The overrides train passes to main_ppo when joining a cluster compose with a GPU recipe."""
     from pathlib import Path
 
-    from areal_plugins.run.preflight import check_recipe
+    from areal_plugins.cli.preflight import check_recipe
 
     monkeypatch.setenv("AREAL_DATA_DIR", str(tmp_path))
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "gpu" / "grpo_1.5b_two_nodes.yaml"

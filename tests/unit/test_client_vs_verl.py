@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from verl.workers.rollout import llm_server
 from verl.workers.rollout.replica import TokenOutput
 
-from areal_plugins.trainers.llm_client import InterruptibleLLMClient
+from areal_plugins.agent_loop.llm_client import InterruptibleLLMClient
 
 PROMPT = [1, 2, 3]
 LAYERS, TOP_K = 2, 2

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from areal_plugins.cli import main
-from areal_plugins.run.compare import Divergence, compare_runs
+from areal_plugins.records.compare import Divergence, compare_runs
 
 
 def sample(step: int, prompt: str, response: str, reward: float = 1.0) -> dict:

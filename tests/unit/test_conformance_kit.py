@@ -11,9 +11,9 @@ import pytest
 
 from areal_plugins.core.buffer import SampleBuffer
 from areal_plugins.core.staleness import StalenessController
+from areal_plugins.driver.admission import AdmissionLoop
 from areal_plugins.hooks.contracts import RolloutManager, missing_members, require_contract
 from areal_plugins.testing import ContractViolationError, check_rollout_manager, check_sample_buffer
-from areal_plugins.trainers.admission import AdmissionLoop
 
 EXAMPLE_PLUGINS = Path(__file__).resolve().parents[1] / "example_plugin"
 

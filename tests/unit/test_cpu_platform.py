@@ -80,7 +80,7 @@ def test_fsdp_engine_found_for_cpu():
 def test_hooked_trainer_modes_wrap_verls_own():
     from verl.trainer.ppo.v1 import PPOTrainer, PPOTrainerSync, get_trainer_cls
 
-    from areal_plugins.trainers.hooked import HookedTrainerMixin
+    from areal_plugins.driver.hooked import HookedTrainerMixin
 
     assert issubclass(get_trainer_cls("areal_sync"), PPOTrainerSync)
     assert issubclass(get_trainer_cls("areal_sync"), HookedTrainerMixin)

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from areal_plugins.rollout.base import WeightSyncError
+from areal_plugins.weight_sync.errors import WeightSyncError
 
 PARAMS = {"max_tokens": 64, "temperature": 1.0, "logprobs": True}
 

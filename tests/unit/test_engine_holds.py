@@ -126,7 +126,7 @@ def test_the_trainers_micro_batch_delay_comes_from_its_variable_and_is_spent_in_
 
     import torch
 
-    from areal_plugins.trainers import policy_loss
+    from areal_plugins.trainer_workers import policy_loss
 
     def fresh(value: str | None) -> float:
         policy_loss.micro_batch_delay_s.cache_clear()

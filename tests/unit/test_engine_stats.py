@@ -7,9 +7,9 @@ import types
 import pytest
 import ray
 
-from areal_plugins.run.records import RunRecorder
-from areal_plugins.trainers import engine_stats
-from areal_plugins.trainers.engine_stats import EngineStats
+from areal_plugins.driver import engine_stats
+from areal_plugins.driver.engine_stats import EngineStats
+from areal_plugins.records.writer import RunRecorder
 
 
 class Server:

@@ -11,10 +11,11 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
+from areal_plugins.agent_loop.episode_workers import EpisodeAgentLoopWorker, EpisodeStalledError, account_tool_calls
+from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, EpisodeAlignmentError, EpisodeRecord
+from areal_plugins.agent_loop.llm_client import InterruptibleLLMClient
+from areal_plugins.core.trajectory_rows import CHUNKS_FIELD
 from areal_plugins.rollout.base import SEED_FIELD
-from areal_plugins.trainers.episode_workers import EpisodeAgentLoopWorker, EpisodeStalledError, account_tool_calls
-from areal_plugins.trainers.episodes import CHUNKS_FIELD, CURRENT_EPISODE, EpisodeAlignmentError, EpisodeRecord
-from areal_plugins.trainers.llm_client import InterruptibleLLMClient
 
 
 def scripted_server(monkeypatch, chunks: list[tuple[list[int], list[int], str]]) -> list[list[int]]:

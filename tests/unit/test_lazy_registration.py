@@ -70,7 +70,7 @@ def test_every_name_is_registered_once_verl_imports_its_registry() -> None:
 def test_our_trainer_imported_first_is_still_registered() -> None:
     # Our module imports verl's V1 package, which finishes (and fires the registration) half way through ours.
     code = (
-        "from areal_plugins.trainers.async_trainer import ArealAsyncTrainer\n"
+        "from areal_plugins.driver.async_trainer import ArealAsyncTrainer\n"
         "from verl.trainer.ppo.v1 import get_trainer_cls\n"
         "print(get_trainer_cls('areal_async') is ArealAsyncTrainer)\n"
     )

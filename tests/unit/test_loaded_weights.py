@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from areal_plugins.rollout.base import WeightSyncError
 from areal_plugins.rollout.verl_vllm.loaded_weights import ReceivedTensor, loaded_report, source_names
 from areal_plugins.weight_sync.checksums import check_loaded_reports
+from areal_plugins.weight_sync.errors import WeightSyncError
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "areal_plugins"
 #: Every module that builds tensors inside a policy loss or its statistics.
 LOSS_CODE = [
     PACKAGE / "core" / "losses.py",
-    PACKAGE / "trainers" / "policy_loss.py",
+    PACKAGE / "trainer_workers" / "policy_loss.py",
     *sorted((PACKAGE / "objectives").glob("*.py")),
 ]
 FACTORIES = {"zeros", "ones", "arange", "full", "empty", "tensor", "as_tensor", "rand", "randn", "eye", "linspace"}

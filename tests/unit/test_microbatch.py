@@ -113,7 +113,7 @@ def test_a_verl_batch_is_reordered_by_length_with_its_padding_reported():
     from omegaconf import OmegaConf
     from transfer_queue import KVBatchMeta
 
-    from areal_plugins.trainers.length_order import order_batch_by_length, pads_micro_batches
+    from areal_plugins.driver.length_order import order_batch_by_length, pads_micro_batches
 
     config = OmegaConf.create(
         {

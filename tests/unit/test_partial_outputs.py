@@ -8,10 +8,9 @@ import asyncio
 import ray
 from omegaconf import OmegaConf
 
-from areal_plugins.trainers import partial_outputs
-from areal_plugins.trainers.admission import token_digest
-from areal_plugins.trainers.episodes import CURRENT_EPISODE, EpisodeRecord
-from areal_plugins.trainers.partial_outputs import (
+from areal_plugins.agent_loop import partial_outputs
+from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, EpisodeRecord
+from areal_plugins.agent_loop.partial_outputs import (
     IN_FLIGHT,
     RESUMED_NAME,
     PartialOutput,
@@ -21,6 +20,7 @@ from areal_plugins.trainers.partial_outputs import (
     start_resumed,
     write_partials,
 )
+from areal_plugins.core.trajectory_rows import token_digest
 
 
 @ray.remote
@@ -51,7 +51,7 @@ class ScriptedServer:
 def client_of(server, save_freq: int = 1):
     from verl.workers.rollout.router import get_router_handle
 
-    from areal_plugins.trainers.llm_client import InterruptibleLLMClient
+    from areal_plugins.agent_loop.llm_client import InterruptibleLLMClient
 
     config = OmegaConf.create(
         {

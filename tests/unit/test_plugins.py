@@ -12,8 +12,8 @@ import pytest
 from areal_plugins.core.trajectory import Trajectory
 from areal_plugins.hooks import hookspecs
 from areal_plugins.hooks.hookimpl import hookimpl
-from areal_plugins.hooks.manager import PluginError, build_plugin_manager, call_hook
-from areal_plugins.run.control import RunStoppedOnRequestError
+from areal_plugins.plugin_manager import PluginError, build_plugin_manager, call_hook
+from areal_plugins.records.control_files import RunStoppedOnRequestError
 from areal_plugins.testing import plugin_registered
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "hooks.md"
@@ -194,8 +194,8 @@ def test_an_opt_in_plugin_loads_only_when_named(installed_example_plugin, tmp_pa
 
 
 def test_m2po_is_shipped_opt_in_and_replaces_the_loss_when_included():
-    from areal_plugins.hooks.manager import installed_plugin_names
     from areal_plugins.objectives.m2po import m2po_loss
+    from areal_plugins.plugin_manager import installed_plugin_names
 
     assert "m2po" in installed_plugin_names()  # our own entry point (pyproject.toml)
     assert call_hook("areal_make_policy_loss", build_plugin_manager(), config=None) is not m2po_loss
@@ -221,7 +221,7 @@ def test_policy_loss_hook_chooses_the_workers_loss():
     from areal_plugins.core.losses import decoupled_ppo_loss
     from areal_plugins.hooks.hookimpl import hookimpl
     from areal_plugins.testing import plugin_registered
-    from areal_plugins.trainers import policy_loss as verl_loss
+    from areal_plugins.trainer_workers import policy_loss as verl_loss
 
     def my_loss(*args, **kwargs):
         return decoupled_ppo_loss(*args, **kwargs)
@@ -245,8 +245,8 @@ def test_policy_loss_hook_chooses_the_workers_loss():
 def test_all_installed_means_the_drivers_plugins_for_every_worker(installed_example_plugin):
     from omegaconf import OmegaConf
 
-    from areal_plugins.hooks.manager import selected_plugin_names
-    from areal_plugins.trainers.hooked import pin_plugin_selection
+    from areal_plugins.driver.hooked import pin_plugin_selection
+    from areal_plugins.plugin_manager import selected_plugin_names
 
     assert selected_plugin_names(None, []) == [installed_example_plugin]
     assert selected_plugin_names(None, [installed_example_plugin]) == []
@@ -287,7 +287,7 @@ class _VerlFit:
 def test_shutdown_is_the_last_hook_after_the_rollout_stopped(error, reason):
     # The async trainer admits trajectories from a thread: areal_on_shutdown must come after it stopped,
     # or a plugin sees areal_accept_trajectory after being told the run ended.
-    from areal_plugins.trainers.hooked import HookedTrainerMixin
+    from areal_plugins.driver.hooked import HookedTrainerMixin
 
     calls: list[str] = []
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from areal_plugins import cli
-from areal_plugins.run import launch, progress
-from areal_plugins.run.preflight import RecipeRefusedError, check_recipe
+from areal_plugins.cli import launch, progress
+from areal_plugins.cli.preflight import RecipeRefusedError, check_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 ASYNC = REPO / "recipes" / "grpo_cpu_async.yaml"
@@ -183,7 +183,7 @@ def test_a_plugin_that_crashes_is_named(caplog, tmp_path, monkeypatch):
 
 
 def test_the_recipe_decides_the_platform_not_the_head_nodes_hardware():
-    from areal_plugins.run.preflight import run_platform
+    from areal_plugins.cli.preflight import run_platform
 
     # A CPU-only head node joining a GPU cluster: verl's own detection runs in each (GPU) worker.
     assert run_platform("cuda", local_accelerator=False, cluster="10.0.0.1:6379", preset=None) is None

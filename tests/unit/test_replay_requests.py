@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
+from areal_plugins.replay.requests import ReplayError, chunk_requests, regenerate
 from areal_plugins.rollout.cpu.engine import STOP_ABORTED, ContinuousBatchingEngine
-from areal_plugins.run.replay_requests import ReplayError, chunk_requests, regenerate
 
 NO_EOS: list[int] = []
 PROMPT = [5, 6, 7]

@@ -10,13 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, EpisodeRecord
 from areal_plugins.core.buffer import BufferedGroup
-from areal_plugins.run.replay_conductor import ReplayConductor
-from areal_plugins.run.replay_requests import ReplayError
-from areal_plugins.run.replay_schedule import REPLAY_OF, ReplaySchedule
-from areal_plugins.trainers import replay_client
-from areal_plugins.trainers.episodes import CURRENT_EPISODE, EpisodeRecord
-from areal_plugins.trainers.replay_driver import ReplaySampleBuffer
+from areal_plugins.core.trajectory_rows import REPLAY_OF
+from areal_plugins.replay import agent_loop_side as replay_client
+from areal_plugins.replay.conductor import ReplayConductor
+from areal_plugins.replay.driver_side import ReplaySampleBuffer
+from areal_plugins.replay.requests import ReplayError
+from areal_plugins.replay.schedule import ReplaySchedule
 
 
 def sample(step: int, group: str, key: str, prompt: str, chunks: list[list], tokens: int = 6, **extra) -> dict:
@@ -234,7 +235,7 @@ def test_a_request_that_leaves_its_record_stops_and_still_counts_its_later_reque
 def test_a_replay_on_an_engine_that_cannot_regenerate_a_request_is_refused(rollout, message):
     from omegaconf import OmegaConf
 
-    from areal_plugins.trainers.replay_driver import require_replayable
+    from areal_plugins.replay.driver_side import require_replayable
 
     with pytest.raises(ReplayError, match=message):
         require_replayable(OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}}))
@@ -272,7 +273,7 @@ def trainer_stub(calls: list, hybrid: bool) -> SimpleNamespace:
 def test_the_trainer_holds_each_version_until_its_recorded_requests_are_generated(hybrid):
     """Colocated engines stop serving a version when they sleep after sampling; separate ones at the update. The
     hold must come before either, and the new version is announced only once the engines hold it."""
-    from areal_plugins.trainers.async_trainer import ArealAsyncTrainer
+    from areal_plugins.driver.async_trainer import ArealAsyncTrainer
 
     calls: list = []
     stub = trainer_stub(calls, hybrid)
@@ -344,7 +345,7 @@ def test_a_failing_request_is_reported_and_counts_its_requests(tmp_path):
 
 
 def test_a_replay_refuses_to_change_what_decides_which_prompts_are_drawn_when():
-    from areal_plugins.run.replay import refused_overrides
+    from areal_plugins.cli.replay import refused_overrides
 
     overrides = [
         "actor_rollout_ref.actor.optim.lr=1e-3",
@@ -358,7 +359,7 @@ def test_a_replay_refuses_to_change_what_decides_which_prompts_are_drawn_when():
 
 
 def test_a_hold_that_sees_no_recorded_request_come_stops_the_replay_saying_what_it_waited_for(monkeypatch):
-    from areal_plugins.trainers import replay_driver
+    from areal_plugins.replay import driver_side as replay_driver
 
     monkeypatch.setattr(replay_driver, "BARRIER_POLL_S", 0.01)
     driver = object.__new__(replay_driver.ReplayDriver)
@@ -454,7 +455,7 @@ def test_a_group_drawn_after_the_checkpoint_takes_the_prompts_groups_submitted_a
 
 def test_a_request_resumed_from_the_checkpoint_asks_only_for_its_recorded_requests_after_it(tmp_path):
     """g3/f: 5 tokens under v1 (kept by the checkpoint: its first request), then 1 under v2: only that is asked."""
-    from areal_plugins.trainers.partial_outputs import PartialOutput
+    from areal_plugins.agent_loop.partial_outputs import PartialOutput
 
     conductor = ReplayConductor(ReplaySchedule.from_run(write_record(tmp_path / "run", RECORD), 2))
     replay_client._found["handle"] = _Remote(conductor)
@@ -487,8 +488,8 @@ def test_a_request_resumed_from_the_checkpoint_asks_only_for_its_recorded_reques
 def test_a_replay_from_a_checkpoint_the_run_did_not_keep_or_of_a_separate_run_is_refused(tmp_path):
     from omegaconf import OmegaConf
 
-    from areal_plugins.run.replay import resume_from
-    from areal_plugins.trainers.replay_driver import resumed_checkpoint
+    from areal_plugins.cli.replay import resume_from
+    from areal_plugins.replay.driver_side import resumed_checkpoint
 
     run, checkpoint = checkpointed_run(tmp_path, drawn_before=2)  # keeps global_step_1 only
     with pytest.raises(SystemExit, match=r"global_step_2 is not a checkpoint of this run \(it has \['global_step_1'\]"):
@@ -519,7 +520,7 @@ def test_a_replay_from_a_checkpoint_the_run_did_not_keep_or_of_a_separate_run_is
 
 def test_an_answer_follows_the_recorded_answer_of_its_index_not_of_its_position():
     """Keys sort as text ("_" after the digits): 12 answers are recorded _0_0, _10_0, _11_0, _1_0, _2_0, …"""
-    from areal_plugins.run.replay_schedule import RecordedGroup, RecordedTrajectory, answer_of
+    from areal_plugins.replay.schedule import RecordedGroup, RecordedTrajectory, answer_of
 
     keys = sorted(f"u_{i}_0" for i in range(12))
     group = RecordedGroup("u", tuple(RecordedTrajectory(f"u/{key}", "P", "r", ()) for key in keys))
@@ -536,8 +537,8 @@ def test_a_replay_from_a_checkpoint_refuses_a_group_drawn_before_it_and_generate
 
 
 def test_a_record_of_an_earlier_format_is_refused_before_anything_runs(tmp_path):
-    from areal_plugins.run.launch import write_run_args
-    from areal_plugins.run.replay import replay
+    from areal_plugins.cli.launch import write_run_args
+    from areal_plugins.cli.replay import replay
 
     run = write_record(tmp_path / "run", RECORD)
     write_run_args(run, Path("recipes/grpo_cpu_async.yaml"), ["areal.max_staleness=2"], None)
@@ -555,7 +556,7 @@ def test_a_changed_learning_rate_stops_the_replay_at_the_first_step_naming_the_s
     against the replayed update's (a numpy scalar, as verl hands them); the setting is compared before the loss."""
     import numpy as np
 
-    from areal_plugins.trainers import replay_driver
+    from areal_plugins.replay import driver_side as replay_driver
 
     driver = object.__new__(replay_driver.ReplayDriver)
     written: list = []

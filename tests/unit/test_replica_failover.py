@@ -53,7 +53,7 @@ def balancer(servers: dict):
 
 
 def test_a_request_whose_server_dies_continues_on_another_keeping_its_tokens(local_ray):
-    from areal_plugins.trainers.llm_client import InterruptibleLLMClient
+    from areal_plugins.agent_loop.llm_client import InterruptibleLLMClient
 
     # Replica a answers 3 tokens and is interrupted (a weight update), then dies under the continuation;
     # replica b finishes the request under the next version.
@@ -77,7 +77,7 @@ def test_a_request_whose_server_dies_continues_on_another_keeping_its_tokens(loc
 
 
 def test_with_no_server_left_the_request_fails_as_before(local_ray):
-    from areal_plugins.trainers.llm_client import InterruptibleLLMClient
+    from areal_plugins.agent_loop.llm_client import InterruptibleLLMClient
 
     a = StandInServer.remote([("die",)])
     lb = balancer({"a": a})
@@ -113,9 +113,9 @@ def replica_manager(servers: list, lb, workers: list | None = None) -> SimpleNam
 
 
 def test_the_pool_drops_a_dead_replica_everywhere_and_stops_when_none_is_left(local_ray, tmp_path):
-    from areal_plugins.run.records import RunRecorder, read_jsonl
-    from areal_plugins.trainers.engine_stats import EngineStats
-    from areal_plugins.trainers.replica_pool import ReplicaPool, RolloutServerDiedError, actor_id
+    from areal_plugins.driver.engine_stats import EngineStats
+    from areal_plugins.driver.replica_pool import ReplicaPool, RolloutServerDiedError, actor_id
+    from areal_plugins.records.writer import RunRecorder, read_jsonl
 
     servers = [StandInServer.remote([]) for _ in range(3)]
     lb = balancer({f"s{rank}": server for rank, server in enumerate(servers)})
@@ -149,8 +149,8 @@ def test_the_pool_drops_a_dead_replica_everywhere_and_stops_when_none_is_left(lo
 
 
 def test_colocated_engines_are_never_dropped(local_ray, tmp_path):
-    from areal_plugins.run.records import RunRecorder
-    from areal_plugins.trainers.replica_pool import ReplicaPool, actor_id
+    from areal_plugins.driver.replica_pool import ReplicaPool, actor_id
+    from areal_plugins.records.writer import RunRecorder
 
     servers = [StandInServer.remote([]) for _ in range(2)]
     manager = replica_manager(servers, balancer({"s0": servers[0], "s1": servers[1]}))
@@ -163,8 +163,8 @@ def test_colocated_engines_are_never_dropped(local_ray, tmp_path):
 def test_a_dead_checkpoint_engine_worker_drops_its_replica_and_every_part_of_it_goes(local_ray, tmp_path):
     """A replica whose weight receiver died cannot take the next version: it is dropped like a dead server, and
     its server (alive, perhaps with requests) is killed so that their callers fail over."""
-    from areal_plugins.run.records import RunRecorder
-    from areal_plugins.trainers.replica_pool import ReplicaPool, actor_id
+    from areal_plugins.driver.replica_pool import ReplicaPool, actor_id
+    from areal_plugins.records.writer import RunRecorder
 
     servers = [StandInServer.remote([]) for _ in range(2)]
     workers = [[StandInServer.remote([])] for _ in range(2)]  # stand-ins for verl's CheckpointEngineWorker
@@ -181,7 +181,7 @@ def test_a_dead_checkpoint_engine_worker_drops_its_replica_and_every_part_of_it_
 
 
 def test_only_a_checkpoint_engine_that_rebuilds_its_group_lets_a_replica_go():
-    from areal_plugins.trainers.replica_pool import weight_group_rebuilt_each_sync
+    from areal_plugins.driver.replica_pool import weight_group_rebuilt_each_sync
 
     def rollout(backend: str, **kwargs) -> object:
         engine = {"backend": backend, "engine_kwargs": {backend: kwargs} if kwargs else {}}

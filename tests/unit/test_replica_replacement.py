@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import ray
 
-from areal_plugins.trainers.replica_replacement import ReplicaReplacer
+from areal_plugins.driver.replica_replacement import ReplicaReplacer
 
 
 class Balancer:
@@ -103,7 +103,7 @@ def test_with_replacement_off_a_dead_replica_is_only_dropped(local_ray):
 
 
 def test_a_replacement_waits_until_ray_has_its_devices_free(monkeypatch):
-    from areal_plugins.trainers import replica_replacement
+    from areal_plugins.driver import replica_replacement
 
     free = iter([0.0, 0.0, 1.0, 2.0])  # the dead replica's placement group is going; then a node joins
     looks: list[float] = []
@@ -119,7 +119,7 @@ def test_a_replacement_waits_until_ray_has_its_devices_free(monkeypatch):
 
 
 def test_the_replicas_grow_to_their_limit_when_ray_has_the_devices_for_one_more(local_ray, monkeypatch):
-    from areal_plugins.trainers import replica_replacement
+    from areal_plugins.driver import replica_replacement
 
     free = {"devices": 0.0}
     monkeypatch.setattr(replica_replacement, "free_device_count", lambda: free["devices"])

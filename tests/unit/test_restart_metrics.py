@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from verl.utils.tracking import FileLogger
 
-from areal_plugins.run.launch import EARLIER_METRICS, join_metrics, prepare_run_dir
-from areal_plugins.run.report import REWARD_KEY, summarize_run
+from areal_plugins.cli.launch import EARLIER_METRICS, join_metrics, prepare_run_dir
+from areal_plugins.records.report import REWARD_KEY, summarize_run
 
 
 def _attempt(run_dir: Path, restart: bool, steps: range, reward: float, monkeypatch: pytest.MonkeyPatch) -> None:

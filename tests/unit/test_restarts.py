@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from areal_plugins.run.restarts import MAX_BACKOFF_S, Attempt, RestartPolicy, latest_checkpoint
+from areal_plugins.cli.restarts import MAX_BACKOFF_S, Attempt, RestartPolicy, latest_checkpoint
 
 
 def failed(error: str = "RuntimeError: worker died", checkpoint: int | None = 2) -> Attempt:
@@ -63,7 +63,7 @@ def test_the_checkpoint_is_read_from_verls_marker(tmp_path):
 def test_restarts_without_checkpoints_are_refused_at_startup(tmp_path, caplog):
     from pathlib import Path
 
-    from areal_plugins.run.launch import REFUSED_EXIT_CODE, train
+    from areal_plugins.cli.launch import REFUSED_EXIT_CODE, train
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "grpo_cpu_async.yaml"
     code = train(recipe, ["trainer.save_freq=-1"], tmp_path / "run", tmp_path / "tiny", max_restarts=2)
@@ -76,7 +76,7 @@ def test_a_signal_between_two_attempts_cancels_the_restart_at_once():
     import os
     import time
 
-    from areal_plugins.run.restarts import SignalLatch
+    from areal_plugins.cli.restarts import SignalLatch
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -96,19 +96,19 @@ def test_the_cause_named_is_our_error_not_what_ray_printed_while_tearing_down(tm
     """Our WeightSyncError, then an engine dying as Ray tears the job down (that order varies from run to run)."""
     from types import SimpleNamespace
 
-    from areal_plugins.run.bounded_log import BoundedLog
-    from areal_plugins.run.launch import follow_output
+    from areal_plugins.cli.bounded_log import BoundedLog
+    from areal_plugins.cli.launch import follow_output
 
     lines = [
         "(TaskRunnerV1 pid=1) ray.exceptions.RayTaskError(WeightSyncError): ray::TaskRunnerV1.run() (pid=1)\n",
-        "areal_plugins.rollout.base.WeightSyncError: rollout replica 0: tensor w arrived different\n",
+        "areal_plugins.weight_sync.errors.WeightSyncError: rollout replica 0: tensor w arrived different\n",
         "(EngineCore pid=2) vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n",
     ]
     with BoundedLog(tmp_path / "train.log") as log:
         cause = follow_output(SimpleNamespace(stdout=iter(lines)), log, "4", 0.0)
     assert cause == (
-        "areal_plugins.rollout.base.WeightSyncError: rollout replica 0: tensor w arrived different (the last error "
-        "printed: vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.)"
+        "areal_plugins.weight_sync.errors.WeightSyncError: rollout replica 0: tensor w arrived different "
+        "(the last error printed: vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.)"
     )
     with BoundedLog(tmp_path / "other.log") as log:  # none of ours: the last error line, as before
         cause = follow_output(SimpleNamespace(stdout=iter(lines[2:])), log, "4", 0.0)

@@ -69,7 +69,7 @@ def test_each_score_reports_what_it_took(service):
 
 
 def test_step_metrics_aggregate_the_reports():
-    from areal_plugins.trainers.step_metrics import reward_service_metrics
+    from areal_plugins.driver.step_metrics import reward_service_metrics
 
     reports = [
         {"areal_reward_latency_s": 0.5, "areal_reward_failed": 0.0, "areal_reward_timeouts": 0.0},
@@ -87,7 +87,7 @@ def test_step_metrics_aggregate_the_reports():
 
 
 def test_rollout_rates_between_two_engine_snapshots():
-    from areal_plugins.trainers.step_metrics import rollout_rates
+    from areal_plugins.driver.step_metrics import rollout_rates
 
     before = {"replicas": 2, "busy_s": 10.0, "generated_tokens": 100, "in_flight": 3, "restarts": 1}
     after = {"replicas": 2, "busy_s": 16.0, "generated_tokens": 400, "in_flight": 0, "restarts": 2}

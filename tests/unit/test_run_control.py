@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from areal_plugins.run.control import RunStopper, kill_run_leftovers, new_group_dying_with_parent
+from areal_plugins.cli.control import RunStopper, kill_run_leftovers, new_group_dying_with_parent
 from tests.unit.conftest import wait_until
 
 #: A child that ignores SIGTERM (as a busy verl driver may for a while) and would sleep for a minute; it
@@ -85,7 +85,7 @@ def test_with_checkpoints_the_first_signal_asks_for_a_stop_between_steps(tmp_pat
 
 
 def write_phase_times(run_dir, watchdog_s, phases):
-    from areal_plugins.run.control import PHASE_TIMES_FILE, PhaseTimes
+    from areal_plugins.records.control_files import PHASE_TIMES_FILE, PhaseTimes
 
     times = PhaseTimes(watchdog_s)
     lines = [json.dumps(times.record())]
@@ -98,7 +98,7 @@ def write_phase_times(run_dir, watchdog_s, phases):
 def test_the_stop_waits_for_the_runs_measured_longest_phase_and_checkpoint(tmp_path):
     """A 7B step: old log-probs 15 min, update 40 min, checkpoint 6 min (then a shorter update, 30 min). The
     wait before SIGTERM covers one whole phase and a checkpoint: (2400 + 360) x 1.25 = 3450 s, past 40 min."""
-    from areal_plugins.run.control import stop_wait_s
+    from areal_plugins.records.control_files import stop_wait_s
 
     write_phase_times(
         tmp_path, 3600.0, [("old log-probs", 900.0), ("update", 2400.0), ("checkpoint", 360.0), ("update", 1800.0)]
@@ -116,7 +116,7 @@ def test_the_stop_waits_for_the_runs_measured_longest_phase_and_checkpoint(tmp_p
 def test_what_is_not_measured_yet_counts_as_the_watchdog(tmp_path):
     """Step 1 has not ended its first phase: each term is areal.watchdog_s (3600 s in recipes/gpu/):
     (3600 + 3600) x 1.25 = 9000 s; with the phase measured (2400 s) and no checkpoint yet: 7500 s."""
-    from areal_plugins.run.control import stop_wait_s
+    from areal_plugins.records.control_files import stop_wait_s
 
     write_phase_times(tmp_path, 3600.0, [])
     assert stop_wait_s(tmp_path) == pytest.approx(9000.0)

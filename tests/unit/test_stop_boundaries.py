@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from areal_plugins.run.control import STOP_REQUEST_FILE, RunStoppedOnRequestError
-from areal_plugins.trainers.supervision import Supervisor
-from areal_plugins.trainers.watchdog import TrainerStalledError
+from areal_plugins.driver.supervision import Supervisor
+from areal_plugins.driver.watchdog import TrainerStalledError
+from areal_plugins.records.control_files import STOP_REQUEST_FILE, RunStoppedOnRequestError
 
 
 def trainer_stub(tmp_path, requested: bool, calls: list) -> SimpleNamespace:
@@ -35,7 +35,7 @@ def trainer_stub(tmp_path, requested: bool, calls: list) -> SimpleNamespace:
 def test_a_request_stops_at_the_boundary_checkpointing_what_is_trained(tmp_path, trained):
     """After step 7's update, step 7 is trained: its line is written and it is the step checkpointed. After its
     old log-probs only step 6 is (the default: global_steps - 1)."""
-    from areal_plugins.trainers.async_trainer import ArealAsyncTrainer
+    from areal_plugins.driver.async_trainer import ArealAsyncTrainer
 
     calls: list = []
     stub = trainer_stub(tmp_path, True, calls)
@@ -45,7 +45,7 @@ def test_a_request_stops_at_the_boundary_checkpointing_what_is_trained(tmp_path,
 
 
 def test_no_request_no_stop(tmp_path):
-    from areal_plugins.trainers.async_trainer import ArealAsyncTrainer
+    from areal_plugins.driver.async_trainer import ArealAsyncTrainer
 
     calls: list = []
     ArealAsyncTrainer._stop_at_boundary(trainer_stub(tmp_path, False, calls), trained=True)
@@ -53,7 +53,7 @@ def test_no_request_no_stop(tmp_path):
 
 
 def test_the_stop_checkpoints_the_step_it_is_given(tmp_path):
-    from areal_plugins.trainers.async_trainer import ArealAsyncTrainer
+    from areal_plugins.driver.async_trainer import ArealAsyncTrainer
 
     saved: list[int] = []
     stub = SimpleNamespace(
@@ -78,10 +78,10 @@ def supervisor() -> Supervisor:
 def test_a_hang_in_the_first_weight_sync_is_named_by_the_guard(monkeypatch):
     """on_init_end runs before the run's guard starts; the first sync has its own. When that guard stops the
     run, the error raised is its reason, not the interrupt (or Ray's cancelled task) it caused."""
-    from areal_plugins.trainers.async_trainer import ArealAsyncTrainer
+    from areal_plugins.driver.async_trainer import ArealAsyncTrainer
 
     guarded = supervisor()
-    monkeypatch.setattr("areal_plugins.trainers.watchdog.StallGuard.start", lambda self: None)
+    monkeypatch.setattr("areal_plugins.driver.watchdog.StallGuard.start", lambda self: None)
 
     def hung_sync(version):
         guarded.stall_guard.fired = "areal watchdog: nothing moved for 3575 s in the first weight sync"
@@ -95,7 +95,7 @@ def test_a_hang_in_the_first_weight_sync_is_named_by_the_guard(monkeypatch):
 
 def test_after_the_first_sync_the_guard_is_off_until_training_starts(monkeypatch):
     guarded = supervisor()
-    monkeypatch.setattr("areal_plugins.trainers.watchdog.StallGuard.start", lambda self: None)
+    monkeypatch.setattr("areal_plugins.driver.watchdog.StallGuard.start", lambda self: None)
     with guarded.watching("first weight sync"):
         assert guarded.stall_guard is not None and guarded.stall_guard.phase == "first weight sync"
     assert guarded.stall_guard is None  # verl's setup between init and fit is not judged

@@ -10,7 +10,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.fsdp import transformer_impl
 
 from areal_plugins import patches
-from areal_plugins.trainers import progress
+from areal_plugins.actors import progress_board as progress
 
 
 class Board:

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from areal_plugins.config.routing import cap_threshold
 from areal_plugins.config.settings import ArealConfig
-from areal_plugins.trainers.policy_loss import areal_decoupled_policy_loss
+from areal_plugins.trainer_workers.policy_loss import areal_decoupled_policy_loss
 
 
 def actor_config(global_tokens=None, dp_size=1):
@@ -107,7 +107,7 @@ def loglinear_config(threshold, global_tokens=None):
 def test_loglinear_equals_the_recomputed_objective_when_theta_is_prox(cap, mode):
     # One optimizer step per batch: at that step θ is π_prox, so the forward pass verl skips would
     # have returned exactly logp_θ. The loss must equal the reference with old := new.
-    from areal_plugins.trainers.policy_loss import areal_decoupled_loglinear_policy_loss
+    from areal_plugins.trainer_workers.policy_loss import areal_decoupled_loglinear_policy_loss
 
     _, new, behav, adv, mask = batch(3)
     threshold = cap_threshold(

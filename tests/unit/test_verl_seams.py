@@ -43,7 +43,7 @@ SEAMS: dict[str, tuple[str, ...] | None] = {
     "verl.trainer.ppo.core_algos": None,
     "verl.trainer.ppo.core_algos:POLICY_LOSS_REGISTRY": None,
     "verl.trainer.ppo.core_algos:register_policy_loss": ("name",),
-    # The arguments verl passes a policy loss (ours take the same names: trainers/policy_loss.py).
+    # The arguments verl passes a policy loss (ours take the same names: trainer_workers/policy_loss.py).
     "verl.trainer.ppo.core_algos:compute_policy_loss_vanilla": (
         "old_log_prob",
         "log_prob",
@@ -316,9 +316,9 @@ def test_every_registry_module_the_plugin_watches_is_pinned() -> None:
 def _our_verl_subclasses() -> list[type]:
     """Our classes with a verl base: module-level ones of every module that imports here, and the built ones."""
     import areal_plugins
+    from areal_plugins.driver import register_trainers
     from areal_plugins.platforms.cpu import build_platform_class
     from areal_plugins.rollout import verl_registration
-    from areal_plugins.trainers import register_trainers
     from areal_plugins.weight_sync import gloo
 
     register_trainers()

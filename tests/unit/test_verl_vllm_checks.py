@@ -12,9 +12,9 @@ import torch
 from areal_plugins.patches import vllm_cpu_distribution
 from omegaconf import OmegaConf
 
-from areal_plugins.rollout.base import WeightSyncError
 from areal_plugins.rollout.verl_vllm.cpu_settings import cpu_vllm_overrides
 from areal_plugins.weight_sync.checksums import check_weight_reports, tensor_checksum
+from areal_plugins.weight_sync.errors import WeightSyncError
 
 
 def sent_and_reports(workers: int = 2):

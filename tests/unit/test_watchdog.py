@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from areal_plugins.trainers import watchdog as trainer
-from areal_plugins.trainers.watchdog import Watchdog
+from areal_plugins.driver import watchdog as trainer
+from areal_plugins.driver.watchdog import Watchdog
 
 
 def test_fires_with_the_report_when_nothing_moves(monkeypatch):
@@ -28,7 +28,7 @@ def test_progress_resets_the_clock(monkeypatch):
 
 
 def test_stall_guard_stops_a_trainer_that_never_comes_back_to_its_wait():
-    from areal_plugins.trainers.watchdog import StallGuard
+    from areal_plugins.driver.watchdog import StallGuard
 
     now = [0.0]
     stopped: list[str] = []
@@ -48,7 +48,7 @@ def test_stall_guard_stops_a_trainer_that_never_comes_back_to_its_wait():
 def test_a_step_that_progresses_is_never_stopped_however_long():
     """Step 1 of a 7B run on 2 trainer GPUs computes for hours at areal.watchdog_s = 3600 (recipes/gpu/): a
     micro-batch starts every 40 s, so nothing is stuck; the guard lets all 3 hours pass."""
-    from areal_plugins.trainers.watchdog import StallGuard, stall_limit
+    from areal_plugins.driver.watchdog import StallGuard, stall_limit
 
     now = [0.0]
     micro_batches = [0]
@@ -68,7 +68,7 @@ def test_a_step_that_progresses_is_never_stopped_however_long():
 def test_no_progress_for_the_limit_stops_the_run_counted_from_the_last_progress():
     """Hand count: limit 3570 s (3600 less the 30 s to stop); the last micro-batch started at 1000 s, so the
     look at 4570 s is within the limit (3570 s idle, not past it) and the one at 4575 s stops the run."""
-    from areal_plugins.trainers.watchdog import StallGuard, stall_limit
+    from areal_plugins.driver.watchdog import StallGuard, stall_limit
 
     now = [0.0]
     micro_batches = [0]
@@ -92,7 +92,7 @@ def test_no_progress_for_the_limit_stops_the_run_counted_from_the_last_progress(
 
 
 def test_an_unreadable_progress_is_no_progress():
-    from areal_plugins.trainers.watchdog import StallGuard
+    from areal_plugins.driver.watchdog import StallGuard
 
     now = [0.0]
     stopped: list[str] = []
@@ -106,9 +106,9 @@ def test_an_unreadable_progress_is_no_progress():
 
 
 def test_a_stop_is_announced_as_our_error_so_the_cli_names_it(capsys):
-    """The CLI names the last error line of ours in verl's output (run/launch.py, follow_output)."""
-    from areal_plugins.run.progress import ERROR_LINE
-    from areal_plugins.trainers.watchdog import StallGuard
+    """The CLI names the last error line of ours in verl's output (cli/launch.py, follow_output)."""
+    from areal_plugins.cli.progress import ERROR_LINE
+    from areal_plugins.driver.watchdog import StallGuard
 
     now = [0.0]
     guard = StallGuard(10.0, lambda idle: "areal watchdog: nothing moved", stop=lambda r: None, clock=lambda: now[0])
@@ -121,7 +121,7 @@ def test_a_stop_is_announced_as_our_error_so_the_cli_names_it(capsys):
 
 
 def test_stall_guard_does_not_judge_validation():
-    from areal_plugins.trainers.watchdog import StallGuard
+    from areal_plugins.driver.watchdog import StallGuard
 
     now = [0.0]
     stopped: list[str] = []
@@ -134,7 +134,7 @@ def test_stall_guard_does_not_judge_validation():
 
 
 def test_stall_guard_stops_at_once_when_its_probe_finds_a_dead_actor():
-    from areal_plugins.trainers.watchdog import StallGuard
+    from areal_plugins.driver.watchdog import StallGuard
 
     now = [0.0]
     stopped: list[str] = []
@@ -147,7 +147,7 @@ def test_stall_guard_stops_at_once_when_its_probe_finds_a_dead_actor():
 
 
 def test_the_stall_limit_leaves_room_to_stop_within_the_watchdog():
-    from areal_plugins.trainers.watchdog import stall_limit
+    from areal_plugins.driver.watchdog import stall_limit
 
     # 5 s between looks + 10 s for the trainer to stop + the CLI's teardown, with slack: done by 900 s
     assert stall_limit(900.0) == 870.0

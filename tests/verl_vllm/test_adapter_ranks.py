@@ -20,9 +20,9 @@ from verl.workers.config import RolloutConfig
 from verl.workers.rollout.utils import ensure_async_iterator
 from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
-from areal_plugins.rollout.base import WeightSyncError
 from areal_plugins.rollout.verl_vllm.adapter import ArealServerAdapter
 from areal_plugins.weight_sync.checksums import tensor_checksum
+from areal_plugins.weight_sync.errors import WeightSyncError
 
 TP = 2
 WEIGHTS = {"model.norm.weight": torch.linspace(0.5, 1.5, 8), "lm_head.weight": torch.arange(12.0).reshape(3, 4)}

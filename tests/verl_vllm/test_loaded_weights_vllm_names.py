@@ -13,8 +13,8 @@ import torch
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.utils import WeightsMapper
 
-from areal_plugins.rollout.base import WeightSyncError
 from areal_plugins.weight_sync.checksums import check_loaded_reports
+from areal_plugins.weight_sync.errors import WeightSyncError
 from tests.unit.test_loaded_weights import engine_model, report, trainer_tensors
 
 

@@ -17,12 +17,12 @@ import torch
 
 from areal_plugins.rollout.base import (
     RolloutServer,
-    WeightSyncError,
     record_replica_event,
     record_weight_sync,
 )
 from areal_plugins.rollout.cpu.engine import ContinuousBatchingEngine
 from areal_plugins.rollout.cpu.holds import FinishFirstGroups
+from areal_plugins.weight_sync.errors import WeightSyncError
 
 #: Seconds added to every model step of the engine, for running the tests with slow engines (0: off).
 STEP_DELAY_ENV = "AREAL_TEST_ENGINE_STEP_DELAY_S"

@@ -1,0 +1,187 @@
+"""Refuse a bad recipe before anything starts, in one line that names the key to change.
+
+``areal-plugins train`` composes the recipe exactly as verl's ``main_ppo`` will (Hydra, the recipe's
+folder as config path, the same overrides) and runs every check that does not need Ray or a device:
+Hydra's own (a misspelled key, an unreadable override, a missing config), our ``areal:`` settings and
+their routing into verl's keys, verl's ``validate_config``, and every plugin's ``areal_validate_config``
+(the backend capability check among them). A failure becomes a :class:`RecipeRefusedError`: one line, no traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import io
+import logging
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from areal_plugins.config.errors import RecipeRefusedError
+
+#: omegaconf's message for a key its struct-mode node does not have.
+_NOT_IN_STRUCT = re.compile(r"Key '([^']+)' is not in struct\s+full_key: (\S+)")
+
+
+def check_recipe(recipe: Path, overrides: list[str]) -> Any:
+    """Compose ``recipe`` with ``overrides`` and run every startup check; return the resolved config.
+
+    Raises:
+        RecipeRefusedError: the first check that fails, as one line naming the key and what to set.
+    """
+    from areal_plugins._compat import UnsupportedVerlVersionError, check_verl_version
+
+    if not recipe.is_file():
+        shipped = Path(__file__).resolve().parents[2] / "recipes"
+        raise RecipeRefusedError(f"recipe {recipe} does not exist; pass a recipe YAML (shipped ones: {shipped}/*.yaml)")
+    try:
+        check_verl_version()
+    except UnsupportedVerlVersionError as error:
+        raise RecipeRefusedError(one_line(error)) from None
+    with _quiet():
+        config = compose(recipe, overrides)
+        _check_composed(config)
+    return config
+
+
+def run_platform(device: str, local_accelerator: bool, cluster: str | None, preset: str | None) -> str | None:
+    """The ``VERL_PLATFORM`` the run's processes get, from the recipe's ``trainer.device``; None: verl's own
+    detection in each process.
+
+    The recipe decides, not the machine the command runs on: a CPU-only head node of a GPU cluster is normal,
+    and its lack of a GPU must not put the cluster's workers on the CPU platform.
+
+    Raises:
+        RecipeRefusedError: a GPU recipe with neither a local GPU nor a Ray cluster to run on.
+    """
+    if preset:
+        return preset
+    if device == "cpu":
+        return "cpu"
+    if not local_accelerator and cluster is None:
+        raise RecipeRefusedError(
+            f"trainer.device={device}, but this machine has no GPU and joins no Ray cluster: set RAY_ADDRESS (or "
+            "ray_kwargs.ray_init.address) to your GPU cluster's head, or run a CPU recipe (trainer.device=cpu)"
+        )
+    return None
+
+
+def compose(recipe: Path, overrides: list[str]) -> Any:
+    """The config ``python -m verl.trainer.main_ppo --config-path DIR --config-name NAME OVERRIDES`` builds."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    import areal_plugins.verl_plugin  # noqa: F401  (registers the resolvers recipes use)
+
+    try:
+        with initialize_config_dir(config_dir=str(recipe.parent.resolve()), version_base=None):
+            return hydra_compose(config_name=recipe.stem, overrides=overrides)
+    except OverrideParseException as error:
+        bad = re.search(r"Error parsing override '([^']*)'", str(error))
+        shown = bad.group(1) if bad else " ".join(overrides)
+        raise RecipeRefusedError(
+            f"cannot read the override {shown!r}: write KEY=VALUE (e.g. trainer.total_training_steps=10)"
+        ) from None
+    except MissingConfigException as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        options = [line for line in lines[2:] if not line.startswith(("Config search path", "provider="))]
+        hint = f"; available: {', '.join(options)}" if options else ""
+        raise RecipeRefusedError(f"{recipe.name}: {lines[0]}{hint}") from None
+    except (HydraException, OmegaConfBaseException) as error:
+        cause = error.__cause__ or error
+        missing = _NOT_IN_STRUCT.search(str(cause))
+        if missing:
+            raise RecipeRefusedError(_unknown_key_message(recipe, overrides, missing.group(2))) from None
+        raise RecipeRefusedError(f"{recipe.name}: {one_line(error)}") from None
+
+
+def _unknown_key_message(recipe: Path, overrides: list[str], full_key: str) -> str:
+    """``unknown setting a.b_c; did you mean a.b?`` from the keys the recipe does have at that level."""
+    from omegaconf import OmegaConf
+
+    parent, _, leaf = full_key.rpartition(".")
+    others = [o for o in overrides if not o.lstrip("+~").startswith(f"{full_key}=")]
+    try:
+        base = compose(recipe, others)
+        node = OmegaConf.select(base, parent) if parent else base
+        keys = list(node.keys()) if OmegaConf.is_dict(node) else []
+    except RecipeRefusedError:
+        keys = []
+    close = difflib.get_close_matches(leaf, [str(k) for k in keys], n=1)
+    where = f"{parent}.{close[0]}" if parent and close else (close[0] if close else None)
+    hint = f"did you mean {where}?" if where else f"a new key needs a leading + (+{full_key}=...)"
+    return f"unknown setting {full_key}; {hint}"
+
+
+def _check_composed(config: Any) -> None:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from areal_plugins.config.routing import route_composed_config
+    from areal_plugins.config.settings import ArealConfig
+    from areal_plugins.plugin_manager import PluginError
+
+    try:
+        node = config.get("areal")
+        areal = ArealConfig.from_node(node) if node is not None else None
+        route_composed_config(config)
+        OmegaConf.resolve(config)
+    except ValueError as error:  # ArealConfigError, or a resolver's refusal
+        raise RecipeRefusedError(one_line(error)) from None
+    except OmegaConfBaseException as error:
+        raise RecipeRefusedError(f"the recipe cannot be resolved: {one_line(error)}") from None
+    _verl_validation(config)
+    if areal is not None and areal.enable:
+        from areal_plugins.plugin_manager import build_plugin_manager, call_hook
+
+        try:  # the run's plugin selection, in a manager of our own: this process's plugins stay as they are
+            manager = build_plugin_manager(include=areal.plugins.include, exclude=list(areal.plugins.exclude))
+            call_hook("areal_validate_config", manager=manager, config=config)
+        except PluginError as error:
+            raise RecipeRefusedError(_plugin_refusal(error)) from None
+
+
+def _plugin_refusal(error: Any) -> str:
+    """A ``ValueError`` is how a plugin refuses settings (the hook's contract): show its message, and whose."""
+    cause = error.__cause__
+    if not isinstance(cause, ValueError):
+        return one_line(error)
+    builtin = (error.plugin or "").startswith("areal_plugins.")
+    return one_line(cause) if builtin else f"plugin {error.plugin!r} refuses the recipe: {one_line(cause)}"
+
+
+def _verl_validation(config: Any) -> None:
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    try:
+        validate_config(
+            config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config)
+        )
+    except (AssertionError, ValueError, TypeError, KeyError) as error:
+        raise RecipeRefusedError(f"verl refuses the recipe: {one_line(error) or type(error).__name__}") from None
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (Hydra and omegaconf spread theirs over several)."""
+    return " ".join(part.strip() for part in str(error).splitlines() if part.strip())
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """verl's import-time chatter (absent engines, platform probing, prints) is noise on a refusal's terminal."""
+    handlers = logging.getLogger().handlers
+    levels = [handler.level for handler in handlers]
+    for handler in handlers:
+        handler.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for handler, level in zip(handlers, levels, strict=True):
+            handler.setLevel(level)
