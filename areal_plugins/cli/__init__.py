@@ -29,7 +29,7 @@ def check(recipe: Path, overrides: list[str], cluster_args: argparse.Namespace) 
     try:
         config, _ = checked_recipe(recipe.resolve(), overrides, None, has_accelerator())
         cluster = Cluster(cluster_args.nodes, cluster_args.gpus_per_node, cluster_args.gpu_memory_gib)
-        where = fit_cluster(config, cluster)
+        where = fit_cluster(config, cluster, cluster_args.model_config)
     except RecipeRefusedError as refusal:
         logger.error("refused: %s", refusal)
         return REFUSED_EXIT_CODE
@@ -54,7 +54,15 @@ def check(recipe: Path, overrides: list[str], cluster_args: argparse.Namespace) 
 def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
     from areal_plugins.planning.plan import PAPER_FIT
 
-    plan.add_argument("--model", default="1.5b", help="1.5b, 7b, 14b or 32b (R1-Distill-Qwen shapes)")
+    plan.add_argument(
+        "--model",
+        default="1.5b",
+        help="a hub model of areal_plugins' table (areal_plugins/planning/model_shapes.yaml, e.g. Qwen/Qwen2.5-7B), "
+        "or 1.5b, 7b, 14b, 32b (R1-Distill-Qwen, the paper's)",
+    )
+    plan.add_argument(
+        "--model-config", type=Path, help="the model's config.json (or its folder), for a model the table lacks"
+    )
     plan.add_argument("--gpu", default="h100", help="h100, h800, h200 or a100")
     plan.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
     plan.add_argument("--gpus-per-node", type=int, default=8)
@@ -88,10 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--workload",
         default="addition",
-        choices=("addition", "longtail", "calculator", "paced"),
+        choices=("addition", "longtail", "calculator", "paced", "moe"),
         help="longtail: answers after a long-tailed run of thinking tokens (the benchmark's workload; use another "
         "--out, e.g. .areal/tiny_longtail); calculator: two-digit sums through a calculator tool, multi-turn "
-        "(e.g. .areal/tiny_calculator); paced: an untrained ~20k-weight model for the paced-engine bench",
+        "(e.g. .areal/tiny_calculator); paced: an untrained ~20k-weight model for the paced-engine bench; moe: the "
+        "addition task on a Qwen2-MoE (4 experts, 2 per token; e.g. .areal/tiny_moe)",
     )
     run = commands.add_parser("train", help="train with a recipe through verl's main_ppo")
     run.add_argument("recipe", type=Path)
@@ -150,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     preflight.add_argument("--gpus-per-node", type=int, required=True)
     preflight.add_argument(
         "--gpu-memory-gib", type=float, default=79.6, help="memory of one GPU, GiB (H100 80 GB: 79.6)"
+    )
+    preflight.add_argument(
+        "--model-config",
+        type=Path,
+        help="the model's config.json (or its folder) when actor_rollout_ref.model.path is a hub id that "
+        "areal_plugins' table (areal_plugins/planning/model_shapes.yaml) lacks",
     )
     return parser
 

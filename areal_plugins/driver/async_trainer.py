@@ -37,7 +37,12 @@ from verl.utils.debug import marked_timer
 
 from areal_plugins.actors.progress_board import start_progress_board
 from areal_plugins.agent_loop.llm_client import InterruptibleLLMClient
-from areal_plugins.agent_loop.partial_outputs import remove_rotated_partials, save_partials, start_resumed
+from areal_plugins.agent_loop.partial_outputs import (
+    end_resumes,
+    prepare_workers,
+    remove_rotated_partials,
+    save_partials,
+)
 from areal_plugins.config.routing import ASYNC_MODE
 from areal_plugins.config.settings import ArealConfig, ArealConfigError
 from areal_plugins.core.trajectory import keep_every_trajectory
@@ -134,7 +139,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         # verl builds engines in the trainer's workers only when this is True (colocated).
         self._enable_hybrid_replicas = self.placement.hybrid_replicas
         self.recorder = RunRecorder()
-        self._resumed_partials: Any = None  # the actor offering a resumed checkpoint's outputs in flight
+        self._resume_from: str | None = None  # the checkpoint folder this start resumed from
+        self._resume_saved: dict[str, int] | None = None  # what it kept, until the first step asked for them
         self._resume_counts: dict[str, dict[str, int]] | None = None  # what it kept and what was continued
         if self.recorder.run_dir is not None:  # before verl creates the workers that send records to it
             start_record_sink(self.recorder.run_dir)
@@ -372,6 +378,15 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         return result
 
     def fit(self, agent_loop_manager: Any) -> None:
+        # Before verl re-issues the prompts in flight: each agent-loop worker knows what the resumed checkpoint kept
+        # that it can read, and the log says whether every node sees the checkpoint folder (partial_outputs.py).
+        self._resume_saved = prepare_workers(
+            str(self.config.trainer.default_local_dir),
+            self._resume_from,
+            agent_loop_manager.agent_loop_workers,
+            self.recorder,
+            checkpointing=float(self.config.trainer.save_freq or -1) > 0,
+        )
         try:
             super().fit(agent_loop_manager)
         except (ray.exceptions.RayActorError, RolloutServerDiedError) as error:
@@ -477,11 +492,10 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             remove_rotated_partials(self.config.trainer.default_local_dir)
 
     def _load_checkpoint(self) -> None:
-        """verl's; then, on a resume, the outputs its checkpoint kept, offered before any request is made."""
+        """verl's; then, on a resume, where its checkpoint is: the agent-loop workers continue the outputs it kept
+        (told in :meth:`fit`, before any request is made)."""
         super()._load_checkpoint()
-        self._resumed_partials = None
-        if self.global_steps > 0:
-            self._resumed_partials = start_resumed(resume_folder(self.config.trainer, self.global_steps))
+        self._resume_from = resume_folder(self.config.trainer, self.global_steps) if self.global_steps > 0 else None
 
     def _stop_on_request(self, done: int | None = None) -> None:
         """Checkpoint finished step ``done`` (if checkpoints are on), then stop. By default the step before the one
@@ -524,10 +538,10 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         metrics["areal/rollout_replicas"] = float(len(self.replica_pool.replicas))
         metrics["areal/rollout_replicas_replaced"] = float(self.replacer.replaced)
         metrics["areal/rollout_replicas_added"] = float(self.replacer.grown)
-        if self._resumed_partials is not None:  # after the first step every re-issued answer has asked: stop it
-            self._resume_counts = ray.get(self._resumed_partials.counts.remote())
-            ray.kill(self._resumed_partials)
-            self._resumed_partials = None
+        if self._resume_saved is not None:  # after the first step every re-issued answer has asked: stop looking
+            continued = end_resumes(self.agent_loop_manager.agent_loop_workers)
+            self._resume_counts = {"saved": self._resume_saved, "continued": continued}
+            self._resume_saved = None
         if self._resume_counts is not None:  # tokens the resumed checkpoint kept, and of them continued
             metrics["areal/resume_saved_tokens"] = float(self._resume_counts["saved"]["tokens"])
             metrics["areal/resume_continued_tokens"] = float(self._resume_counts["continued"]["tokens"])

@@ -96,6 +96,7 @@ class RolloutServer(abc.ABC):
             token_ids=out.token_ids,
             log_probs=out.logprobs if params.get("logprobs") else None,
             stop_reason=out.stop_reason,
+            routed_experts=out.routed_experts,
             extra_fields=version_fields(self.served_version, out.versions, out.seed),
         )
 
@@ -228,6 +229,9 @@ class Generated:
     stop_reason: str
     #: the seed the engine sampled with (None where it cannot say)
     seed: int | None = None
+    #: router replay: the experts of every token fed through the model, (tokens, MoE layers, top-k) as verl's vLLM
+    #: server returns them (``TokenOutput.routed_experts``); None where not recorded
+    routed_experts: Any = None
 
 
 def token_budget(

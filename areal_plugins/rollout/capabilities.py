@@ -46,6 +46,18 @@ VERL_BACKENDS = {
 }
 
 
+#: What some setups need beyond :data:`CAPABILITIES`: a backend declares the ones it has beside those (its server
+#: class's ``capabilities``; :data:`VERL_BACKENDS`), and a recipe using the setup with a backend that lacks it is
+#: refused at startup (:func:`require_feature`; docs/support.md). Not waivable: each stands for a check that would
+#: otherwise be missing, or for inputs the engine would silently ignore.
+FEATURE_CAPABILITIES = {
+    "routed_experts": "returns the experts each token was routed to, as verl's router replay reads them",
+    "moe_weight_check": "compares every expert tensor of a mixture-of-experts model after each weight update",
+    "lora_adapter_check": "compares every LoRA adapter tensor each engine rank holds after each update",
+    "multimodal": "serves image, video or audio inputs",
+}
+
+
 def provided_capabilities(backend: str) -> frozenset[str]:
     """What ``backend`` provides: its server class's declaration for ours, the table above for verl's, nothing
     for others."""
@@ -54,6 +66,18 @@ def provided_capabilities(backend: str) -> frozenset[str]:
     if backend in backends():
         return server_class(backend).capabilities
     return VERL_BACKENDS.get(backend, frozenset())
+
+
+def require_feature(backend: str, feature: str, used: str, fix: str) -> None:
+    """Raise unless ``backend`` declares ``feature`` (a name of :data:`FEATURE_CAPABILITIES`): one line naming what
+    the recipe uses (``used``), what the backend lacks, and the setting that avoids it (``fix``)."""
+    if feature not in FEATURE_CAPABILITIES:
+        raise KeyError(f"{feature!r} is not a feature capability; known: {', '.join(FEATURE_CAPABILITIES)}")
+    if feature not in provided_capabilities(backend):
+        raise ArealConfigError(
+            f"{used} needs a rollout backend that {FEATURE_CAPABILITIES[feature]}, and "
+            f"actor_rollout_ref.rollout.name={backend} does not ({feature}): {fix}"
+        )
 
 
 def check_backend_capabilities(backend: str, waived: list[str] | tuple[str, ...] = ()) -> list[str]:

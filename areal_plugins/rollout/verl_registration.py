@@ -157,6 +157,8 @@ def _replica_class() -> type:
             server_cls: Any = ray.remote(cls)
             placement: dict[str, Any] = {}
             extra: dict[str, Any] = {}
+            if "routed_experts" in cls.capabilities:  # router replay: asked of backends that declare it
+                extra["routed_experts"] = bool(self.config.get("enable_rollout_routing_replay", False))
             if self.workers:  # on the node of this replica's workers (its devices), as verl's vLLM replica does
                 node = str(ray.get(self.workers[0].__ray_call__.remote(_node_id)))
                 placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)

@@ -1,4 +1,5 @@
-"""Build a tiny Qwen2 model in Hugging Face format and warm-start it on the addition task.
+"""Build a tiny Qwen2 model (or a Qwen2-MoE: the ``moe`` workload) in Hugging Face format and warm-start it on the
+addition task.
 
 Hidden 128 x 2 layers with the 16,384-rank tokenizer (docs/design.md, The CPU box: larger models learned less in
 the same wall time). Warm start measured here (greedy accuracy on 200 held-out problems, 2 cores):
@@ -42,6 +43,12 @@ class TinyModelSpec:
     think_cap: int = 200
     #: addition: one-turn answers; calculator: two-digit sums through a calculator tool (tiny/calculator.py).
     task: str = "addition"
+    #: Mixture of experts (a Qwen2-MoE, ``random_qwen2_moe``) when > 0: this many routed experts per MoE layer
+    #: (every layer), ``experts_per_token`` of them chosen per token, each of ``moe_intermediate_size``, beside
+    #: one shared expert of ``intermediate_size`` (Qwen2-MoE's layout). 0: the dense Qwen2.
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_intermediate_size: int = 64
 
 
 #: The tiny workloads: short answers (recipes, tests), the benchmark's long-tailed responses, and
@@ -50,6 +57,9 @@ WORKLOADS = {
     "addition": TinyModelSpec(),
     "longtail": TinyModelSpec(think_median=8),
     "calculator": TinyModelSpec(task="calculator", warmstart_steps=CALCULATOR_WARMSTART_STEPS),
+    # The addition task on a mixture of experts: 4 routed experts, 2 per token, and the shared expert; the routed
+    # experts together are as wide as the dense model's MLP (4 x 64 = 256), so a token computes 2 x 64 + 256.
+    "moe": TinyModelSpec(num_experts=4, experts_per_token=2, moe_intermediate_size=64),
     # The trainer's side of the paced-engine bench: a model so small that a step's training costs little next to
     # the control plane (512 tokenizer ranks fit the prompts in 22 tokens; ~20k weights; untrained).
     "paced": TinyModelSpec(
@@ -85,13 +95,51 @@ def random_qwen2(spec: TinyModelSpec, vocab_size: int, **config_overrides: Any) 
     return Qwen2ForCausalLM(config)
 
 
+def random_qwen2_moe(spec: TinyModelSpec, vocab_size: int, **config_overrides: Any) -> Any:
+    """A randomly initialised ``Qwen2MoeForCausalLM`` of ``spec``'s shape (seeded by ``spec.seed``), in float32:
+    ``spec.num_experts`` routed experts in every layer, ``spec.experts_per_token`` per token, and a shared expert."""
+    import torch
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    if spec.num_experts < spec.experts_per_token or spec.experts_per_token < 1:
+        raise ValueError(
+            f"a mixture of experts needs 1 <= experts_per_token <= num_experts, got {spec.experts_per_token} of "
+            f"{spec.num_experts}"
+        )
+    torch.manual_seed(spec.seed)
+    config = Qwen2MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.experts_per_token,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        shared_expert_intermediate_size=spec.intermediate_size,
+        intermediate_size=spec.intermediate_size,
+        decoder_sparse_step=1,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        dtype="float32",
+        **config_overrides,
+    )
+    return Qwen2MoeForCausalLM(config)
+
+
+def random_model(spec: TinyModelSpec, vocab_size: int, **config_overrides: Any) -> Any:
+    """The dense Qwen2 or, with ``spec.num_experts``, the Qwen2-MoE of ``spec``."""
+    build = random_qwen2_moe if spec.num_experts else random_qwen2
+    return build(spec, vocab_size, **config_overrides)
+
+
 def build_tiny_model(out_dir: Path, spec: TinyModelSpec) -> dict[str, float]:
     """Write tokenizer, config and weights to ``out_dir``; return warm-start metrics."""
     from transformers import AutoTokenizer
 
     n_tokens = write_tokenizer(out_dir, spec.tokenizer_ranks)
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
-    model = random_qwen2(
+    model = random_model(
         spec,
         vocab_size=(n_tokens + 63) // 64 * 64,
         bos_token_id=tokenizer.pad_token_id,

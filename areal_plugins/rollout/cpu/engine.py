@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from areal_plugins.rollout.base import Generated
@@ -44,6 +45,9 @@ class _Request:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    #: With router replay: the experts each token fed through the model was routed to, one
+    #: (tokens, moe_layers, top_k) array per model step (the prompt's at prefill, then one row per decode step).
+    routed: list[Any] | None = None
     # Per layer (keys, values), each (kv_heads, length, head_dim); None until prefilled.
     cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     aborted: bool = False
@@ -75,6 +79,11 @@ class ContinuousBatchingEngine:
             until aborted or new weights load (:mod:`areal_plugins.rollout.cpu.holds`). None: every request runs.
         step_delay_s: for tests, seconds added to every model step (prefill or decode), to run a test suite with
             the engines slower than the trainer; 0 in use.
+        routed_experts: record the experts a mixture-of-experts model routes each token to, as verl's vLLM server
+            returns them for router replay (``enable_rollout_routing_replay``): ``Generated.routed_experts`` is an
+            int32 array (prompt + generated tokens - 1, MoE layers, experts per token), a row for every token fed
+            through the model, the last generated one never is (vLLM's ``CompletionOutput.routed_experts``).
+            Needs a model whose forward returns ``router_logits`` (transformers' MoE models).
     """
 
     def __init__(
@@ -87,9 +96,16 @@ class ContinuousBatchingEngine:
         batch_invariant: bool = False,
         holds: FinishFirstGroups | None = None,
         step_delay_s: float = 0.0,
+        routed_experts: bool = False,
     ) -> None:
         if step_delay_s < 0:
             raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s}")
+        self.experts_per_token = int(getattr(model.config, "num_experts_per_tok", 0) or 0) if routed_experts else 0
+        if routed_experts and self.experts_per_token < 1:
+            raise ValueError(
+                f"routed experts were asked of a {type(model).__name__}, which routes to no experts: set "
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay=false or use a mixture-of-experts model"
+            )
         self.model = model
         self.holds = holds
         self.step_delay_s = step_delay_s
@@ -146,6 +162,7 @@ class ContinuousBatchingEngine:
             seed=seed,
             generator=torch.Generator().manual_seed(seed),
             hold=self.holds is not None and self.holds.holds(prompt_ids),
+            routed=[] if self.experts_per_token else None,
         )
         self._waiting.append(request)
         self._ensure_loop()
@@ -285,6 +302,8 @@ class ContinuousBatchingEngine:
         request.cache = None
         if not request.future.done():
             result = Generated(request.token_ids, request.logprobs, request.versions, reason, request.seed)
+            if request.routed and request.token_ids:  # vLLM returns none for a request aborted before a token
+                result.routed_experts = np.concatenate(request.routed)
             request.future.set_result(result)
 
     # ------------------------------------------------------------------ model work (worker thread)
@@ -330,11 +349,35 @@ class ContinuousBatchingEngine:
 
     def _prefill(self, request: _Request) -> torch.Tensor:
         ids = torch.tensor([request.prompt_ids], dtype=torch.long)
-        # Only the last position's logits are sampled from: the vocabulary projection of the others would be
-        # most of a prefill's work on a small model (what vLLM also skips).
-        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        request.cache = _split_cache(out.past_key_values, 0)
-        return out.logits[0, -1]
+        logits, cache, router_logits = self._forward(request.routed is not None, input_ids=ids, use_cache=True)
+        request.cache = _split_cache(cache, 0)
+        if request.routed is not None:
+            request.routed.append(self._top_experts(router_logits, rows=1)[0])
+        return logits[0]
+
+    def _forward(self, routed: bool, **inputs: Any) -> tuple[torch.Tensor, Any, Any]:
+        """The last position's logits, the KV cache, and with ``routed`` the router logits of every token fed.
+
+        With ``routed`` the decoder runs alone, then the output projection on the last position: the causal-LM
+        wrapper would also compute the load-balancing loss from the router logits, which fails on a left-padded
+        decode step (the attention mask covers the cache, the router logits the new tokens only)."""
+        if not routed:
+            # Only the last position's logits are sampled from: the vocabulary projection of the others would be
+            # most of a prefill's work on a small model (what vLLM also skips).
+            out = self.model(**inputs, logits_to_keep=1)
+            return out.logits[:, -1], out.past_key_values, None
+        out = self.model.get_decoder()(**inputs, output_router_logits=True)
+        logits = self.model.get_output_embeddings()(out.last_hidden_state[:, -1])
+        return logits, out.past_key_values, out.router_logits
+
+    def _top_experts(self, router_logits: tuple[torch.Tensor, ...], rows: int) -> list[Any]:
+        """Per batch row, the ``experts_per_token`` experts of each token and MoE layer, best first: an array
+        (tokens, layers, k). ``router_logits``: per MoE layer, (rows x tokens, experts), as the model's router computed
+        them (its softmax keeps their order, so the top-k of the logits is the router's choice)."""
+        chosen = torch.stack(
+            [torch.topk(layer.float(), self.experts_per_token, dim=-1).indices for layer in router_logits], 1
+        )
+        return list(chosen.to(torch.int32).numpy().reshape(rows, -1, *chosen.shape[1:]))
 
     def _decode(self, batch: list[_Request]) -> torch.Tensor:
         """One decode step for ``batch``: left-pad the caches, run the model, keep the new column."""
@@ -352,16 +395,25 @@ class ContinuousBatchingEngine:
             mask[row, longest - request.cache_length :] = 1
         input_ids = torch.tensor([[r.token_ids[-1]] for r in batch], dtype=torch.long)
         positions = torch.tensor([[r.cache_length] for r in batch], dtype=torch.long)
-        out = self.model(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+        routed = batch[0].routed is not None
+        logits, new_cache, router_logits = self._forward(
+            routed,
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
         )
+        if routed:
+            for request, experts in zip(batch, self._top_experts(router_logits, rows=len(batch)), strict=True):
+                request.routed.append(experts)  # type: ignore[union-attr]
         for row, request in enumerate(batch):
-            new = _split_cache(out.past_key_values, row, last_only=True)
+            new = _split_cache(new_cache, row, last_only=True)
             request.cache = [
                 (torch.cat([k, nk], dim=1), torch.cat([v, nv], dim=1))
                 for (k, v), (nk, nv) in zip(request.cache, new, strict=True)  # type: ignore[arg-type]
             ]
-        return out.logits[:, -1]
+        return logits
 
     def _append_token(self, request: _Request, token: int, logprob: float, version: int) -> bool:
         """Add one sampled token to ``request``; return True when the request is complete."""

@@ -69,6 +69,9 @@ class CPURolloutServer(RolloutServer):
             first this many prompt groups of each weight version finish, the others are held after
             ``hold_others_at_token`` tokens (:mod:`areal_plugins.rollout.cpu.holds`). None: every request runs.
         hold_others_at_token: see ``finish_groups_per_version``.
+        routed_experts: verl's ``rollout.enable_rollout_routing_replay``: every response carries the experts a
+            mixture-of-experts model routed each token to (``TokenOutput.routed_experts``, as verl's vLLM server
+            returns them).
 
     The environment variable ``AREAL_TEST_ENGINE_STEP_DELAY_S`` (seconds, default 0) adds that much to every model
     step: the test suite run with slow engines (CONTRIBUTING.md, test tiers).
@@ -76,6 +79,9 @@ class CPURolloutServer(RolloutServer):
 
     backend_name = "areal_cpu"
     releases_memory_on_sleep = True
+    #: Beside the contract's: router replay (the engine records each token's experts), and every tensor, expert
+    #: tensors included, in the checksum that answers each update.
+    capabilities = RolloutServer.capabilities | {"routed_experts", "moe_weight_check"}
     #: ``engine_kwargs.areal_cpu`` keys (verl_registration.ENGINE_OPTIONS and this backend's own).
     engine_options = (
         "num_threads",
@@ -99,6 +105,7 @@ class CPURolloutServer(RolloutServer):
         batch_invariant: bool = False,
         finish_groups_per_version: int | None = None,
         hold_others_at_token: int = 1,
+        routed_experts: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -120,6 +127,7 @@ class CPURolloutServer(RolloutServer):
             batch_invariant=batch_invariant,
             holds=holds,
             step_delay_s=step_delay_from_env(),
+            routed_experts=routed_experts,
         )
         self.response_length = response_length
         self.max_model_len = max_model_len
