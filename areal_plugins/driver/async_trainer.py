@@ -36,7 +36,6 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.debug import marked_timer
 
 from areal_plugins.actors.progress_board import start_progress_board
-from areal_plugins.agent_loop.llm_client import InterruptibleLLMClient
 from areal_plugins.agent_loop.partial_outputs import (
     end_resumes,
     prepare_workers,
@@ -60,6 +59,7 @@ from areal_plugins.driver.hooked import HookedTrainerMixin
 from areal_plugins.driver.placements import placement_for
 from areal_plugins.driver.replica_pool import ReplicaPool, RolloutServerDiedError, weight_group_rebuilt_each_sync
 from areal_plugins.driver.replica_replacement import ReplicaReplacer
+from areal_plugins.driver.schedule_source import LiveSchedule, ScheduleSource
 from areal_plugins.driver.step_metrics import (
     admission_metrics,
     consumed_metrics,
@@ -158,9 +158,11 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         survives = self.placement.name == "separate" and weight_group_rebuilt_each_sync(
             config.actor_rollout_ref.rollout
         )
-        # A replay follows the record of an earlier run (replay_driver.py); built before the engines start.
-        self.replay = (
-            ReplayDriver(config, Path(self.areal.replay.run_dir), self.recorder) if self.areal.replay.run_dir else None
+        # A replay follows the record of an earlier run (replay/driver_side.py); built before the engines start.
+        self.schedule: ScheduleSource = (
+            ReplayDriver(config, Path(self.areal.replay.run_dir), self.recorder)
+            if self.areal.replay.run_dir
+            else LiveSchedule()
         )
         self.replica_pool = ReplicaPool(lambda: self.rollout_servers, self.recorder, survives, backend)
         replacing = survives and self.areal.replace_dead_replicas
@@ -223,11 +225,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         return [self.rollout_servers]
 
     def get_llm_client(self) -> Any:
-        if self.replay is not None:  # a replay's requests follow the record
-            from areal_plugins.replay.agent_loop_side import ReplayingLLMClient
-
-            return self.rollout_servers.get_client(client_cls=ReplayingLLMClient)
-        return self.rollout_servers.get_client(client_cls=InterruptibleLLMClient)
+        return self.rollout_servers.get_client(client_cls=self.schedule.client_class())
 
     def _get_n_gpus_for_throughput(self) -> int:
         """verl's ``perf/throughput`` is per device: the placement says which devices the run holds."""
@@ -247,16 +245,12 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 self.supervisor.explain()
             raise
         self.version = self.global_steps
-        if self.replay is not None:
-            self.replay.served(self.version)
+        self.schedule.served(self.version)
         super().on_init_end()  # HookedTrainerMixin: areal_on_weights_updated(version)
 
     def on_train_begin(self) -> None:
         # Built here, not in __init__: the plugin set is configured in init() (areal.plugins).
-        if self.replay is not None:  # the record says which groups each step trains
-            self.sample_buffer = self.replay.buffer
-        else:
-            self.sample_buffer = call_hook("areal_make_sample_buffer", config=self.config)
+        self.sample_buffer = self.schedule.sample_buffer(self.config)  # a replay's: the record's groups by step
         require_contract(self.sample_buffer, SampleBufferContract, "areal_make_sample_buffer")
         self.manager = call_hook(
             "areal_make_rollout_manager",
@@ -326,8 +320,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self._stop_on_request()
 
     def on_sample_end(self) -> None:
-        if self.replay is not None and self.placement.hybrid_replicas:  # colocated engines stop serving this version
-            self.replay.finish_version(self.version, self.supervisor.waiting())
+        if self.placement.hybrid_replicas:  # colocated engines stop serving this version
+            self.schedule.finish_version(self.version, self.supervisor.waiting())
         self.placement.after_sampling(self)
 
     def step(self, metrics: dict, timing_raw: dict) -> KVBatchMeta:
@@ -338,9 +332,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self._phase_end("checkpoint", "weight sync")  # verl's save, when this step had one, ran since the update
         new_version = self.global_steps
         with marked_timer("update_weights", self.timing_raw, color="red"), self.recorder.span("trainer", "update"):
-            if self.replay is not None:
-                self.replay.finish_version(self.version, self.supervisor.waiting())
-            if self.replay is not None or getattr(self.weight_sync, "before_pause", None) is None:
+            self.schedule.finish_version(self.version, self.supervisor.waiting())
+            if self.schedule.pauses_admission_before_update or getattr(self.weight_sync, "before_pause", None) is None:
                 self.manager.pause()  # else the sync stops it just before the abort (weight_sync/staged.py)
             call_hook("areal_before_weight_update", version=new_version)
             # Interruption: colocated engines were aborted and put to sleep after sampling; standalone ones are
@@ -358,8 +351,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 self._write_step_line(self._step_metrics, self.timing_raw, new_version, time.time())
                 raise
             self.version = new_version
-            if self.replay is not None:
-                self.replay.served(new_version)
+            self.schedule.served(new_version)
             if self.weight_sync.backend == "naive":  # verl's other checkpoint engines resume the replicas themselves
                 self.weight_sync.resume_generation_replicas()
             self.manager.resume(new_version)
@@ -528,8 +520,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             raise
         self._write_step_line(metrics, timing_raw, global_steps, now)
         result = super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
-        if self.replay is not None:
-            self.replay.check_step(global_steps, metrics)
+        self.schedule.check_step(global_steps, metrics)
         return result
 
     def _write_step_line(self, metrics: dict, timing_raw: dict, global_steps: int, now: float) -> None:

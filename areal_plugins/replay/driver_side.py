@@ -166,7 +166,21 @@ def in_recorded_order(group: BufferedGroup, recorded: RecordedGroup) -> Buffered
 
 
 class ReplayDriver:
-    """Built by the trainer when ``areal.replay.run_dir`` is set (inside the Ray job)."""
+    """The schedule source of a replay (``areal_plugins.driver.schedule_source``), built by the trainer when
+    ``areal.replay.run_dir`` is set (inside the Ray job): the record's groups by step, a barrier at each version's end,
+    the step's metrics compared with the record's."""
+
+    #: The barrier at a version's end needs admission stopped before the update.
+    pauses_admission_before_update = True
+
+    def client_class(self) -> type:
+        from areal_plugins.replay.agent_loop_side import ReplayingLLMClient
+
+        return ReplayingLLMClient
+
+    def sample_buffer(self, config: Any) -> Any:
+        """The record says which groups each step trains: the hook's buffer is not asked (docs/replay.md)."""
+        return self.buffer
 
     def __init__(self, config: Any, recorded_dir: Path, recorder: RunRecorder) -> None:
         require_replayable(config)

@@ -251,7 +251,11 @@ def trainer_stub(calls: list, hybrid: bool) -> SimpleNamespace:
         return lambda *args, **kwargs: calls.append((*what, *args))
 
     return SimpleNamespace(
-        replay=SimpleNamespace(finish_version=lambda v, check: calls.append(("hold", v)), served=note("served")),
+        schedule=SimpleNamespace(
+            finish_version=lambda v, check: calls.append(("hold", v)),
+            served=note("served"),
+            pauses_admission_before_update=True,
+        ),
         placement=SimpleNamespace(hybrid_replicas=hybrid, after_sampling=lambda trainer: calls.append(("sleep",))),
         supervisor=SimpleNamespace(waiting=lambda: None),
         manager=SimpleNamespace(pause=note("pause"), resume=note("resume")),
