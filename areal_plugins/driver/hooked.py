@@ -55,7 +55,7 @@ class HookedTrainerMixin:
         if str(self.config.actor_rollout_ref.rollout.name) == "vllm":  # our checked server, in areal_sync too
             from areal_plugins.rollout.verl_vllm.server import use_checked_vllm_replicas
 
-            use_checked_vllm_replicas()
+            use_checked_vllm_replicas(self.config.actor_rollout_ref.rollout)
         plugins = self.config.areal.plugins
         # "All installed" means the driver's machine's plugins: every worker, on any node, loads these.
         include = pin_plugin_selection(self.config, selected_plugin_names(plugins.include, list(plugins.exclude or [])))

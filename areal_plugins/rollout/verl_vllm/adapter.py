@@ -3,6 +3,12 @@
 Registered for ``rollout.name: vllm`` in every process (verl's ``_ROLLOUT_REGISTRY``, by name, imported only when
 used). It adds something only when its server is ours (:class:`~areal_plugins.rollout.verl_vllm.server.
 ArealVLLMHttpServer`, which only ``areal_async`` builds); under verl's own trainers it is verl's adapter.
+
+A tensor larger than verl's transfer bucket that verl's direct path cannot carry (one on the host, as ``areal_gloo``
+delivers them, or any where the transport is shared memory) goes as pieces that our worker extension joins before
+loading (weight_sync/split_tensors.py), on every rank of a replica whose workers run our extension
+(``rollout.custom.areal_joins_pieces``, which our trainers set: :func:`~areal_plugins.rollout.verl_vllm.server.
+use_checked_vllm_replicas`).
 """
 
 from __future__ import annotations
@@ -10,10 +16,12 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from verl.workers.rollout.utils import ensure_async_iterator
 from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
 from areal_plugins.rollout.base import record_weight_sync
 from areal_plugins.weight_sync.checksums import check_loaded_reports, check_weight_reports, tensor_checksum
+from areal_plugins.weight_sync.split_tensors import JOINS_PIECES_KEY, cut_large
 
 
 class ArealServerAdapter(ServerAdapter):
@@ -29,22 +37,23 @@ class ArealServerAdapter(ServerAdapter):
             await close_weights(weights)
 
     async def _update_weights(self, weights: Any, global_steps: Any, wire_format: str, **kwargs: Any) -> Any:
-        if wire_format != "named_tensors" or not self._serves_areal():
+        if wire_format != "named_tensors":
             return await super().update_weights(weights, global_steps, wire_format, **kwargs)
+        if not self._serves_areal():  # verl's adapter, or a rank of our replica that does not read the reports
+            return await super().update_weights(self._cut(weights), global_steps, wire_format, **kwargs)
         sent: dict[str, list[float]] = {}
 
         async def checksummed() -> Any:
-            from verl.workers.rollout.utils import ensure_async_iterator
-
             async for name, tensor in ensure_async_iterator(weights):
                 # What this adapter passes on: the trainer's own tensors when colocated; in separate, what the
                 # checkpoint engine delivered (its leg is checked by the manager: weight_sync/checked_transfer.py).
-                # A checkpoint engine that checked its leg took it already (areal_gloo, our nccl mixin).
+                # A checkpoint engine that checked its leg took it already (areal_gloo, our nccl mixin). Of the
+                # whole tensor, before it is cut: the worker takes its checksum after joining the pieces.
                 known = getattr(tensor, "areal_checksum", None)
                 sent[name] = known if known is not None else tensor_checksum(tensor)
                 yield name, tensor
 
-        result = await super().update_weights(checksummed(), global_steps, wire_format, **kwargs)
+        result = await super().update_weights(self._cut(checksummed()), global_steps, wire_format, **kwargs)
         if self._has_server:  # every worker has received by now: verl awaits their collective_rpc
             reports = await self.server_handle.areal_weight_reports.remote()
             where = f"rollout replica {self.replica_rank}"
@@ -53,6 +62,22 @@ class ArealServerAdapter(ServerAdapter):
             checked = {"tensors": len(sent), "workers": sorted(int(report["rank"]) for report in reports), **loaded}
             record_weight_sync(self.replica_rank, int(global_steps or 0), checked, "update_checked")
         return result
+
+    def _cut(self, weights: Any) -> Any:
+        """``weights`` with each tensor that verl's sender could not send whole given as pieces, where this replica's
+        workers join them (our extension); as they are elsewhere (verl's own trainers, verl's extension)."""
+        custom = getattr(self.config, "custom", None) or {}
+        if not custom.get(JOINS_PIECES_KEY):
+            return weights
+        # verl's sender's bucket: the same key, the same rounding to whole megabytes.
+        bucket_bytes = int(self.config.checkpoint_engine.update_weights_bucket_megabytes) << 20
+        return cut_large(ensure_async_iterator(weights), bucket_bytes, self._direct_path_fails)
+
+    def _direct_path_fails(self, tensor: Any) -> bool:
+        """Whether verl's sender cannot send ``tensor``, larger than its bucket, by its direct path: over shared
+        memory it refuses any (an assertion), and the handle it sends (``reduce_tensor``) is rebuilt by the receiver
+        as a device's IPC handle, which a tensor on the host does not have (the receiver fails, the sender waits)."""
+        return bool(self.use_shm) or tensor.device.type == "cpu"
 
     def _workers_per_replica(self) -> int:
         """vLLM workers of one replica, as verl counts a replica's ranks (no prefill/decode split here)."""

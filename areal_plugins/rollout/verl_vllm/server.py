@@ -132,8 +132,21 @@ class ArealVLLMReplica(vLLMReplica):
         return server_concurrency(super().max_concurrency)
 
 
-def use_checked_vllm_replicas() -> None:
-    """Make ``rollout.name: vllm`` build :class:`ArealVLLMReplica` in this process (the async trainer's driver)."""
+def use_checked_vllm_replicas(rollout: Any = None) -> None:
+    """Make ``rollout.name: vllm`` build :class:`ArealVLLMReplica` in this process (our trainers' driver).
+
+    ``rollout`` (``actor_rollout_ref.rollout``, before verl builds its workers): marked so that the server adapter
+    of every rank knows that the replica's workers run our extension, which joins a tensor cut into pieces
+    (``custom.areal_joins_pieces``; weight_sync/split_tensors.py). verl gives only a replica's leading rank a handle
+    on its server, so the other ranks cannot ask it.
+    """
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
     RolloutReplicaRegistry.register("vllm", lambda: ArealVLLMReplica)
+    if rollout is not None:
+        from omegaconf import open_dict
+
+        from areal_plugins.weight_sync.split_tensors import JOINS_PIECES_KEY
+
+        with open_dict(rollout):
+            rollout.custom = {**(rollout.get("custom") or {}), JOINS_PIECES_KEY: True}

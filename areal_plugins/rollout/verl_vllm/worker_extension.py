@@ -10,6 +10,8 @@ shared memory elsewhere) and loads each bucket with the model's ``load_weights``
 * after loading, a checksum of every parameter the worker holds, beside the sum of the checksums of the tensors it
   loaded into it (rollout/verl_vllm/loaded_weights.py): a tensor loaded wrong, into the wrong place, or not at all
   is named, where vLLM itself at most logs a warning.
+* a tensor that the adapter cut into pieces (larger than the transfer bucket, where verl's direct path cannot carry
+  it: weight_sync/split_tensors.py) is joined before it is checksummed and loaded.
 * on the CPU platform only: vLLM's CPU build repacks linear layers after the first load, so the model's
   ``load_weights`` fails on a second load (its parameters lose ``weight_loader``). There the buckets are
   gathered and loaded once with the model runner's ``reload_weights``, which restores the layers first.
@@ -24,6 +26,7 @@ import torch
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
 from areal_plugins.rollout.verl_vllm.loaded_weights import ReceivedTensor, loaded_report
+from areal_plugins.weight_sync.split_tensors import Joiner
 
 #: Fault injection for tests: ``NAME`` or ``NAME@K``: from this worker's K-th update on (default 1), the first
 #: received value of tensor NAME is changed by +1, as a bad transport would.
@@ -51,6 +54,7 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
         self.areal_received_tensors: dict[str, ReceivedTensor] = {}
         self.areal_loaded: dict[str, Any] | None = None
         self.areal_updates = getattr(self, "areal_updates", 0) + 1
+        self.areal_joiner = Joiner()
         if peft_config:
             raise NotImplementedError("areal_async with verl's vllm rollout does not support LoRA adapters yet")
         from vllm.platforms import current_platform
@@ -61,6 +65,7 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
             result = super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
         else:
             self._update_weights_on_cpu(use_shm)
+        self.areal_joiner.finish()
         self._report_loaded(model)
         return result
 
@@ -99,6 +104,10 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
         return ranks[0], ranks[1]
 
     def _update_weights(self, weights: list[tuple[str, torch.Tensor]], peft_config: Any, base_sync_done: bool):
+        # verl's loading of one bucket (GPU path): the pieces of a cut tensor become the tensor once all arrived.
+        weights = self.areal_joiner.take(weights)
+        if not weights:  # the bucket held only pieces of a tensor still arriving
+            return None
         self._record(weights)
         return super()._update_weights(weights, peft_config, base_sync_done)
 
@@ -120,8 +129,9 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
         received: list[tuple[str, torch.Tensor]] = []
 
         def keep(bucket: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
-            # The receiver reuses its buffer for the next bucket: copy out what this one holds.
-            bucket = [(name, tensor.clone()) for name, tensor in bucket]
+            # The receiver reuses its buffer for the next bucket: copy out what this one holds (a joined tensor is
+            # a copy already).
+            bucket = self.areal_joiner.take(bucket, copy_others=True)
             self._record(bucket)
             received.extend(bucket)
 
