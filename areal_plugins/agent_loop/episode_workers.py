@@ -25,7 +25,13 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorke
 
 from areal_plugins.actors.settled_groups import report_settled
 from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, EpisodeRecord
-from areal_plugins.agent_loop.partial_outputs import forget_group, snapshot_in_flight, write_partials
+from areal_plugins.agent_loop.partial_outputs import (
+    end_resume,
+    forget_group,
+    prepare_resume,
+    snapshot_in_flight,
+    write_partials,
+)
 from areal_plugins.config.settings import ArealConfig
 from areal_plugins.core.trajectory_rows import output_summary
 
@@ -89,9 +95,20 @@ class EpisodeAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):  # type: ig
             await report_settled(uid, [key for key, _ in written], summaries if complete else None)
 
     async def areal_save_partials(self, folder: str, index: int) -> dict[str, int]:
-        """Write this worker's kept outputs into the checkpoint ``folder``: copied on the actor's event loop (no
-        request is half-way through adding a chunk), written in a thread (its requests go on meanwhile)."""
-        return await asyncio.to_thread(write_partials, folder, index, snapshot_in_flight())
+        """Write this worker's kept outputs into the checkpoint ``folder``: copied on the actor's event loop a batch
+        at a time (no request is half-way through adding a chunk; the requests run between batches), written in a
+        thread (its requests go on meanwhile)."""
+        partials = await snapshot_in_flight()
+        return await asyncio.to_thread(write_partials, folder, index, partials)
+
+    async def areal_prepare_resume(self, marker: str | None, folder: str | None) -> dict[str, Any]:
+        """At startup: whether this node sees the driver's ``marker`` in the checkpoint folder, and on a resume the
+        kept outputs of ``folder`` this worker can read (partial_outputs.py); the indexes are read in a thread."""
+        return await asyncio.to_thread(prepare_resume, marker, folder)
+
+    def areal_end_resume(self) -> dict[str, int]:
+        """After the resumed run's first step: no kept output is looked for any longer; what was continued."""
+        return end_resume()
 
     def _written_keys(self) -> dict[str, list[tuple[str, dict[str, Any] | None]]]:
         """uid -> (key, summary) of each trajectory written for it so far."""

@@ -4,20 +4,30 @@ Each agent-loop worker's rollout client keeps the output so far of every request
 answer (verl's prompt uid and answer index): :data:`IN_FLIGHT`. An answer that finished stays there, marked with
 its stop reason, until its whole group has (verl re-issues a group in flight as a whole: its finished answers are
 taken back as they were, not generated again). At a checkpoint every worker writes its own into
-``areal_partials/worker_<i>.jsonl`` beside verl's files (nothing passes through the driver: at scale this is
-gigabytes). When a run resumes, the trainer starts one actor holding what that file
-saved, before any request is made; verl re-issues the prompts that were in flight under their uids, and a request of
-the same uid, answer index and prompt takes its saved output and asks the engine only for the rest: its tokens keep
-the versions they were generated under, and the resume counts as one more interruption (docs/faults.md,
-Requests in flight at a checkpoint).
+``areal_partials/worker_<i>.jsonl`` beside verl's files, on the node it runs on, with a small index of where each
+answer's line starts (``worker_<i>.index``); nothing passes through the driver (at scale this is gigabytes).
+
+When a run resumes, the trainer tells every agent-loop worker which checkpoint it resumed (before any request is
+made). Each worker reads the indexes it can see from its node (a few numbers per answer, not the outputs) and, when
+a request of a kept uid, answer index and prompt arrives, reads that one answer's line from disk: its tokens keep
+the versions they were generated under, and the resume counts as one more interruption (docs/faults.md, Requests
+in flight at a checkpoint). No process ever holds every worker's outputs at once: a worker holds the outputs of the
+requests it continues, which it held before the checkpoint too. Measured at 41k requests x 2k tokens:
+docs/results/resume_partials.md.
+
+Where the checkpoint folder is not shared by every node, a worker sees only the files written on its own node; a
+request re-issued to a worker on another node is generated anew. :func:`storage_report` says at startup which it is.
 
 Without this, verl regenerates every in-flight prompt from scratch on resume (as SkyRL and slime do).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
+import socket
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +39,12 @@ logger = logging.getLogger(__name__)
 
 #: The folder a checkpoint keeps them in, in verl's ``global_step_N/``: one JSON-lines file per agent-loop worker.
 PARTIALS_DIR = "areal_partials"
-RESUMED_NAME = "areal_resumed_partials"
+#: Beside each worker's file: one line per answer, ``[uid, session, prompt digest, byte offset, length, tokens]``.
+INDEX_SUFFIX = ".index"
+#: Answers copied per turn of the worker's event loop while a checkpoint takes its copy (its requests go on between).
+SNAPSHOT_BATCH = 256
+#: The marker the driver writes into the checkpoint folder at startup; each node's agent-loop worker looks for it.
+SHARED_MARKER_PREFIX = ".areal_shared_"
 
 
 @dataclass
@@ -66,37 +81,65 @@ def forget_group(uid: str) -> None:
     IN_FLIGHT.pop(uid, None)
 
 
-def snapshot_in_flight() -> list[dict[str, Any]]:
-    """This worker's answers with output, of groups not settled (called on its event loop: a consistent copy;
-    shallow list copies, not ``dataclasses.asdict``, which deep-copies every number)."""
-    return [
-        {
-            "uid": uid,
-            "session": session,
-            "prompt_digest": partial.prompt_digest,
-            "tokens": list(partial.tokens),
-            "log_probs": list(partial.log_probs),
-            "versions": list(partial.versions),
-            "chunks": [list(chunk) for chunk in partial.chunks],
-            "interrupts": partial.interrupts,
-            "stop_reason": partial.stop_reason,
-        }
-        for uid, answers in IN_FLIGHT.items()
-        for session, partial in answers.items()
-        if partial.tokens or partial.stop_reason is not None
-    ]
+def _copy(values: Any) -> Any:
+    """A copy that shares no buffer: a packed array copied as one block, a list as a list of the same numbers
+    (numbers are immutable; nothing is converted, so the copy costs a block copy, not an object per number)."""
+    return array(values.typecode, values) if isinstance(values, array) else list(values)
+
+
+def _snapshot_one(uid: str, session: int, partial: PartialOutput) -> dict[str, Any]:
+    return {
+        "uid": uid,
+        "session": session,
+        "prompt_digest": partial.prompt_digest,
+        "tokens": _copy(partial.tokens),
+        "log_probs": _copy(partial.log_probs),
+        "versions": _copy(partial.versions),
+        "chunks": [list(chunk) for chunk in partial.chunks],
+        "interrupts": partial.interrupts,
+        "stop_reason": partial.stop_reason,
+    }
+
+
+async def snapshot_in_flight(batch: int = SNAPSHOT_BATCH) -> list[dict[str, Any]]:
+    """This worker's answers with output, of groups not settled, copied on its event loop ``batch`` answers at a
+    time: each answer is copied whole between two of its requests (no request is half-way through adding a
+    chunk), and the worker's requests go on between batches. An answer that starts meanwhile is not kept (it is
+    generated anew on resume); a group that settles meanwhile is finished in TransferQueue, so what was copied of
+    it goes unused."""
+    answers = [(uid, session) for uid, kept in list(IN_FLIGHT.items()) for session in list(kept)]
+    copies: list[dict[str, Any]] = []
+    for start in range(0, len(answers), batch):
+        for uid, session in answers[start : start + batch]:
+            partial = IN_FLIGHT.get(uid, {}).get(session)
+            if partial is not None and (len(partial.tokens) or partial.stop_reason is not None):
+                copies.append(_snapshot_one(uid, session, partial))
+        await asyncio.sleep(0)  # the worker's requests run before the next batch is copied
+    return copies
+
+
+def _plain(values: Any) -> list[Any]:
+    return values.tolist() if isinstance(values, array) else values
 
 
 def write_partials(folder: str, worker: int, partials: list[dict[str, Any]]) -> dict[str, int]:
-    """Write one worker's kept outputs into the checkpoint ``folder``; how many answers and tokens."""
+    """Write one worker's kept outputs into the checkpoint ``folder`` (one JSON line each, and the index of where
+    each starts); how many answers and tokens. Runs in a thread: the worker's event loop goes on."""
     path = Path(folder) / PARTIALS_DIR / f"worker_{worker}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    written = path.with_suffix(".partial")
-    with open(written, "w") as handle:
+    written, index_written = path.with_suffix(".partial"), path.with_suffix(".index.partial")
+    tokens = 0
+    with open(written, "wb") as handle, open(index_written, "w") as index:
         for partial in partials:
-            handle.write(json.dumps(partial) + "\n")
-    written.replace(path)  # whole or not at all
-    return {"requests": len(partials), "tokens": sum(len(p["tokens"]) for p in partials)}
+            line = (json.dumps({key: _plain(value) for key, value in partial.items()}) + "\n").encode()
+            entry = [partial["uid"], int(partial["session"]), partial["prompt_digest"], handle.tell(), len(line)]
+            index.write(json.dumps([*entry, len(partial["tokens"])]) + "\n")
+            handle.write(line)
+            tokens += len(partial["tokens"])
+    # Whole or not at all: the index last, so an index always describes a whole file.
+    written.replace(path)
+    index_written.replace(path.with_suffix(INDEX_SUFFIX))
+    return {"requests": len(partials), "tokens": tokens}
 
 
 def save_partials(folder: str, workers: list[Any]) -> dict[str, int]:
@@ -122,7 +165,8 @@ def remove_rotated_partials(checkpoints: str | Path) -> int:
 
 
 def read_partials(folder: str | Path) -> list[dict[str, Any]] | None:
-    """What a checkpoint kept, all workers' together; None for a checkpoint written without it."""
+    """What a checkpoint kept, all workers' together, whole (for tests and tools reading a small checkpoint; a
+    resume reads each answer where it is continued: :class:`KeptOutputs`); None for a checkpoint without it."""
     kept = Path(folder) / PARTIALS_DIR
     if not kept.is_dir():
         return None
@@ -134,44 +178,108 @@ def read_partials(folder: str | Path) -> list[dict[str, Any]] | None:
     ]
 
 
-class ResumedPartials:
-    """Ray actor: the outputs a checkpoint saved, each taken at most once by the request that continues it. Built
-    from a list (tests) or the checkpoint folder, which the actor reads itself (the driver never holds them)."""
+class KeptOutputs:
+    """The outputs a checkpoint kept, as one agent-loop worker sees them from its node: the indexes read, each
+    answer's line read from disk when a request continues it, and taken at most once."""
 
-    def __init__(self, partials: list[dict[str, Any]] | str) -> None:
-        if isinstance(partials, str):
-            partials = read_partials(partials) or []
-        self.partials = {(p["uid"], int(p["session"])): p for p in partials}
-        self.saved = {"requests": len(partials), "tokens": sum(len(p["tokens"]) for p in partials)}
+    def __init__(self, folder: str | Path) -> None:
+        kept = Path(folder) / PARTIALS_DIR
+        #: (uid, answer index) -> (data file, offset, length, prompt digest)
+        self.entries: dict[tuple[str, int], tuple[Path, int, int, str]] = {}
+        #: per data file this worker sees: how many answers and tokens it keeps
+        self.files: dict[str, dict[str, int]] = {}
+        for index_path in sorted(kept.glob(f"worker_*{INDEX_SUFFIX}")) if kept.is_dir() else []:
+            data = index_path.with_suffix(".jsonl")
+            if not data.exists():
+                continue
+            counts = {"requests": 0, "tokens": 0}
+            with open(index_path) as index:
+                for line in index:
+                    if not line.strip():
+                        continue
+                    uid, session, digest, offset, length, tokens = json.loads(line)
+                    self.entries[(uid, int(session))] = (data, int(offset), int(length), digest)
+                    counts["requests"] += 1
+                    counts["tokens"] += int(tokens)
+            self.files[data.name] = counts
         self.continued = {"requests": 0, "tokens": 0}
 
+    def __len__(self) -> int:
+        return len(self.entries)
+
     def take(self, uid: str, session: int, prompt_digest: str) -> dict[str, Any] | None:
-        """The saved output of this answer, if its prompt is the one it was generated for; "empty" when none is
-        left (the caller stops asking)."""
-        if not self.partials:
-            return {"empty": True}
-        partial = self.partials.pop((uid, session), None)
-        if partial is None or partial["prompt_digest"] != prompt_digest:  # another turn's prompt: generate anew
+        """The kept output of this answer, read from its file, if its prompt is the one it was generated for (a
+        later turn's prompt: generated anew); None otherwise. Blocking file I/O: call it in a thread."""
+        entry = self.entries.pop((uid, int(session)), None)
+        if entry is None or entry[3] != prompt_digest:
             return None
+        path, offset, length, _ = entry
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            partial = json.loads(handle.read(length))
         self.continued["requests"] += 1
         self.continued["tokens"] += len(partial["tokens"])
         return partial
 
-    def counts(self) -> dict[str, dict[str, int]]:
-        return {"saved": self.saved, "continued": self.continued}
+
+#: This worker process's view of the checkpoint it resumed from; None when it did not resume, or after the first
+#: step (verl re-issues the groups in flight at once, so by then every answer that could continue has asked).
+_KEPT: dict[str, KeptOutputs | None] = {"kept": None}
 
 
-def start_resumed(folder: str) -> Any | None:
-    """The actor holding ``folder``'s saved outputs (started before any request is made); None without any. The
-    trainer stops it after the first step: verl re-issues the groups in flight at once, so by then every answer
-    that could continue a kept output has asked (one left over would cost every later request a call)."""
-    import ray
+def node_name() -> str:
+    """This process's node: Ray's node id where Ray runs, else the host name."""
+    try:
+        import ray
 
-    kept = Path(folder) / PARTIALS_DIR
-    if not kept.is_dir() or not any(path.stat().st_size for path in kept.glob("worker_*.jsonl")):
+        if ray.is_initialized():
+            return str(ray.get_runtime_context().get_node_id())
+    except Exception:  # no Ray here (a unit test's process): the host names the node
+        pass
+    return socket.gethostname()
+
+
+def prepare_resume(marker: str | None, folder: str | None) -> dict[str, Any]:
+    """One agent-loop worker at startup (called by the trainer on each before any request): whether it sees the
+    driver's ``marker`` file (the checkpoint folder is shared with the driver's node), and, on a resume from
+    ``folder``, the kept outputs it can read from here. Returns ``{"node", "sees_marker", "files"}``."""
+    _KEPT["kept"] = KeptOutputs(folder) if folder is not None else None
+    kept = _KEPT["kept"]
+    return {
+        "node": node_name(),
+        "sees_marker": None if marker is None else os.path.exists(marker),
+        "files": dict(kept.files) if kept is not None else {},
+    }
+
+
+def end_resume() -> dict[str, int]:
+    """After the first step: drop this worker's view of the kept outputs; what of them it continued."""
+    kept, _KEPT["kept"] = _KEPT["kept"], None
+    return dict(kept.continued) if kept is not None else {"requests": 0, "tokens": 0}
+
+
+async def take_resumed(uid: str, session: int, prompt_ids: list[int]) -> PartialOutput | None:
+    """A client's look for a kept output to continue: nothing at all in a run that did not resume; else a lookup
+    in this worker's index and, for a kept answer, one line read from disk (in a thread: the loop goes on)."""
+    kept = _KEPT["kept"]
+    if kept is None or not kept.entries:
         return None
-    logger.info("areal: answers in flight at the checkpoint continue from their kept output (%s)", kept)
-    return ray.remote(ResumedPartials).options(name=RESUMED_NAME, num_cpus=0).remote(str(folder))
+    digest = token_digest(list(prompt_ids))
+    if (uid, int(session)) not in kept.entries:
+        return None
+    found = await asyncio.to_thread(kept.take, uid, session, digest)
+    if found is None:
+        return None
+    return PartialOutput(
+        prompt_digest=found["prompt_digest"],
+        tokens=list(found["tokens"]),
+        log_probs=list(found["log_probs"]),
+        versions=list(found["versions"]),
+        chunks=[list(chunk) for chunk in found["chunks"]],
+        # A request still generating was cut once more by the resume; a finished one is taken as it was.
+        interrupts=int(found["interrupts"]) + (found.get("stop_reason") is None),
+        stop_reason=found.get("stop_reason"),
+    )
 
 
 def finished_output(partial: PartialOutput, episode: Any) -> Any:
@@ -179,8 +287,7 @@ def finished_output(partial: PartialOutput, episode: Any) -> Any:
     (the engine's own extra fields aside, which the trained record does not use)."""
     from verl.workers.rollout.replica import TokenOutput
 
-    from areal_plugins.agent_loop.episodes import version_fields
-    from areal_plugins.core.trajectory_rows import CHUNKS_FIELD
+    from areal_plugins.agent_loop.episodes import CHUNKS_FIELD, version_fields
 
     if episode is not None:
         episode.add_turn(partial.versions, partial.interrupts, partial.chunks)
@@ -194,39 +301,94 @@ def finished_output(partial: PartialOutput, episode: Any) -> Any:
     )
 
 
-_resumed: dict[str, Any] = {}
+# ---------------------------------------------------------------- driver side: the startup's storage check
 
 
-async def take_resumed(uid: str, session: int, prompt_ids: list[int]) -> PartialOutput | None:
-    """A client's look for a saved output to continue: one lookup of the actor per process, then one call per
-    request (with its prompt's digest) until the actor has none left; nothing at all in a run that did not resume."""
+def write_shared_marker(checkpoints: str | Path) -> Path:
+    """The driver's marker in the checkpoint folder, named for this start (a folder copied between nodes by hand
+    holds an earlier start's, not this one)."""
+    folder = Path(checkpoints)
+    folder.mkdir(parents=True, exist_ok=True)
+    marker = folder / f"{SHARED_MARKER_PREFIX}{os.getpid()}_{os.urandom(4).hex()}"
+    marker.write_text(f"{node_name()}\n")
+    return marker
+
+
+def storage_report(checkpoints: str, driver_node: str, reports: list[dict[str, Any]]) -> tuple[bool, dict, str]:
+    """Whether the checkpoint folder is shared by every node, from each agent-loop worker's look for the driver's
+    marker: ``(shared, record, log line)``."""
+    seen = sorted({r["node"] for r in reports if r["sees_marker"]})
+    unseen = sorted({r["node"] for r in reports if not r["sees_marker"]} - set(seen))
+    shared = not unseen
+    record = {"folder": checkpoints, "shared": shared, "driver_node": driver_node, "nodes_seeing": seen}
+    record["nodes_not_seeing"] = unseen
+    if shared:
+        line = (
+            f"areal: the checkpoint folder {checkpoints} is shared by every node the agent-loop workers run on "
+            f"({len(seen)}): a resume continues the requests in flight at its checkpoint"
+        )
+    else:
+        line = (
+            f"areal: the checkpoint folder {checkpoints} is NOT shared: the agent-loop workers on node(s) "
+            f"{', '.join(node[:12] for node in unseen)} do not see the file the driver wrote there. A resume "
+            "(--max-restarts, trainer.resume_mode=auto) regenerates the requests in flight that a worker on "
+            "another node kept, and verl needs its own checkpoint files on the driver's node; put "
+            "trainer.default_local_dir on storage every node mounts (NFS, a mounted bucket)"
+        )
+    return shared, record, line
+
+
+def resumed_counts(reports: list[dict[str, Any]]) -> dict[str, int]:
+    """What the resumed checkpoint kept, as the workers found it: each worker file once, whoever saw it."""
+    files: dict[str, dict[str, int]] = {}
+    for report in reports:
+        files.update(report["files"])
+    return {key: sum(counts[key] for counts in files.values()) for key in ("requests", "tokens")}
+
+
+#: The record of the startup's storage check (the run directory): whether the checkpoint folder is shared.
+STORAGE_RECORD = "checkpoint_storage.jsonl"
+
+
+def prepare_workers(
+    checkpoints: str, resume_from: str | None, workers: list[Any], recorder: Any, checkpointing: bool
+) -> dict[str, int] | None:
+    """At the start of ``fit`` (before verl re-issues the prompts in flight): with checkpoints on, find out whether
+    the checkpoint folder is shared by every node (:func:`storage_report`: logged once and recorded), and on a
+    resume from ``resume_from`` tell every agent-loop worker to continue the kept outputs it can see. Returns what
+    the resumed checkpoint kept (None: no resume)."""
+    import time
+
     import ray
 
-    if "actor" not in _resumed:
-        try:
-            _resumed["actor"] = ray.get_actor(RESUMED_NAME)
-        except ValueError:
-            _resumed["actor"] = None
-    actor = _resumed["actor"]
-    if actor is None:
+    if not checkpointing and resume_from is None:
         return None
+    marker = write_shared_marker(checkpoints) if checkpointing else None
     try:
-        found = await actor.take.remote(uid, session, token_digest(list(prompt_ids)))
-    except ray.exceptions.RayActorError:  # stopped after the first step: nothing more to continue
-        _resumed["actor"] = None
+        shown = None if marker is None else str(marker)
+        reports = ray.get([worker.areal_prepare_resume.remote(shown, resume_from) for worker in workers])
+    finally:
+        if marker is not None:
+            marker.unlink(missing_ok=True)
+    if marker is not None:
+        shared, record, line = storage_report(checkpoints, node_name(), reports)
+        recorder.write(STORAGE_RECORD, {"time": time.time(), **record})
+        (logger.info if shared else logger.warning)(line)
+    if resume_from is None:
         return None
-    if found is None:
-        return None
-    if found.get("empty"):
-        _resumed["actor"] = None
-        return None
-    return PartialOutput(
-        prompt_digest=found["prompt_digest"],
-        tokens=list(found["tokens"]),
-        log_probs=list(found["log_probs"]),
-        versions=list(found["versions"]),
-        chunks=[list(chunk) for chunk in found["chunks"]],
-        # A request still generating was cut once more by the resume; a finished one is taken as it was.
-        interrupts=int(found["interrupts"]) + (found.get("stop_reason") is None),
-        stop_reason=found.get("stop_reason"),
+    saved = resumed_counts(reports)
+    logger.info(
+        "areal: answers in flight at the checkpoint continue from their kept output (%d requests, %d tokens; %s)",
+        saved["requests"],
+        saved["tokens"],
+        Path(resume_from) / PARTIALS_DIR,
     )
+    return saved
+
+
+def end_resumes(workers: list[Any]) -> dict[str, int]:
+    """After the first step: every agent-loop worker drops its view of the kept outputs; what they continued."""
+    import ray
+
+    counts = ray.get([worker.areal_end_resume.remote() for worker in workers])
+    return {key: sum(count[key] for count in counts) for key in ("requests", "tokens")}

@@ -12,13 +12,17 @@ from areal_plugins.agent_loop import partial_outputs
 from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, EpisodeRecord
 from areal_plugins.agent_loop.partial_outputs import (
     IN_FLIGHT,
-    RESUMED_NAME,
+    KeptOutputs,
     PartialOutput,
-    ResumedPartials,
+    end_resume,
     forget_group,
+    prepare_resume,
+    prepare_workers,
+    resumed_counts,
     snapshot_in_flight,
-    start_resumed,
+    storage_report,
     write_partials,
+    write_shared_marker,
 )
 from areal_plugins.core.trajectory_rows import token_digest
 
@@ -76,11 +80,11 @@ def test_a_checkpoint_sees_an_answers_output_so_far_then_its_finished_output_unt
         task = asyncio.create_task(answer(client, "g1", 2, [1, 2], "r1"))
         while len(IN_FLIGHT.get("g1", {}).get(2, PartialOutput("")).tokens) < 3:
             await asyncio.sleep(0.01)
-        seen = snapshot_in_flight()
+        seen = await snapshot_in_flight()
         output = await task
-        finished = snapshot_in_flight()
+        finished = await snapshot_in_flight()
         forget_group("g1")  # the worker, once verl wrote the group's final status
-        return seen, output, finished, snapshot_in_flight()
+        return seen, output, finished, await snapshot_in_flight()
 
     (saved,), output, (finished,), after = asyncio.run(go())
     assert (saved["uid"], saved["session"], saved["prompt_digest"]) == ("g1", 2, token_digest([1, 2]))
@@ -89,25 +93,28 @@ def test_a_checkpoint_sees_an_answers_output_so_far_then_its_finished_output_unt
     assert saved["chunks"] == [[0, 0, 7]] and saved["interrupts"] == 1 and saved["stop_reason"] is None
     assert output.token_ids == [11, 12, 13, 14, 15, 16, 17, 18]
     # Finished, but its group has not settled: kept, whole, with its stop reason (verl re-issues the whole group).
-    assert finished["tokens"] == output.token_ids and finished["stop_reason"] == "length"
-    assert finished["versions"] == [0, 0, 0, 1, 1, 1, 1, 1] and finished["chunks"] == [[0, 0, 7], [3, 1, 7]]
+    assert list(finished["tokens"]) == output.token_ids and finished["stop_reason"] == "length"
+    assert list(finished["versions"]) == [0, 0, 0, 1, 1, 1, 1, 1] and finished["chunks"] == [[0, 0, 7], [3, 1, 7]]
     assert after == []
 
 
-def test_a_resumed_request_continues_its_saved_output_and_another_answer_starts_afresh(local_ray, tmp_path):
-    saved = {
-        "uid": "g1",
-        "session": 2,
-        "prompt_digest": token_digest([1, 2]),
-        "tokens": [11, 12, 13],
-        "log_probs": [-0.25, -0.5, -0.75],
-        "versions": [0, 0, 0],
+def saved_answer(uid: str, session: int, prompt: list[int], tokens: list[int], **fields) -> dict:
+    return {
+        "uid": uid,
+        "session": session,
+        "prompt_digest": token_digest(prompt),
+        "tokens": tokens,
+        "log_probs": [-0.25 * (i + 1) for i in range(len(tokens))],
+        "versions": [0] * len(tokens),
         "chunks": [[0, 0, 7]],
         "interrupts": 1,
-    }
-    write_partials(str(tmp_path), 0, [saved])
-    actor = start_resumed(str(tmp_path))
-    partial_outputs._resumed.clear()  # a fresh worker process: it looks the actor up once
+        "stop_reason": None,
+    } | fields
+
+
+def test_a_resumed_request_continues_its_saved_output_and_another_answer_starts_afresh(local_ray, tmp_path):
+    write_partials(str(tmp_path), 0, [saved_answer("g1", 2, [1, 2], [11, 12, 13])])
+    report = prepare_resume(None, str(tmp_path))  # this worker, told at startup which checkpoint was resumed
     server = ScriptedServer.remote([([21, 22, 23, 24, 25], 2, "length", 0.0), ([31, 32], 2, "stop", 0.0)])
     client = client_of(server)
 
@@ -118,10 +125,8 @@ def test_a_resumed_request_continues_its_saved_output_and_another_answer_starts_
 
     try:
         continued, fresh = asyncio.run(go())
-        counts = ray.get(actor.counts.remote())
     finally:
-        ray.kill(actor)
-        partial_outputs._resumed.clear()
+        counts = end_resume()
         forget_group("g1")
     # The engine was asked for the rest only: prompt + the 3 saved tokens, 8 - 3 = 5 more.
     assert ray.get(server.seen.remote()) == [([1, 2, 11, 12, 13], 5), ([1, 2], 8)]
@@ -131,30 +136,19 @@ def test_a_resumed_request_continues_its_saved_output_and_another_answer_starts_
     assert continued.extra_fields["num_interrupts"] == 2  # the update's cut, then the resume's
     assert continued.extra_fields["areal_chunks"] == [[0, 0, 7], [3, 2, 7]]
     assert fresh.token_ids == [31, 32] and fresh.extra_fields["num_interrupts"] == 0
-    assert counts == {"saved": {"requests": 1, "tokens": 3}, "continued": {"requests": 1, "tokens": 3}}
+    assert report["files"] == {"worker_0.jsonl": {"requests": 1, "tokens": 3}} and report["sees_marker"] is None
+    assert counts == {"requests": 1, "tokens": 3}
 
 
 def test_an_answer_that_had_finished_is_returned_as_it_was_without_asking_the_engine(local_ray, tmp_path):
-    saved = {
-        "uid": "g2",
-        "session": 0,
-        "prompt_digest": token_digest([4]),
-        "tokens": [41, 42],
-        "log_probs": [-1.0, -2.0],
-        "versions": [0, 1],
-        "chunks": [[0, 0, 3], [1, 1, 4]],
-        "interrupts": 1,
-        "stop_reason": "stop",
-    }
-    write_partials(str(tmp_path), 0, [saved])
-    actor = start_resumed(str(tmp_path))
-    partial_outputs._resumed.clear()
+    saved = saved_answer("g2", 0, [4], [41, 42], log_probs=[-1.0, -2.0], versions=[0, 1], stop_reason="stop")
+    write_partials(str(tmp_path), 0, [saved | {"chunks": [[0, 0, 3], [1, 1, 4]]}])
+    prepare_resume(None, str(tmp_path))
     server = ScriptedServer.remote([])  # any call would fail: nothing scripted
     try:
         output = asyncio.run(answer(client_of(server), "g2", 0, [4], "r1"))
     finally:
-        ray.kill(actor)
-        partial_outputs._resumed.clear()
+        end_resume()
         forget_group("g2")
     assert ray.get(server.seen.remote()) == []
     assert (output.token_ids, output.log_probs, output.stop_reason) == ([41, 42], [-1.0, -2.0], "stop")
@@ -162,40 +156,151 @@ def test_an_answer_that_had_finished_is_returned_as_it_was_without_asking_the_en
     assert output.extra_fields["areal_chunks"] == [[0, 0, 3], [1, 1, 4]]
 
 
+def test_a_worker_whose_node_does_not_see_the_checkpoint_generates_anew(local_ray, tmp_path):
+    write_partials(str(tmp_path / "on_another_node"), 0, [saved_answer("g3", 0, [5], [51])])
+    report = prepare_resume(None, str(tmp_path / "as_seen_here"))  # the folder this node has: no areal_partials/
+    server = ScriptedServer.remote([([61, 62], 1, "stop", 0.0)])
+    try:
+        output = asyncio.run(answer(client_of(server), "g3", 0, [5], "r1"))
+    finally:
+        end_resume()
+        forget_group("g3")
+    assert report["files"] == {} and output.token_ids == [61, 62]
+    assert ray.get(server.seen.remote()) == [([5], 8)]
+
+
 def test_a_run_without_checkpoints_keeps_nothing(local_ray):
     server = ScriptedServer.remote([([11, 12], 0, "stop", 0.0)])
     output = asyncio.run(answer(client_of(server, save_freq=-1), "g9", 0, [1], "r1"))
-    assert output.token_ids == [11, 12] and snapshot_in_flight() == [] and "g9" not in IN_FLIGHT
+    assert output.token_ids == [11, 12] and asyncio.run(snapshot_in_flight()) == [] and "g9" not in IN_FLIGHT
 
 
-def test_a_saved_output_is_taken_once_and_only_for_the_prompt_it_was_generated_for():
+def test_a_saved_output_is_taken_once_and_only_for_the_prompt_it_was_generated_for(tmp_path):
+    write_partials(str(tmp_path), 0, [saved_answer("a", 0, [5], [1]), saved_answer("b", 1, [5], [2, 3])])
+    kept = KeptOutputs(tmp_path)
     digest = token_digest([5])
-    resumed = ResumedPartials(
-        [
-            {"uid": "a", "session": 0, "prompt_digest": digest, "tokens": [1]},
-            {"uid": "b", "session": 1, "prompt_digest": digest, "tokens": [2, 3]},
-        ]
-    )
-    assert resumed.take("a", 0, "another turn's prompt") is None  # a later turn: generated anew, and dropped
-    assert resumed.take("a", 0, digest) is None
-    assert resumed.take("b", 1, digest)["tokens"] == [2, 3]
-    assert resumed.take("b", 1, digest) == {"empty": True}  # none left: the clients stop asking
-    assert resumed.counts() == {"saved": {"requests": 2, "tokens": 3}, "continued": {"requests": 1, "tokens": 2}}
+    assert kept.take("a", 0, "another turn's prompt") is None  # a later turn: generated anew, and dropped
+    assert kept.take("a", 0, digest) is None
+    assert kept.take("b", 1, digest)["tokens"] == [2, 3]
+    assert kept.take("b", 1, digest) is None and len(kept) == 0
+    assert kept.continued == {"requests": 1, "tokens": 2}
+    assert kept.files == {"worker_0.jsonl": {"requests": 2, "tokens": 3}}
 
 
-def test_no_saved_outputs_no_actor(tmp_path):
-    assert start_resumed(str(tmp_path)) is None
-    assert RESUMED_NAME == "areal_resumed_partials"
+def test_a_resume_reads_only_the_lines_of_the_answers_it_continues(tmp_path):
+    # Before: one actor parsed every worker's file whole at startup (gigabytes at 41k requests x 2k tokens).
+    write_partials(str(tmp_path), 0, [saved_answer("a", 0, [5], [1, 2]), saved_answer("b", 0, [5], [3, 4, 5])])
+    write_partials(str(tmp_path), 1, [saved_answer("c", 0, [6], [7])])
+    data = tmp_path / "areal_partials" / "worker_0.jsonl"
+    first, second = data.read_bytes().splitlines(keepends=True)
+    data.write_bytes(b"x" * (len(first) - 1) + b"\n" + second)  # answer a's line unreadable: nobody continues it
+    kept = KeptOutputs(tmp_path)
+    assert len(kept) == 3  # every answer indexed, none read
+    assert kept.take("b", 0, token_digest([5]))["tokens"] == [3, 4, 5]
+    assert kept.take("c", 0, token_digest([6]))["tokens"] == [7]
+    assert kept.continued == {"requests": 2, "tokens": 4}
+
+
+def test_a_checkpoints_copy_lets_the_workers_requests_run_between_batches_and_shares_nothing():
+    from array import array
+
+    IN_FLIGHT.clear()
+    for i in range(6):  # three batches of two
+        partial = PartialOutput(f"d{i}", [i, i + 1], [-1.0, -2.0], [0, 0], [[0, 0, 1]])
+        partial_outputs.keep(f"g{i}", 0, partial)
+    partial_outputs.compact(IN_FLIGHT["g0"][0])  # a finished answer: packed arrays
+    turns = []
+
+    async def go():
+        async def request_meanwhile():
+            while True:
+                turns.append(len(copied))
+                await asyncio.sleep(0)
+
+        copied: list = []
+        other = asyncio.create_task(request_meanwhile())
+        await asyncio.sleep(0)
+        copied.extend(await snapshot_in_flight(batch=2))
+        other.cancel()
+        return copied
+
+    try:
+        copies = asyncio.run(go())
+        IN_FLIGHT["g1"][0].tokens.append(99)  # the request goes on after the copy
+        IN_FLIGHT["g0"][0].tokens[0] = 99
+    finally:
+        IN_FLIGHT.clear()
+    assert len(copies) == 6 and len(turns) >= 3  # it ran before the copy and between its three batches
+    assert copies[1]["tokens"] == [1, 2] and copies[0]["tokens"] == array("q", [0, 1])
+
+
+def test_the_startup_says_whether_every_node_sees_the_checkpoint_folder():
+    reports = [{"node": "n1", "sees_marker": True}, {"node": "n2", "sees_marker": True}]
+    shared, record, line = storage_report("/ckpt", "n1", reports)
+    assert shared and record["nodes_seeing"] == ["n1", "n2"] and record["nodes_not_seeing"] == []
+    reports.append({"node": "n3", "sees_marker": False})
+    shared, record, line = storage_report("/ckpt", "n1", reports)
+    assert not shared and record["nodes_not_seeing"] == ["n3"] and record["shared"] is False
+    assert "NOT shared" in line and "n3" in line and "--max-restarts" in line and "regenerates" in line
+
+
+def test_each_workers_file_counts_once_however_many_workers_see_it():
+    both = {"worker_0.jsonl": {"requests": 2, "tokens": 5}, "worker_1.jsonl": {"requests": 1, "tokens": 1}}
+    reports = [{"files": both}, {"files": both}, {"files": {"worker_1.jsonl": {"requests": 1, "tokens": 1}}}]
+    assert resumed_counts(reports) == {"requests": 3, "tokens": 6}
+
+
+@ray.remote
+class StandInWorker:
+    """An agent-loop worker's two startup calls (episode_workers.py), in a process of its own."""
+
+    def areal_prepare_resume(self, marker, folder):
+        return prepare_resume(marker, folder)
+
+    def areal_end_resume(self):
+        return end_resume()
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict]] = []
+
+    def write(self, name: str, line: dict) -> None:
+        self.lines.append((name, line))
+
+
+def test_the_driver_checks_the_storage_and_tells_each_worker_what_to_continue(local_ray, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    resumed = checkpoints / "global_step_3"
+    write_partials(str(resumed), 0, [saved_answer("a", 0, [5], [1, 2])])
+    write_partials(str(resumed), 1, [saved_answer("b", 0, [5], [3])])
+    workers, recorder = [StandInWorker.remote(), StandInWorker.remote()], Recorder()
+    saved = prepare_workers(str(checkpoints), str(resumed), workers, recorder, checkpointing=True)
+    assert saved == {"requests": 2, "tokens": 3}  # both workers see both files: each counted once
+    ((name, record),) = recorder.lines
+    assert name == "checkpoint_storage.jsonl" and record["shared"] and record["nodes_not_seeing"] == []
+    assert not list(checkpoints.glob(".areal_shared_*"))  # the marker is removed
+    assert partial_outputs.end_resumes(workers) == {"requests": 0, "tokens": 0}
+
+
+def test_a_marker_is_seen_only_where_its_folder_is(tmp_path):
+    marker = write_shared_marker(tmp_path / "checkpoints")
+    try:
+        assert prepare_resume(str(marker), None)["sees_marker"] is True
+        assert prepare_resume(str(tmp_path / "elsewhere" / marker.name), None)["sees_marker"] is False
+    finally:
+        marker.unlink()
 
 
 def test_outputs_kept_by_checkpoints_verl_rotated_away_are_removed_and_the_kept_ones_stay(tmp_path):
     # verl's rotation (max_actor_ckpt_to_keep) deleted step 1's actor/ folder and left the rest of the step.
+    kept = saved_answer("a", 0, [5], [1, 2])
     for step, has_actor in ((1, False), (2, True), (3, True)):
         folder = tmp_path / f"global_step_{step}"
-        partial_outputs.write_partials(str(folder), 0, [{"tokens": [1, 2]}])
+        partial_outputs.write_partials(str(folder), 0, [kept])
         if has_actor:
             (folder / "actor").mkdir()
     assert partial_outputs.remove_rotated_partials(tmp_path) == 1
     assert not (tmp_path / "global_step_1" / "areal_partials").exists() and (tmp_path / "global_step_1").exists()
-    assert partial_outputs.read_partials(tmp_path / "global_step_2") == [{"tokens": [1, 2]}]
-    assert partial_outputs.read_partials(tmp_path / "global_step_3") == [{"tokens": [1, 2]}]
+    assert partial_outputs.read_partials(tmp_path / "global_step_2") == [kept]
+    assert partial_outputs.read_partials(tmp_path / "global_step_3") == [kept]
