@@ -32,7 +32,12 @@ GPUS = {
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder's shape as its Hugging Face ``config.json`` gives it (BF16 weights and KV cache)."""
+    """A decoder's shape as its Hugging Face ``config.json`` gives it (BF16 weights and KV cache).
+
+    ``head_dim`` None: ``hidden // heads`` (config.json omits it where that holds). ``experts`` > 0: a mixture of
+    experts whose every layer routes each token to ``experts_per_token`` of ``experts`` MLPs of
+    ``moe_intermediate`` (Qwen3-MoE, Mixtral). ``max_positions``: ``max_position_embeddings``, None where unknown.
+    """
 
     name: str
     hidden: int
@@ -41,29 +46,69 @@ class ModelShape:
     kv_heads: int
     intermediate: int
     vocab: int
+    head_dim: int | None = None
+    tied_embeddings: bool = False
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+    max_positions: int | None = None
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def attention_params(self) -> int:
+        """q, o (heads x head_size each way) and k, v (kv_heads x head_size); biases and norms left out."""
+        return 2 * self.hidden * self.heads * self.head_size + 2 * self.hidden * self.kv_heads * self.head_size
+
+    def _mlp_params(self, experts: int) -> int:
+        if not self.experts:
+            return 3 * self.hidden * self.intermediate  # gate, up, down
+        return experts * 3 * self.hidden * self.moe_intermediate + self.hidden * self.experts  # + the router
 
     @property
     def layer_params(self) -> int:
-        head_dim = self.hidden // self.heads
-        attention = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * head_dim
-        return attention + 3 * self.hidden * self.intermediate  # q, o, k, v + gate, up, down
+        """Every weight of one decoder layer (all experts of a MoE)."""
+        return self.attention_params + self._mlp_params(self.experts)
+
+    @property
+    def active_layer_params(self) -> int:
+        """The weights of one layer a token multiplies through (a MoE's routed experts only)."""
+        return self.attention_params + self._mlp_params(self.experts_per_token)
+
+    @property
+    def active_mlp_width(self) -> int:
+        """The MLP width a token's activations span: ``intermediate``, or a MoE's routed experts' together."""
+        return self.experts_per_token * self.moe_intermediate if self.experts else self.intermediate
+
+    @property
+    def params(self) -> int:
+        """Every parameter: the layers, the input embedding and the output head (one matrix when tied)."""
+        return self.layers * self.layer_params + self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
 
     @property
     def matmul_params(self) -> int:
         """Parameters a token multiplies through: every layer and the output head (not the lookup)."""
-        return self.layers * self.layer_params + self.vocab * self.hidden
+        return self.layers * self.active_layer_params + self.vocab * self.hidden
 
     @property
     def weight_bytes(self) -> int:
-        return 2 * (self.matmul_params + self.vocab * self.hidden)  # plus the input embedding
+        return 2 * self.params
+
+    @property
+    def largest_tensor_params(self) -> int:
+        """The largest single parameter tensor: the embedding (vocab x hidden), or a MoE layer's fused
+        gate-and-up experts (transformers 5 keeps them as one experts x 2·moe_intermediate x hidden tensor)."""
+        return max(self.vocab * self.hidden, 2 * self.experts * self.moe_intermediate * self.hidden)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * 2  # K and V, BF16
+        return 2 * self.layers * self.kv_heads * self.head_size * 2  # K and V, BF16
 
     def attention_flops(self, length: float) -> float:
         """Causal attention of one forward pass over ``length`` tokens: Q·Kᵀ and A·V, half the square."""
-        return 2 * self.layers * self.hidden * length * length
+        return 2 * self.layers * self.heads * self.head_size * length * length
 
 
 #: The paper's models (DeepSeek-R1-Distill-Qwen), shapes from their config.json files.

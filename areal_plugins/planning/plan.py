@@ -20,7 +20,8 @@ from pathlib import Path
 
 from areal_plugins.planning.calibration import STEPS, WARMUP  # the fit's run length: the plan's numbers are the fit's
 from areal_plugins.planning.cluster_sim import Cluster, Workload, simulate_async, simulate_sync
-from areal_plugins.planning.hardware import GPUS, MODELS, Efficiency, smallest_tensor_parallel
+from areal_plugins.planning.hardware import GPUS, Efficiency, smallest_tensor_parallel
+from areal_plugins.planning.model_shapes import UnknownModelError, resolve_for_plan
 
 #: Fitted to the paper's 1.5B step times (tools/simulate_paper.py; docs/results/simulator_vs_paper.json): a
 #: decode step costs 82 µs per layer beyond its bytes (read at the datasheet bandwidth) and FLOPs.
@@ -259,7 +260,10 @@ def resolve(name: str, table: dict, what: str):
 def run_plan(args) -> int:
     """The CLI entry (arguments from ``cli.add_plan_arguments``)."""
     gpu = resolve(args.gpu, GPUS, "GPU")
-    model = resolve(args.model, MODELS, "model")
+    try:
+        model = resolve_for_plan(args.model, getattr(args, "model_config", None))
+    except UnknownModelError as error:
+        raise SystemExit(f"areal-plugins plan: {error}") from None
     if args.gpus < 2:
         raise SystemExit("--gpus must be at least 2: one side generates while the other trains")
     if args.lengths_file:
