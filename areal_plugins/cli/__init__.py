@@ -220,7 +220,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_restarts is not None and args.max_restarts < 0:
         parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     return train(args.recipe, args.overrides, args.run_dir, args.tiny_dir, args.max_restarts)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

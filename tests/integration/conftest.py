@@ -241,10 +241,36 @@ def long_response_model(tiny_dir, tmp_path_factory) -> Path:
     return out
 
 
+#: The synchronous baseline's run directory once a test made it: its step times say how fast this machine is.
+_BASELINE: dict[str, Path] = {}
+
+
 @pytest.fixture(scope="session")
 def sync_run(tiny_dir, distinct_prompts, tmp_path_factory) -> Path:
     """Synchronous verl with our features off (``grpo_cpu_sync``): the baseline every comparison uses."""
-    return run_with_dump("grpo_cpu_sync.yaml", tiny_dir, tmp_path_factory, distinct_prompts)
+    _BASELINE["run"] = run_with_dump("grpo_cpu_sync.yaml", tiny_dir, tmp_path_factory, distinct_prompts)
+    return _BASELINE["run"]
+
+
+def machine_speed_line(run_dir: Path) -> str | None:
+    """The baseline's seconds per step (verl's ``timing_s/step``; the first step, which compiles, left out)."""
+    import statistics
+
+    times = [m["data"]["timing_s/step"] for m in read_jsonl(run_dir / "metrics.jsonl") if "timing_s/step" in m["data"]]
+    if len(times) < 2:
+        return None
+    later = times[1:]
+    return (
+        f"machine speed: synchronous verl baseline (grpo_cpu_sync, tiny model) {statistics.median(later):.2f} s per "
+        f"step, median of steps 2-{len(times)} (range {min(later):.2f}-{max(later):.2f}); compare the tier's time "
+        "with CONTRIBUTING.md's at the speed stated there"
+    )
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Every integration run says how fast its machine was, so its time can be read against another's."""
+    if "run" in _BASELINE and (line := machine_speed_line(_BASELINE["run"])):
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
