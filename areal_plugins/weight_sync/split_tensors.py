@@ -104,6 +104,8 @@ class Joiner:
         self._piece: Piece | None = None
         self._whole: torch.Tensor | None = None
         self._filled = 0
+        #: Names of the tensors joined so far, in their order of arrival.
+        self.joined: list[str] = []
 
     def take(self, bucket: list[tuple[str, torch.Tensor]], copy_others: bool = False) -> list[tuple[str, torch.Tensor]]:
         """The bucket's tensors with its pieces replaced by the whole tensors they completed (a tensor whose last
@@ -128,6 +130,7 @@ class Joiner:
             self._filled += count
             if self._filled == piece.total:
                 out.append((piece.name, whole.view(piece.shape)))
+                self.joined.append(piece.name)
                 self._piece, self._whole, self._filled = None, None, 0
         return out
 

@@ -71,6 +71,7 @@ def test_joined_across_buckets_with_other_tensors_around_it():
     out = joiner.take([("norm", norm), cut[0]]) + joiner.take([cut[1]]) + joiner.take([cut[2], ("head", norm * 2)])
     joiner.finish()
     assert [name for name, _ in out] == ["norm", "embed", "head"]
+    assert joiner.joined == ["embed"]
     joined = out[1][1]
     assert joined.dtype == torch.bfloat16 and joined.shape == (5, 7) and torch.equal(joined, embed)
 

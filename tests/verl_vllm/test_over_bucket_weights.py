@@ -193,6 +193,9 @@ def test_a_tensor_larger_than_the_bucket_arrives_whole_and_checked(transfer, tmp
     (record,) = [json.loads(line) for line in (tmp_path / "weight_syncs.jsonl").read_text().splitlines()]
     assert record["event"] == "update_checked" and record["checksum"]["tensors"] == len(sent)
     assert record["checksum"]["loaded_compared"] == len(sent)
+    # Of the tiny model's tensors only the embedding (8.4 MB) exceeds 1 MB (the next largest, a 128 x 256 float32
+    # MLP matrix, is 128 KiB): it alone crossed in pieces.
+    assert record["checksum"]["joined"] == ["model.embed_tokens.weight"]
 
 
 def test_without_the_mark_nothing_is_cut(transfer):

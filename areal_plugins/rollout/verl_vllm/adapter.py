@@ -60,6 +60,9 @@ class ArealServerAdapter(ServerAdapter):
             check_weight_reports(reports, sent, where, self._workers_per_replica())
             loaded = check_loaded_reports(reports, where)
             checked = {"tensors": len(sent), "workers": sorted(int(report["rank"]) for report in reports), **loaded}
+            joined = sorted({name for report in reports for name in report.get("joined") or []})
+            if joined:  # tensors larger than the bucket, cut for verl's transport and joined by the workers
+                checked["joined"] = joined
             record_weight_sync(self.replica_rank, int(global_steps or 0), checked, "update_checked")
         return result
 

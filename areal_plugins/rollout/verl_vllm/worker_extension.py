@@ -142,10 +142,12 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
         self.model_runner.reload_weights(weights_iterator=iter(received))
 
     def areal_weight_report(self) -> dict[str, Any]:
-        """What this worker received in the last update (its rank, a checksum per tensor name) and what it holds
-        after loading it (``loaded``: rollout/verl_vllm/loaded_weights.py)."""
+        """What this worker received in the last update (its rank, a checksum per tensor name), what it holds
+        after loading it (``loaded``: rollout/verl_vllm/loaded_weights.py) and which tensors arrived in pieces."""
+        joiner = getattr(self, "areal_joiner", None)
         return {
             "rank": int(getattr(self, "rank", 0)),
             "checksums": dict(getattr(self, "areal_received", {})),
             "loaded": getattr(self, "areal_loaded", None),
+            "joined": list(joiner.joined) if joiner is not None else [],
         }
