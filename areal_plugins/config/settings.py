@@ -241,6 +241,14 @@ class ArealConfig:
             "it; it takes requests once the next weight sync has loaded and checked the current weights"
         },
     )
+    replica_start_timeout_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "placement: separate: the longest a replica started mid-run (a replacement or growth) may take, "
+            "waiting for a node with its devices included; past it the start is abandoned and recorded. null: 3x "
+            "the measured start of the run's replicas"
+        },
+    )
     max_rollout_replicas: int | None = field(
         default=None,
         metadata={
@@ -290,6 +298,11 @@ class ArealConfig:
             raise ArealConfigError(
                 "areal.max_rollout_replicas grows the standalone replicas of areal.placement: separate; colocated "
                 "engines live in the trainer's workers. Remove it, or set areal.placement: separate"
+            )
+        timeout = self.replica_start_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
+            raise ArealConfigError(
+                f"areal.replica_start_timeout_s must be seconds > 0 or null (3x the measured start), got {timeout!r}"
             )
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ArealConfigError(f"areal.max_restarts must be an integer >= 0, got {self.max_restarts!r}")

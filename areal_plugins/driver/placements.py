@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -23,6 +24,9 @@ class Placement:
     name: str
     #: verl builds engines inside the trainer's workers (``_enable_hybrid_replicas``).
     hybrid_replicas: bool
+    #: Seconds verl took to start this placement's own replicas (``separate``), measured in :meth:`setup`: what a
+    #: replica started mid-run is allowed, times a factor (driver/replica_replacement.py). None: none started.
+    startup_s: float | None = None
 
     def setup(self, trainer: Any) -> None:
         """After verl's own setup: build what verl does not for this placement."""
@@ -80,7 +84,9 @@ class Separate(Placement):
         from areal_plugins.weight_sync.staged import StagedCheckpointEngineManager
 
         config = trainer.config
+        started = time.monotonic()
         self.server_manager = LLMServerManager.create(config=config, start_rank=0)
+        self.startup_s = time.monotonic() - started
         engine_config = omega_conf_to_dataclass(config.actor_rollout_ref.rollout.checkpoint_engine)
         self.checkpoint_manager = StagedCheckpointEngineManager(
             config=engine_config, actor_wg=trainer.actor_rollout_wg, replicas=self.server_manager.get_replicas()

@@ -33,6 +33,8 @@ def test_unknown_key_suggests_the_closest():
         ({"loss": 5}, r"areal\.loss must be a mapping"),
         ({"placement": "separate", "max_rollout_replicas": 0}, r"areal\.max_rollout_replicas must be a replica count"),
         ({"max_rollout_replicas": 4}, r"grows the standalone replicas of areal\.placement: separate"),
+        ({"replica_start_timeout_s": 0}, r"areal\.replica_start_timeout_s must be seconds > 0 or null"),
+        ({"replica_start_timeout_s": "10m"}, r"areal\.replica_start_timeout_s must be seconds > 0 or null"),
     ],
 )
 def test_bad_values_name_the_yaml_path(values, message):
