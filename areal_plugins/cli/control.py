@@ -8,8 +8,9 @@ checkpoints the last finished step and stops), and sends SIGTERM only if verl is
 (:data:`PHASE_TIMES_FILE`); otherwise (verl's own trainers, ``areal.mode: sync``, no checkpoints) it sends
 SIGTERM at once. SIGKILL follows SIGTERM after :data:`GRACE_S`; a second signal sends SIGKILL at once.
 Whatever the run started and left behind (Ray's daemons and workers, engine servers) carries the run
-directory in its environment (``AREAL_RUN_DIR``, inherited from verl's driver) and is killed after the
-driver is gone.
+directory in its environment (``AREAL_RUN_DIR``, inherited from verl's driver or given by the Ray job) and is
+killed after the driver is gone: on this machine, and when the run joined a cluster, on every alive node of it by
+one Ray task per node (:func:`end_run_leftovers`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from areal_plugins.records.control_files import stop_wait_s
 
@@ -29,6 +31,11 @@ logger = logging.getLogger(__name__)
 
 #: Seconds verl gets to stop after SIGTERM before its process group is killed.
 GRACE_S = 20.0
+#: The environment variable that names the run directory in every process of the run (records/writer.py).
+RUN_DIR_ENV = "AREAL_RUN_DIR"
+#: How long the cleanup tasks on a cluster's nodes get to answer, all together: a task starts a Ray worker on its
+#: node (seconds) and scans that node's processes.
+CLUSTER_CLEANUP_S = 60.0
 
 
 def new_group_dying_with_parent() -> None:
@@ -127,19 +134,90 @@ class RunStopper:
                 pass
 
 
-def kill_run_leftovers(run_dir: Path) -> int:
-    """SIGKILL every process (but this one) whose environment names ``run_dir``; how many there were."""
+def leftover_pids(processes: list[tuple[int, dict[str, str] | None]], run_dir: str, spared: set[int]) -> list[int]:
+    """Of ``processes`` (pid, environment; None where it cannot be read), the run's: those whose environment names
+    ``run_dir`` (``AREAL_RUN_DIR``, which every process of the run inherits or gets from the Ray job), except
+    ``spared`` (the process looking, and the processes above it: a cleanup task's raylet)."""
+    return [pid for pid, env in processes if pid not in spared and env is not None and env.get(RUN_DIR_ENV) == run_dir]
+
+
+def kill_run_leftovers(run_dir: Path | str) -> int:
+    """SIGKILL every process of this node (but this one and those above it) whose environment names ``run_dir``;
+    how many there were."""
     import psutil
 
-    marker = str(run_dir)
-    killed = 0
+    me = psutil.Process()
+    spared = {me.pid, *(parent.pid for parent in me.parents())}
+    processes: list[tuple[int, dict[str, str] | None]] = []
+    handles = {}
     for process in psutil.process_iter(["pid"]):
-        if process.pid == os.getpid():
-            continue
         try:
-            if process.environ().get("AREAL_RUN_DIR") == marker:
-                process.kill()
-                killed += 1
+            processes.append((process.pid, process.environ()))
+            handles[process.pid] = process
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
+    killed = 0
+    for pid in leftover_pids(processes, str(run_dir), spared):
+        try:
+            handles[pid].kill()
+            killed += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
     return killed
+
+
+def nodes_to_clean(nodes: list[dict[str, Any]]) -> list[str]:
+    """The nodes a cluster's cleanup runs a task on: every node Ray reports alive, the head and CPU-only nodes
+    included (a run's engines, reward workers or agent-loop workers may be on any of them); a dead node's
+    processes went with it."""
+    return [str(node["NodeID"]) for node in nodes if node.get("Alive") and node.get("NodeID")]
+
+
+def kill_run_leftovers_on_cluster(address: str, run_dir: Path, timeout_s: float = CLUSTER_CLEANUP_S) -> dict[str, int]:
+    """On a cluster the run joined: one task on every alive node (:func:`nodes_to_clean`) kills the run's processes
+    left there (:func:`kill_run_leftovers`: a vLLM server's engine core and workers outlive a killed actor and hold
+    their GPU's memory). Returns node id -> how many; a node whose task did not answer in ``timeout_s`` is left out
+    and logged."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    joined = not ray.is_initialized()
+    if joined:  # this process carries no AREAL_RUN_DIR, nor do the workers of its own job
+        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
+    try:
+        task = ray.remote(num_cpus=0, max_retries=0)(kill_run_leftovers)
+        calls = {
+            node: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+                str(run_dir)
+            )
+            for node in nodes_to_clean(ray.nodes())
+        }
+        deadline = time.monotonic() + timeout_s
+        killed: dict[str, int] = {}
+        for node, call in calls.items():
+            try:
+                killed[node] = int(ray.get(call, timeout=max(0.1, deadline - time.monotonic())))
+            except Exception as error:  # the node went meanwhile, or is too busy to answer in time
+                logger.warning("could not look for the run's leftover processes on node %s: %s", node[:8], error)
+        return killed
+    finally:
+        if joined:
+            ray.shutdown()
+
+
+def end_run_leftovers(run_dir: Path, cluster: str | None) -> int:
+    """Kill what the run left behind: on this machine, and on a cluster the run joined, on every alive node of it
+    (a failure to reach the cluster is logged, not raised: the run has ended). How many processes in all."""
+    killed = kill_run_leftovers(run_dir)
+    if cluster is None:
+        return killed
+    try:
+        per_node = kill_run_leftovers_on_cluster(cluster, run_dir)
+    except Exception as error:
+        logger.warning("could not reach the Ray cluster at %s to end the run's processes on its nodes: %s", cluster,
+                       error)  # fmt: skip
+        return killed
+    for node, count in per_node.items():
+        if count:
+            logger.info("killed %d process(es) the run left on node %s", count, node[:8])
+    return killed + sum(per_node.values())

@@ -27,7 +27,7 @@ from areal_plugins.cli.cluster_env import (
 )
 from areal_plugins.cli.control import (
     RunStopper,
-    kill_run_leftovers,
+    end_run_leftovers,
     new_group_dying_with_parent,
 )
 from areal_plugins.cli.progress import (
@@ -205,8 +205,8 @@ def train(
         if wait_s is None:
             if policy.restarts and attempt.code != 0:
                 logger.error("not restarting after restart %d: %s", policy.restarts, why)
-            return finish(run_dir, attempt.code, attempt.user_signal, attempt.last_error, elapsed, log_path)
-        leftovers = kill_run_leftovers(run_dir)
+            return finish(run_dir, attempt.code, attempt.user_signal, attempt.last_error, elapsed, log_path, address)
+        leftovers = end_run_leftovers(run_dir, address)  # every node's, when the run joined a cluster
         logger.warning(
             "restart %d/%d in %.0f s: verl stopped (exit code %d%s) after %.0f s; resuming from the checkpoint of "
             "step %s%s",
@@ -377,10 +377,17 @@ def follow_output(process: subprocess.Popen, log_file: BoundedLog, total: str, s
 
 
 def finish(
-    run_dir: Path, code: int, signal_received: int | None, last_error: str | None, elapsed: float, log: Path
+    run_dir: Path,
+    code: int,
+    signal_received: int | None,
+    last_error: str | None,
+    elapsed: float,
+    log: Path,
+    cluster: str | None = None,
 ) -> int:
-    """Kill what the run left behind, say how it ended (and what it achieved); return the CLI's exit code."""
-    leftovers = kill_run_leftovers(run_dir)  # Ray daemons and engines a killed driver could not stop
+    """Kill what the run left behind (on every node of the ``cluster`` it joined), say how it ended (and what it
+    achieved); return the CLI's exit code."""
+    leftovers = end_run_leftovers(run_dir, cluster)  # Ray daemons and engines a killed driver could not stop
     if leftovers:
         logger.warning("killed %d processes the run left behind", leftovers)
     if signal_received is not None:

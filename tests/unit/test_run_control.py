@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -12,7 +13,15 @@ import time
 import psutil
 import pytest
 
-from areal_plugins.cli.control import RunStopper, kill_run_leftovers, new_group_dying_with_parent
+from areal_plugins.cli import control
+from areal_plugins.cli.control import (
+    RunStopper,
+    end_run_leftovers,
+    kill_run_leftovers,
+    leftover_pids,
+    new_group_dying_with_parent,
+    nodes_to_clean,
+)
 from tests.unit.conftest import wait_until
 
 #: A child that ignores SIGTERM (as a busy verl driver may for a while) and would sleep for a minute; it
@@ -66,6 +75,50 @@ def test_leftovers_are_the_processes_carrying_the_run_directory(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_nodes_leftovers_are_its_processes_naming_the_run_but_the_one_looking_and_those_above_it():
+    run = "/runs/a"
+    processes = [
+        (10, {"AREAL_RUN_DIR": run}),  # a vLLM engine core left by a killed server actor
+        (11, {"AREAL_RUN_DIR": "/runs/b"}),  # another run's
+        (12, {"PATH": "/bin"}),  # the cluster's own raylet, started by `ray start`
+        (13, None),  # another user's: its environment cannot be read
+        (14, {"AREAL_RUN_DIR": run}),  # the cleanup task itself (a worker of the CLI's job)...
+        (15, {"AREAL_RUN_DIR": run}),  # ...and the raylet above it, were it started with the run's environment
+    ]
+    assert leftover_pids(processes, run, spared={14, 15}) == [10]
+
+
+def test_a_clusters_cleanup_runs_on_every_alive_node_the_head_and_cpu_only_nodes_included():
+    nodes = [  # as ray.nodes() lists them
+        {"NodeID": "head", "Alive": True, "Resources": {"CPU": 4.0}},
+        {"NodeID": "gpu-a", "Alive": True, "Resources": {"CPU": 16.0, "GPU": 8.0}},
+        {"NodeID": "gpu-b", "Alive": False, "Resources": {}},  # lost: its processes went with it
+        {"NodeID": "gpu-c", "Alive": True, "Resources": {"CPU": 16.0, "GPU": 8.0}},
+    ]
+    assert nodes_to_clean(nodes) == ["head", "gpu-a", "gpu-c"]
+
+
+def test_the_cli_ends_leftovers_on_the_cluster_it_joined_and_only_then(monkeypatch, tmp_path, caplog):
+    asked: list[tuple] = []
+    monkeypatch.setattr(control, "kill_run_leftovers", lambda run_dir: 1)  # this machine's
+
+    def on_cluster(address, run_dir):
+        asked.append((address, run_dir))
+        return {"a": 2, "b": 0}  # node -> processes ended there
+
+    monkeypatch.setattr(control, "kill_run_leftovers_on_cluster", on_cluster)
+    assert end_run_leftovers(tmp_path, None) == 1 and asked == []  # a local Ray: it died with the driver
+    assert end_run_leftovers(tmp_path, "10.0.0.1:6379") == 3 and asked == [("10.0.0.1:6379", tmp_path)]
+
+    def unreachable(address, run_dir):
+        raise ConnectionError("no GCS at 10.0.0.1:6379")
+
+    monkeypatch.setattr(control, "kill_run_leftovers_on_cluster", unreachable)
+    with caplog.at_level(logging.WARNING):
+        assert end_run_leftovers(tmp_path, "10.0.0.1:6379") == 1  # the run has ended: said, not raised
+    assert "could not reach the Ray cluster at 10.0.0.1:6379" in caplog.text
 
 
 def test_with_checkpoints_the_first_signal_asks_for_a_stop_between_steps(tmp_path):
