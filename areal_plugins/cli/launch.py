@@ -107,8 +107,11 @@ def checked_recipe(
 ) -> tuple[Any, dict[str, tuple]]:
     """The recipe composed and through every startup check, and the tiny assets it reads (variable -> (workload,
     folder); not built here). Raises ``RecipeRefusedError``."""
-    from areal_plugins.cli.preflight import check_recipe
+    from areal_plugins.cli.preflight import RecipeRefusedError, check_recipe, not_a_recipe
 
+    refusal = not_a_recipe(recipe) if recipe.is_file() else None  # before anything parses it as one
+    if refusal:
+        raise RecipeRefusedError(refusal)
     recipe_text = "".join(path.read_text() for path in recipe_files(recipe)) if recipe.is_file() else ""
     tiny_assets = {
         variable: (workload, (default_dir if tiny_dir is None else tiny_dir).resolve())

@@ -36,6 +36,9 @@ def check_recipe(recipe: Path, overrides: list[str]) -> Any:
     if not recipe.is_file():
         shipped = Path(__file__).resolve().parents[2] / "recipes"
         raise RecipeRefusedError(f"recipe {recipe} does not exist; pass a recipe YAML (shipped ones: {shipped}/*.yaml)")
+    refusal = not_a_recipe(recipe)
+    if refusal:
+        raise RecipeRefusedError(refusal)
     try:
         check_verl_version()
     except UnsupportedVerlVersionError as error:
@@ -44,6 +47,47 @@ def check_recipe(recipe: Path, overrides: list[str]) -> Any:
         config = compose(recipe, overrides)
         _check_composed(config)
     return config
+
+
+def not_a_recipe(recipe: Path) -> str | None:
+    """Why ``recipe`` is no recipe (None: it may be one): not YAML, not a mapping, or a part recipes include.
+
+    A part (``recipes/gpu/_gpu_grpo_1.5b.yaml``) has no ``defaults:`` list composing verl's ``ppo_trainer``, so
+    composing it alone fails deep in an interpolation; this says what it is and which recipes include it.
+    """
+    import yaml
+
+    try:
+        document = yaml.safe_load(recipe.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        return f"{recipe.name} is not a recipe: not readable YAML ({one_line(error)})"
+    if not isinstance(document, dict):
+        kind = type(document).__name__
+        return f"{recipe.name} is not a recipe: a recipe is a YAML mapping with a defaults: list, not a {kind}"
+    if isinstance(document.get("defaults"), list):
+        return None
+    users = [other.name for other in sorted(recipe.parent.glob("*.yaml")) if _includes(other, recipe.stem)]
+    if not users and not recipe.name.startswith("_"):
+        return (
+            f"{recipe.name} is not a recipe: it has no defaults: list composing verl's ppo_trainer (a recipe opens "
+            "with defaults: [ppo_trainer, ..., _self_]; docs/guides/own_recipe.md)"
+        )
+    where = f": {', '.join(users)}" if users else ""
+    return (
+        f"{recipe.name} is a part that recipes include (no defaults: list composing verl's ppo_trainer), "
+        f"not a recipe; check a recipe that includes it{where}"
+    )
+
+
+def _includes(recipe: Path, part: str) -> bool:
+    import yaml
+
+    try:
+        document = yaml.safe_load(recipe.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    defaults = document.get("defaults") if isinstance(document, dict) else None
+    return isinstance(defaults, list) and part in [str(entry) for entry in defaults if isinstance(entry, str)]
 
 
 def run_platform(device: str, local_accelerator: bool, cluster: str | None, preset: str | None) -> str | None:

@@ -1,34 +1,44 @@
-"""Does a composed recipe fit a declared GPU cluster? Pools, engine replicas, engine memory, on a laptop.
+"""Does a composed recipe fit a declared GPU cluster? Pools, engine replicas, the model, engine and trainer memory.
 
 ``areal-plugins check RECIPE --nodes M --gpus-per-node N`` runs this after every startup check
 (:mod:`areal_plugins.cli.preflight`): the arithmetic a launch would otherwise discover minutes in, on the
 cluster, as a placement group that never schedules or an engine that runs out of memory. It follows verl
 0.9.1's own order: the trainer's pool first (``trainer.nnodes`` groups of ``trainer.n_gpus_per_node``), then,
 in ``separate``, one placement group per engine replica of ``min(rollout.n_gpus_per_node, TP x DP x PP)`` GPUs.
+Then the model (:mod:`areal_plugins.planning.model_shapes`: a ``config.json`` or the shipped table, never a guess),
+what vLLM refuses at start (context past the model's positions, heads that tensor parallelism does not divide), an
+engine GPU's memory and a trainer GPU's (:mod:`areal_plugins.planning.trainer_memory`). docs/guides/sizing.md states
+every formula and where it comes from.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from areal_plugins.config.errors import RecipeRefusedError
-from areal_plugins.planning.hardware import MODELS, ModelShape
+from areal_plugins.planning.hardware import ModelShape
+from areal_plugins.planning.model_shapes import KnownModel, UnknownModelError, resolve
+from areal_plugins.planning.trainer_memory import TrainerSetup, trainer_memory
 
 GIB = 1024**3
 #: Bytes per parameter of the engine's weights, by verl's ``rollout.dtype``.
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float32": 4, "fp32": 4}
 #: Transfer buffers of a checkpoint engine other than ``naive``, each ``update_weights_bucket_megabytes``: the
 #: engine's side holds three (verl's nccl engine sends and receives into two, vLLM's bucketed weight receiver
-#: adds one), the trainer's side two; all outside ``gpu_memory_utilization``.
-ENGINE_BUCKETS, TRAINER_BUCKETS = 3, 2
-#: Memory an engine GPU needs beside vLLM's share and the buckets: CUDA context, NCCL, allocator slack (a
-#: round estimate, not a measurement).
+#: adds one), the trainer's side two (``trainer_memory.TRAINER_BUCKETS``); all outside ``gpu_memory_utilization``.
+ENGINE_BUCKETS = 3
+#: Memory a GPU needs beside what is counted, per process of ours or verl's on it: CUDA context, NCCL, allocator
+#: slack (a round estimate, not a measurement).
 GPU_OVERHEAD_GIB = 2.0
+#: The CUDA context of verl's ``CheckpointEngineWorker``, a process of its own on each engine GPU beside vLLM's
+#: worker (checkpoint engines other than ``naive``): PyTorch measured a CUDA context at 666,632,192 bytes with
+#: eager module loading and 287,047,680 with ``CUDA_MODULE_LOADING=LAZY`` (pytorch/pytorch#86509); the larger,
+#: since cupy and NCCL load kernels of their own.
+CHECKPOINT_ENGINE_CONTEXT_BYTES = 666_632_192
 
 
 @dataclass(frozen=True)
@@ -44,27 +54,6 @@ class Cluster:
             raise RecipeRefusedError(
                 f"--nodes and --gpus-per-node must be >= 1, got {self.nodes} x {self.gpus_per_node}"
             )
-
-
-def model_shape(path: str) -> tuple[ModelShape, int | None] | None:
-    """The model's shape and ``max_position_embeddings``: from its ``config.json`` where ``path`` is a local
-    folder, else the paper's model whose name ``path`` contains (a hub name cannot be read offline)."""
-    config_file = Path(path).expanduser() / "config.json"
-    if config_file.is_file():
-        config = json.loads(config_file.read_text())
-        heads = int(config["num_attention_heads"])
-        shape = ModelShape(
-            name=Path(path).name,
-            hidden=int(config["hidden_size"]),
-            layers=int(config["num_hidden_layers"]),
-            heads=heads,
-            kv_heads=int(config.get("num_key_value_heads", heads)),
-            intermediate=int(config["intermediate_size"]),
-            vocab=int(config["vocab_size"]),
-        )
-        return shape, config.get("max_position_embeddings")
-    known = next((shape for shape in MODELS.values() if shape.name.lower() in path.lower()), None)
-    return (known, None) if known is not None else None
 
 
 def _place(groups: list[tuple[str, int]], cluster: Cluster) -> None:
@@ -83,12 +72,16 @@ def _place(groups: list[tuple[str, int]], cluster: Cluster) -> None:
         free[node] -= size
 
 
-def fit_cluster(config: Any, cluster: Cluster) -> list[str]:
+def fit_cluster(config: Any, cluster: Cluster, model_config: Path | None = None) -> list[str]:
     """Check ``config`` against ``cluster``; return what would run where, one line each.
+
+    Args:
+        model_config: the model's ``config.json`` (``--model-config``), for a model the table does not hold.
 
     Raises:
         RecipeRefusedError: a pool or replica that does not fit, a replica size that does not divide the
-            engines' GPUs, or an engine whose weights, KV cache and transfer buckets exceed its GPU.
+            engines' GPUs, a model of unknown shape, a context or tensor parallelism vLLM refuses, or an engine
+            or trainer GPU whose memory the run exceeds.
     """
     trainer = config.trainer
     rollout = config.actor_rollout_ref.rollout
@@ -125,28 +118,80 @@ def fit_cluster(config: Any, cluster: Cluster) -> list[str]:
     ]
     transport = rollout.checkpoint_engine.backend
     lines.append(f"weights: by the {transport!r} checkpoint engine")
-    lines += _engine_memory(config, cluster, tp, transport, colocated=not separate)
-    return lines
+    if str(trainer.device) == "cpu":
+        return [*lines, "memory: not checked (trainer.device=cpu: no GPU memory to fit)"]
+    try:
+        known = resolve(str(config.actor_rollout_ref.model.path), model_config)
+    except UnknownModelError as error:
+        raise RecipeRefusedError(str(error)) from None
+    lines.append(f"model: {known.shape.name}, {known.shape.params / 1e9:.2f}B parameters, from {known.origin}")
+    lines.append(_check_positions(config, known))
+    _check_heads(known.shape, tp)
+    engine, awake_free = _engine_memory(config, cluster, known.shape, tp, transport, colocated=not separate)
+    return lines + engine + _trainer_memory(config, cluster, known.shape, transport, separate, awake_free)
 
 
-def _engine_memory(config: Any, cluster: Cluster, tp: int, transport: str, colocated: bool) -> list[str]:
+def _check_positions(config: Any, known: KnownModel) -> str:
+    """vLLM refuses a ``max_model_len`` past the model's ``max_position_embeddings`` at start; refuse it first."""
     rollout = config.actor_rollout_ref.rollout
-    path = str(config.actor_rollout_ref.model.path)
-    found = model_shape(path)
-    if found is None:
-        return [f"engine memory: not checked ({path} is neither a local folder with config.json nor a known model)"]
-    shape, max_positions = found
+    positions = known.shape.max_positions
+    sequence = int(config.data.max_prompt_length) + int(config.data.max_response_length)
+    if positions is None:
+        return f"positions: not checked ({known.origin}; --model-config with its config.json checks them)"
+    length = rollout.get("max_model_len")
+    if length is not None and int(length) > positions:
+        raise RecipeRefusedError(
+            f"actor_rollout_ref.rollout.max_model_len={length} is past {known.shape.name}'s max_position_embeddings "
+            f"({positions}), which vLLM refuses at start: lower max_model_len to at most {positions}"
+        )
+    if sequence > positions:
+        raise RecipeRefusedError(
+            f"data.max_prompt_length + data.max_response_length = {sequence} tokens is past {known.shape.name}'s "
+            f"max_position_embeddings ({positions}): lower data.max_response_length (or max_prompt_length)"
+        )
+    return f"positions: {length or sequence} of {known.shape.name}'s {positions} (max_position_embeddings)"
+
+
+def _check_heads(model: ModelShape, tp: int) -> None:
+    """vLLM splits attention heads over tensor parallel ranks: the heads must divide, and the KV heads divide or
+    be replicated whole (vLLM's ``ModelConfig.verify_with_parallel_config`` and its QKV layer)."""
+    key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    if model.heads % tp:
+        raise RecipeRefusedError(
+            f"{key}={tp} does not divide {model.name}'s {model.heads} attention heads, which vLLM refuses at start: "
+            f"choose a divisor of {model.heads}"
+        )
+    if (model.kv_heads % tp) if tp <= model.kv_heads else (tp % model.kv_heads):
+        raise RecipeRefusedError(
+            f"{key}={tp} neither divides {model.name}'s {model.kv_heads} KV heads nor is a multiple of them, which "
+            "vLLM refuses at start: choose a divisor or a multiple of the KV heads"
+        )
+
+
+def _bytes_per_param(dtype: Any, key: str) -> int:
+    try:
+        return DTYPE_BYTES[str(dtype)]
+    except KeyError:
+        raise RecipeRefusedError(f"{key}={dtype}: check knows {', '.join(DTYPE_BYTES)}") from None
+
+
+def _engine_memory(
+    config: Any, cluster: Cluster, model: ModelShape, tp: int, transport: str, colocated: bool
+) -> tuple[list[str], float]:
+    """Lines about an engine GPU, and what is left of it beside the awake engine (for a colocated trainer)."""
+    rollout = config.actor_rollout_ref.rollout
     dtype = str(rollout.get("dtype") or "bfloat16")
-    weights = shape.weight_bytes / 2 * DTYPE_BYTES.get(dtype, 2) / tp  # weight_bytes counts 2 bytes a parameter
-    vllm_share = float(rollout.gpu_memory_utilization) * cluster.gpu_memory_gib * GIB
+    weights = model.params * _bytes_per_param(dtype, "actor_rollout_ref.rollout.dtype") / tp
+    gpu = cluster.gpu_memory_gib * GIB
+    vllm_share = float(rollout.gpu_memory_utilization) * gpu
     # vLLM refuses to start unless one sequence of max_model_len fits its KV cache (null: the model's maximum).
-    length = rollout.get("max_model_len") or max_positions
+    length = rollout.get("max_model_len") or model.max_positions
     length_key = "actor_rollout_ref.rollout.max_model_len"
     if length is None:
         length = int(config.data.max_prompt_length) + int(config.data.max_response_length)
         length_key = "prompt + response: set rollout.max_model_len, or vLLM sizes for the model's maximum"
-    heads_per_gpu = math.ceil(shape.kv_heads / tp)  # a KV head is not split: TP beyond the KV heads replicates them
-    one_sequence = shape.kv_bytes_per_token / shape.kv_heads * heads_per_gpu * int(length)
+    heads_per_gpu = math.ceil(model.kv_heads / tp)  # a KV head is not split: TP beyond the KV heads replicates them
+    one_sequence = model.kv_bytes_per_token / model.kv_heads * heads_per_gpu * int(length)
     if weights + one_sequence > vllm_share:
         raise RecipeRefusedError(
             f"an engine GPU needs {weights / GIB:.1f} GiB of weights ({dtype}, TP {tp}) + {one_sequence / GIB:.1f} GiB "
@@ -155,30 +200,113 @@ def _engine_memory(config: Any, cluster: Cluster, tp: int, transport: str, coloc
             "actor_rollout_ref.rollout.tensor_model_parallel_size or gpu_memory_utilization, or lower max_model_len"
         )
     bucket = 0.0 if transport == "naive" else rollout.checkpoint_engine.update_weights_bucket_megabytes * 1024**2
-    total = vllm_share + ENGINE_BUCKETS * bucket + GPU_OVERHEAD_GIB * GIB
-    if total > cluster.gpu_memory_gib * GIB:
+    # verl's receiver (merge_weight_chunks) assembles a tensor larger than a bucket in a full-size buffer of the
+    # dtype the trainer sends: its fsdp_config.model_dtype (fp32 by default), the embedding the largest
+    sent = (
+        model.vocab
+        * model.hidden
+        * _bytes_per_param(
+            config.actor_rollout_ref.actor.fsdp_config.get("model_dtype", "fp32"),
+            "actor_rollout_ref.actor.fsdp_config.model_dtype",
+        )
+    )
+    assembled = sent if bucket and sent > bucket else 0.0
+    context = CHECKPOINT_ENGINE_CONTEXT_BYTES if bucket else 0.0
+    total = vllm_share + ENGINE_BUCKETS * bucket + assembled + context + GPU_OVERHEAD_GIB * GIB
+    if total > gpu:
         raise RecipeRefusedError(
             f"an engine GPU needs vLLM's {vllm_share / GIB:.1f} GiB + {ENGINE_BUCKETS} transfer buckets of "
-            f"{bucket / GIB:.1f} GiB + ~{GPU_OVERHEAD_GIB:g} GiB of CUDA context = {total / GIB:.1f} GiB, more than "
-            f"its {cluster.gpu_memory_gib:g} GiB: lower actor_rollout_ref.rollout.gpu_memory_utilization or "
-            "checkpoint_engine.update_weights_bucket_megabytes"
+            f"{bucket / GIB:.1f} GiB + {assembled / GIB:.1f} GiB for the largest tensor verl's receiver assembles "
+            f"+ {context / GIB:.2f} GiB of the checkpoint engine's CUDA context + ~{GPU_OVERHEAD_GIB:g} GiB of "
+            f"vLLM's = {total / GIB:.1f} GiB, more than its {cluster.gpu_memory_gib:g} GiB: lower "
+            "actor_rollout_ref.rollout.gpu_memory_utilization or checkpoint_engine.update_weights_bucket_megabytes"
         )
-    lines = [
+    spare = gpu - total
+    transfer = (
+        f"+ {ENGINE_BUCKETS * bucket / GIB:.1f} GiB of transfer buckets + {assembled / GIB:.1f} GiB assembled "
+        f"over-bucket tensor + {context / GIB:.2f} GiB checkpoint-engine context; "
+        if bucket
+        else ""
+    )
+    line = (
         f"engine GPU: weights {weights / GIB:.1f} GiB + KV cache {(vllm_share - weights) / GIB:.1f} GiB "
         f"({(vllm_share - weights) / one_sequence:.1f} sequences of {length} tokens, {length_key}) in vLLM's "
-        f"{vllm_share / GIB:.1f} GiB; + {ENGINE_BUCKETS * bucket / GIB:.1f} GiB of transfer buckets; "
-        + (
-            f"{(cluster.gpu_memory_gib * GIB - total) / GIB:.1f} GiB for the trainer while the engine is awake "
-            "(the trainer's own memory is not checked)"
-            if colocated
-            else f"{(cluster.gpu_memory_gib * GIB - total) / GIB:.1f} GiB spare"
+        f"{vllm_share / GIB:.1f} GiB; {transfer}"
+        + f"{spare / GIB:.1f} GiB "
+        + ("for the trainer while the engine is awake" if colocated else "spare")
+    )
+    return [line], spare
+
+
+def _trainer_memory(
+    config: Any, cluster: Cluster, model: ModelShape, transport: str, separate: bool, awake_free: float
+) -> list[str]:
+    """Refuse a trainer GPU the update or the weight sync overfills; else say what it holds."""
+    actor = config.actor_rollout_ref.actor
+    if str(actor.strategy) not in ("fsdp", "fsdp2"):
+        return [f"trainer GPU: not checked (actor.strategy={actor.strategy}: check sizes verl's FSDP engine)"]
+    fsdp = actor.fsdp_config
+    trainer_gpus = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+    fsdp_size = int(fsdp.get("fsdp_size", -1) or -1)
+    if actor.get("use_dynamic_bsz"):
+        tokens, tokens_key = int(actor.ppo_max_token_len_per_gpu), "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+    else:
+        tokens = int(actor.ppo_micro_batch_size_per_gpu) * (
+            int(config.data.max_prompt_length) + int(config.data.max_response_length)
         )
+        tokens_key = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+    megabytes = int(config.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes)
+    bucket = 0 if transport == "naive" else megabytes << 20
+    dtype_key = "actor_rollout_ref.actor.fsdp_config.model_dtype"
+    setup = TrainerSetup(
+        shard_gpus=fsdp_size if fsdp_size > 0 else trainer_gpus,
+        param_bytes=_bytes_per_param(fsdp.get("model_dtype", "fp32"), dtype_key),
+        micro_batch_tokens=tokens,
+        gradient_checkpointing=bool(config.actor_rollout_ref.model.get("enable_gradient_checkpointing", False)),
+        offload_policy=bool(fsdp.get("offload_policy", False)),
+        param_offload=bool(fsdp.get("param_offload", False)),
+        optimizer_offload=bool(fsdp.get("optimizer_offload", False)),
+        bucket_bytes=bucket,
+    )
+    memory = trainer_memory(model, setup)
+    gpu = cluster.gpu_memory_gib * GIB
+    # our trainer worker's CUDA context; colocated, the sleeping engine keeps its own beside it
+    overhead = GPU_OVERHEAD_GIB * GIB * (1 if separate else 2)
+    dtype = str(fsdp.get("model_dtype", "fp32"))
+    where = "on the CPU (offload_policy)" if setup.offload_policy else f"over {setup.shard_gpus} GPU(s)"
+    update = (
+        f"{memory.state / GIB:.1f} GiB of {dtype} parameters, gradients and Adam m, v {where} + "
+        f"{memory.logits / GIB:.1f} GiB logits of a {tokens}-token micro-batch + {memory.activations / GIB:.1f} GiB "
+        f"activations ({'with' if setup.gradient_checkpointing else 'without'} gradient checkpointing) + "
+        f"{memory.gathered_unit / GIB:.1f} GiB gathered FSDP unit = {memory.update_peak / GIB:.1f} GiB"
+    )
+    sync = (
+        f"{(memory.parameters + memory.optimizer) / GIB:.1f} GiB of parameters and Adam + "
+        f"{memory.sync_tensor / GIB:.2f} GiB gathered largest tensor + {memory.sync_buckets / GIB:.1f} GiB of "
+        f"buckets = {memory.sync_peak / GIB:.1f} GiB"
+    )
+    context = f"~{overhead / GIB:g} GiB of CUDA context" + ("" if separate else " (ours and the sleeping engine's)")
+    if memory.peak + overhead > gpu:
+        at_update = memory.update_peak >= memory.sync_peak
+        raise RecipeRefusedError(
+            f"a trainer GPU needs {(memory.peak + overhead) / GIB:.1f} GiB at the "
+            + (f"update ({update}, + {context})" if at_update else f"weight sync ({sync}, + {context})")
+            + f", more than its {cluster.gpu_memory_gib:g} GiB: add trainer GPUs (trainer.nnodes x n_gpus_per_node; "
+            f"{setup.shard_gpus} shard the state now), set actor_rollout_ref.actor.fsdp_config.offload_policy=true "
+            "(FSDP2: the state stays on the CPU while training), or lower "
+            + (f"{tokens_key} ({tokens} tokens a micro-batch)" if at_update else "update_weights_bucket_megabytes")
+        )
+    if not separate and memory.resident_between_updates > awake_free:
+        raise RecipeRefusedError(
+            f"while the engine is awake, a trainer GPU keeps {memory.resident_between_updates / GIB:.1f} GiB of "
+            f"{dtype} parameters and Adam state beside it, more than the {awake_free / GIB:.1f} GiB the engine "
+            "leaves: set actor_rollout_ref.actor.fsdp_config.param_offload=true and optimizer_offload=true, or "
+            "lower actor_rollout_ref.rollout.gpu_memory_utilization"
+        )
+    return [
+        f"trainer GPU: update {update}; weight sync {sync}; + {context}: "
+        f"{(gpu - memory.peak - overhead) / GIB:.1f} GiB spare of {cluster.gpu_memory_gib:g}"
     ]
-    if bucket:
-        lines.append(
-            f"trainer GPU: + {TRAINER_BUCKETS * bucket / GIB:.1f} GiB of transfer buckets during a weight sync"
-        )
-    return lines
 
 
 def missing_here(config: Any) -> list[str]:

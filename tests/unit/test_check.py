@@ -52,7 +52,7 @@ def refused(caplog, *argv: str) -> str:
         code = cli.main(["check", *argv])
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert code == 2 and len(errors) == 1 and "\n" not in errors[0], errors
-    return errors[0]
+    return errors[0].removeprefix("refused: ")
 
 
 def test_a_pool_that_does_not_fit_the_nodes(caplog):
@@ -101,7 +101,7 @@ def hand_counted_model(folder: Path) -> Path:
 
 @pytest.mark.parametrize(("max_model_len", "fits"), [(17000, True), (17100, False)])
 def test_weights_and_one_sequence_must_fit_vllms_share(tmp_path, max_model_len, fits):
-    """vLLM's share: 0.25 x 4 GiB = 1,073,741,824 bytes; minus the weights (376,504,320) leaves 697,237,504 for
+    """vLLM's share: 0.125 x 8 GiB = 1,073,741,824 bytes; minus the weights (376,504,320) leaves 697,237,504 for
     the KV cache. KV per token: 2 (K, V) x 10 layers x 8 heads x 128 x 2 bytes = 40,960 bytes, so one sequence
     fits up to 17,022 tokens: 17,000 fits, 17,100 does not."""
     model = hand_counted_model(tmp_path / "model")
@@ -109,21 +109,24 @@ def test_weights_and_one_sequence_must_fit_vllms_share(tmp_path, max_model_len, 
         SEPARATE_GPU,
         [f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.rollout.max_model_len={max_model_len}",
          "actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "areal.placement=colocated",
-         "actor_rollout_ref.rollout.gpu_memory_utilization=0.25"],
+         "actor_rollout_ref.rollout.gpu_memory_utilization=0.125"],
     )  # fmt: skip
-    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=4.0)
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=8.0)
     if fits:
         lines = fit_cluster(config, cluster)
         assert any("weights 0.4 GiB + KV cache 0.6 GiB (1.0 sequences of 17000 tokens" in line for line in lines)
+        assert f"model: model, 0.19B parameters, from {model / 'config.json'}" in lines  # the folder's own file
     else:
         with pytest.raises(RecipeRefusedError, match=r"one sequence of 17100 tokens, over vLLM's share of 1\.0 GiB"):
             fit_cluster(config, cluster)
 
 
-@pytest.mark.parametrize(("bucket_mb", "fits"), [(1024, True), (1025, False)])
-def test_transfer_buckets_come_on_top_of_vllms_share(tmp_path, bucket_mb, fits):
-    """A 10 GiB GPU at gpu_memory_utilization 0.5: vLLM's 5 GiB + ~2 GiB of CUDA context + 3 buckets on the
-    engine's side. 3 x 1024 MiB = 3 GiB fills it exactly; 3 x 1025 MiB is 3 MiB too many."""
+@pytest.mark.parametrize(("bucket_mb", "fits"), [(812, True), (813, False)])
+def test_transfer_buckets_and_the_checkpoint_engines_context_come_on_top_of_vllms_share(tmp_path, bucket_mb, fits):
+    """A 10 GiB GPU at gpu_memory_utilization 0.5: vLLM's 5 GiB + ~2 GiB of its CUDA context + the checkpoint
+    engine process's 666,632,192 bytes + 3 buckets leave 10,737,418,240 - 5,368,709,120 - 2,147,483,648 -
+    666,632,192 = 2,554,593,280 bytes: 3 x 812 MiB (2,554,331,136) fit, 3 x 813 MiB are 2,883,584 too many. The
+    largest tensor (the fp32 embedding, 10,000 x 1024 x 4 = 40,960,000) fits a bucket: nothing to assemble."""
     model = hand_counted_model(tmp_path / "model")
     config = check_recipe(
         SEPARATE_GPU,
@@ -133,24 +136,172 @@ def test_transfer_buckets_come_on_top_of_vllms_share(tmp_path, bucket_mb, fits):
     cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=10.0)
     if fits:
         lines = fit_cluster(config, cluster)
-        assert any("+ 3.0 GiB of transfer buckets; 0.0 GiB spare" in line for line in lines), lines
-        assert "trainer GPU: + 2.0 GiB of transfer buckets during a weight sync" in lines
+        engine = ("+ 2.4 GiB of transfer buckets + 0.0 GiB assembled over-bucket tensor + 0.62 GiB checkpoint-engine "
+                  "context; 0.0 GiB spare")  # fmt: skip
+        assert any(engine in line for line in lines), lines
+        assert any(line.startswith("trainer GPU:") and "+ 1.6 GiB of buckets" in line for line in lines), lines
     else:
-        with pytest.raises(RecipeRefusedError, match=r"3 transfer buckets of 1\.0 GiB .* = 10\.0 GiB, more than"):
+        with pytest.raises(RecipeRefusedError, match=r"3 transfer buckets of 0\.8 GiB .* = 10\.0 GiB, more than"):
             fit_cluster(config, cluster)
+
+
+def hand_counted_16_heads(folder: Path) -> Path:
+    """16 heads of 64 over hidden 1024, 8 KV heads: per layer q, o 2 x 1024 x 1024 = 2,097,152, k, v 2 x 1024 x
+    512 = 1,048,576, MLP 12,582,912: 15,728,640 x 10 = 157,286,400, + 20,480,000 of embedding and head =
+    177,766,400 parameters, 355,532,800 bytes in bf16."""
+    folder.mkdir()
+    config = {"hidden_size": 1024, "num_hidden_layers": 10, "num_attention_heads": 16, "num_key_value_heads": 8}
+    config |= {"intermediate_size": 4096, "vocab_size": 10000, "max_position_embeddings": 4096}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
 
 
 def test_tensor_parallel_beyond_the_kv_heads_replicates_them(tmp_path):
     """8 KV heads at TP 16 (two nodes of 8 engine GPUs): each GPU still holds one whole head, not half of one."""
-    model = hand_counted_model(tmp_path / "model")
+    model = hand_counted_16_heads(tmp_path / "model")
     config = check_recipe(
         SEPARATE_GPU,
         [f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.tensor_model_parallel_size=16",
          "actor_rollout_ref.rollout.nnodes=2", "actor_rollout_ref.rollout.n_gpus_per_node=8",
-         "actor_rollout_ref.rollout.max_model_len=1000"],
+         "actor_rollout_ref.rollout.max_model_len=1000", "data.max_response_length=512"],
     )  # fmt: skip
     lines = fit_cluster(config, Cluster(nodes=3, gpus_per_node=8, gpu_memory_gib=80.0))
-    # one head per GPU: 2 x 10 x 1 x 128 x 2 = 5,120 bytes a token; vLLM's 0.85 x 80 GiB = 73,014,444,032 bytes
-    # less 376,504,320 / 16 bytes of weights leaves 72,990,912,512: 14,256.0 sequences of 1,000 tokens (half a head
-    # per GPU would claim twice as many).
-    assert any("(14256.0 sequences of 1000 tokens" in line for line in lines), lines
+    # one head per GPU: 2 x 10 x 1 x 64 x 2 = 2,560 bytes a token; vLLM's 0.85 x 80 GiB = 73,014,444,032 bytes
+    # less 355,532,800 / 16 = 22,220,800 of weights leaves 72,992,223,232: 28,512.6 sequences of 1,000 tokens
+    # (half a head per GPU would claim twice as many).
+    assert any("(28512.6 sequences of 1000 tokens" in line for line in lines), lines
+    assert "positions: 1000 of model's 4096 (max_position_embeddings)" in lines
+
+
+def test_tensor_parallel_that_does_not_divide_the_heads(tmp_path, caplog):
+    """vLLM refuses 8 attention heads over 16 tensor parallel ranks at start."""
+    model = hand_counted_model(tmp_path / "model")
+    line = refused(
+        caplog, str(SEPARATE_GPU), f"actor_rollout_ref.model.path={model}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=16", "actor_rollout_ref.rollout.nnodes=2",
+        "actor_rollout_ref.rollout.n_gpus_per_node=8", "--nodes", "3", "--gpus-per-node", "8",
+    )  # fmt: skip
+    assert "tensor_model_parallel_size=16 does not divide model's 8 attention heads" in line
+
+
+def checked(caplog, *argv: str) -> list[str]:
+    """``areal-plugins check`` that passes: its lines."""
+    with caplog.at_level(logging.INFO):
+        code = cli.main(["check", *argv])
+    messages = [r.getMessage().strip() for r in caplog.records]
+    assert code == 0, messages
+    return messages
+
+
+ONE_NODE = ("--nodes", "1", "--gpus-per-node", "8")
+
+
+def test_a_32b_on_one_engine_and_one_trainer_gpu_is_refused(caplog):
+    """Qwen/Qwen2.5-32B-Instruct has Qwen2.5-32B's shape: 64 layers x (q, o 2 x 5120² = 52,428,800; k, v 2 x 5120
+    x 1024 = 10,485,760; MLP 3 x 5120 x 27,648 = 424,673,280) = 31,205,621,760, + 2 x 152,064 x 5120 =
+    1,557,135,360: 32,762,757,120 parameters. The engine's bf16 weights, 65.5 GB (61.0 GiB), still fit its 67.7 GiB
+    share; the trainer's fp32 parameters, gradients and Adam, 16 bytes each, are 524,204,113,920 bytes = 488.2 GiB
+    on its one GPU."""
+    line = refused(
+        caplog, str(SEPARATE_GPU), "actor_rollout_ref.model.path=Qwen/Qwen2.5-32B-Instruct",
+        "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.n_gpus_per_node=1", *ONE_NODE,
+    )  # fmt: skip
+    assert line.startswith("a trainer GPU needs 532.0 GiB at the update (488.2 GiB of fp32 parameters, gradients")
+    assert "add trainer GPUs" in line and "offload_policy=true" in line and "ppo_max_token_len_per_gpu" in line
+
+
+def test_a_7b_on_two_trainer_gpus_is_refused_and_on_eight_fits(caplog):
+    """Qwen2.5-7B (7,615,283,200 parameters; tests/unit/test_trainer_memory.py counts every term): on 2 GPUs
+    56.7 GiB of fp32 state + 13.9 GiB logits of the 24,576-token micro-batch + 9.5 GiB activations + 4.1 GiB
+    gathered embedding = 84.2 GiB, + 2 GiB of CUDA context, over 79.6. On 8: 14.2 GiB of state, 41.6 GiB."""
+    seven = "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B"
+    line = refused(caplog, str(SEPARATE_GPU), seven, "trainer.n_gpus_per_node=2", *ONE_NODE)
+    assert line.startswith("a trainer GPU needs 86.2 GiB at the update (56.7 GiB of fp32 parameters")
+    caplog.clear()
+    lines = checked(
+        caplog, str(SEPARATE_GPU), seven, "trainer.n_gpus_per_node=8", "actor_rollout_ref.rollout.n_gpus_per_node=8",
+        "--nodes", "2", "--gpus-per-node", "8",
+    )  # fmt: skip
+    trainer = next(line for line in lines if line.startswith("trainer GPU:"))
+    assert "update 14.2 GiB of fp32 parameters, gradients and Adam m, v over 8 GPU(s)" in trainer
+    assert "= 41.6 GiB;" in trainer and "36.0 GiB spare of 79.6" in trainer
+    # the engine assembles the fp32 embedding, 544,997,376 x 4 = 2,179,989,504 bytes, over a 2 GiB bucket
+    assert any("+ 2.0 GiB assembled over-bucket tensor" in line for line in lines)
+
+
+def test_a_bucket_larger_than_every_tensor_assembles_nothing(caplog):
+    """2080 MiB = 2,181,038,080 bytes holds the 7B's fp32 embedding (2,179,989,504) whole."""
+    lines = checked(
+        caplog, str(SEPARATE_GPU), "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B", "trainer.n_gpus_per_node=8",
+        "actor_rollout_ref.rollout.n_gpus_per_node=8",
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=2080", "--nodes", "2",
+        "--gpus-per-node", "8",
+    )  # fmt: skip
+    assert any("+ 0.0 GiB assembled over-bucket tensor" in line for line in lines)
+
+
+def test_colocated_the_trainers_state_stays_beside_the_awake_engine_unless_offloaded(caplog):
+    """Colocated on 8 GPUs at gpu_memory_utilization 0.9: vLLM's 71.6 GiB + ~2 GiB leave 6.0 GiB, and the 7B's
+    fp32 parameters and Adam, 12 x 7,615,283,200 / 8 = 10.6 GiB, stay on each GPU between updates; verl's
+    param_offload and optimizer_offload move them to the CPU then."""
+    colocated = REPO / "recipes/gpu/grpo_1.5b_colocated.yaml"
+    args = (str(colocated), "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.9")  # fmt: skip
+    line = refused(caplog, *args, *ONE_NODE)
+    assert line.startswith("while the engine is awake, a trainer GPU keeps 10.6 GiB of fp32 parameters and Adam")
+    assert "param_offload=true and optimizer_offload=true" in line
+    caplog.clear()
+    offload = ("actor_rollout_ref.actor.fsdp_config.param_offload=true",
+               "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true")  # fmt: skip
+    checked(caplog, *args, *offload, *ONE_NODE)
+
+
+def test_a_context_past_the_models_positions_is_refused(caplog):
+    line = refused(caplog, str(SEPARATE_GPU), "actor_rollout_ref.rollout.max_model_len=200000", *ONE_NODE)
+    assert line == (
+        "actor_rollout_ref.rollout.max_model_len=200000 is past deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B's "
+        "max_position_embeddings (131072), which vLLM refuses at start: lower max_model_len to at most 131072"
+    )
+    caplog.clear()
+    line = refused(
+        caplog, str(SEPARATE_GPU), "actor_rollout_ref.model.path=Qwen/Qwen2.5-Math-7B",
+        "actor_rollout_ref.rollout.max_model_len=null", *ONE_NODE,
+    )  # fmt: skip
+    assert "data.max_prompt_length + data.max_response_length = 9216 tokens is past Qwen/Qwen2.5-Math-7B's" in line
+    assert "max_position_embeddings (4096)" in line
+
+
+def test_a_same_shape_fine_tune_is_sized_but_its_positions_need_its_config(caplog):
+    lines = checked(caplog, str(SEPARATE_GPU), "actor_rollout_ref.model.path=Qwen/Qwen2.5-1.5B-Instruct", *ONE_NODE)
+    assert any(line.startswith("positions: not checked (the shape of Qwen/Qwen2.5-1.5B") for line in lines), lines
+    assert any(line.startswith("trainer GPU:") for line in lines)
+
+
+def test_an_unknown_hub_model_is_refused_naming_model_config(caplog):
+    line = refused(caplog, str(SEPARATE_GPU), "actor_rollout_ref.model.path=acme/private-model-7b", *ONE_NODE)
+    assert line.startswith("acme/private-model-7b is neither a local folder with config.json nor a hub model")
+    assert line.endswith("pass --model-config PATH (the model's config.json, from its hub page or its folder)")
+
+
+def test_model_config_sizes_a_hub_model_the_table_lacks(tmp_path, caplog):
+    model = hand_counted_model(tmp_path / "model")
+    lines = checked(
+        caplog, str(SEPARATE_GPU), "actor_rollout_ref.model.path=acme/private-model-7b", "--model-config",
+        str(model / "config.json"), *ONE_NODE,
+    )  # fmt: skip
+    assert f"model: acme/private-model-7b, 0.19B parameters, from --model-config {model / 'config.json'}" in lines
+
+
+@pytest.mark.parametrize(
+    ("recipe", "expected"),
+    [
+        ("recipes/gpu/_gpu_grpo_1.5b.yaml", "_gpu_grpo_1.5b.yaml is a part that recipes include (no defaults: list "
+         "composing verl's ppo_trainer), not a recipe; check a recipe that includes it: grpo_1.5b_colocated.yaml, "
+         "grpo_1.5b_separate.yaml, grpo_1.5b_two_nodes.yaml"),
+        ("pyproject.toml", "pyproject.toml is not a recipe: not readable YAML"),
+        ("mkdocs.yml", "mkdocs.yml is not a recipe: it has no defaults: list composing verl's ppo_trainer"),
+    ],
+)  # fmt: skip
+def test_a_file_that_is_not_a_recipe_is_refused_in_one_line(caplog, recipe, expected):
+    line = refused(caplog, str(REPO / recipe), *ONE_NODE)
+    assert line.startswith(expected)

@@ -1,0 +1,100 @@
+"""A trainer GPU's memory under verl's FSDP, term by term against hand counts (docs/guides/sizing.md derives each)."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_plugins.planning.hardware import ModelShape
+from areal_plugins.planning.model_shapes import from_table
+from areal_plugins.planning.trainer_memory import TrainerSetup, activation_bytes_per_token, trainer_memory
+
+GIB = 1024**3
+#: Qwen2.5-7B: 7,615,283,200 parameters (tests/unit/test_model_shapes.py counts them by hand); a layer is
+#: 29,360,128 (attention) + 203,685,888 (MLP) = 233,046,016, the embedding (and the untied head) 152,064 x 3584 =
+#: 544,997,376.
+QWEN7B = from_table("Qwen/Qwen2.5-7B").shape
+P7B = 7_615_283_200
+#: The GPU recipes' micro-batch: areal.micro_batch.max_tokens = ppo_max_token_len_per_gpu = 24,576 tokens.
+TOKENS = 24_576
+
+
+def setup(gpus: int, **changes) -> TrainerSetup:
+    fields = dict(shard_gpus=gpus, param_bytes=4, micro_batch_tokens=TOKENS, gradient_checkpointing=True,
+                  bucket_bytes=2048 << 20)  # fmt: skip
+    return TrainerSetup(**(fields | changes))
+
+
+def test_fp32_state_is_16_bytes_a_parameter_sharded_over_the_group():
+    """fp32 parameters 4 + gradients 4 + Adam's exp_avg 4 and exp_avg_sq 4 = 16 bytes a parameter, over 2 GPUs:
+    8 x 7,615,283,200 = 60,922,265,600 bytes = 56.7 GiB a GPU (the issue's "61 GB a GPU of fp32 state")."""
+    memory = trainer_memory(QWEN7B, setup(2))
+    assert (memory.parameters, memory.gradients, memory.optimizer) == (2 * P7B, 2 * P7B, 4 * P7B)
+    assert memory.state == 60_922_265_600
+    assert trainer_memory(QWEN7B, setup(8)).state == 2 * P7B  # 15,230,566,400: a quarter on 8 GPUs
+    assert trainer_memory(QWEN7B, setup(2, param_bytes=2)).state == 4 * P7B  # bf16 weights: 8 bytes a parameter
+
+
+def test_the_micro_batchs_transients():
+    """Logits: 24,576 tokens x 152,064 x 4 bytes = 14,948,499,456 (13.9 GiB). Activations with gradient
+    checkpointing, a token: 28 layer inputs x 2 x 3584 = 200,704, + one layer recomputed: 17 x 3584 + 8 x 18,944 =
+    60,928 + 151,552 = 212,480; 413,184 bytes x 24,576 = 10,154,409,984 (9.5 GiB). Without: 28 x 212,480 =
+    5,949,440 bytes a token. The gathered FSDP unit: the embedding, larger than a layer, 544,997,376 x (2 + 2 + 4)
+    = 4,359,979,008."""
+    memory = trainer_memory(QWEN7B, setup(2))
+    assert memory.logits == 14_948_499_456
+    assert memory.activations == 10_154_409_984
+    assert activation_bytes_per_token(QWEN7B, gradient_checkpointing=False) == 5_949_440
+    assert memory.gathered_unit == 4_359_979_008
+
+
+def test_7b_on_two_80gb_trainer_gpus_overflows_and_on_eight_fits():
+    """Update peak on 2 GPUs: 60,922,265,600 + 4,359,979,008 + 10,154,409,984 + 14,948,499,456 = 90,385,154,048
+    bytes = 84.2 GiB, over an H100's 79.6 before any CUDA context. On 8: 15,230,566,400 + the same 29,462,888,448
+    of transients = 44,693,454,848 = 41.6 GiB."""
+    assert trainer_memory(QWEN7B, setup(2)).update_peak == 90_385_154_048
+    assert trainer_memory(QWEN7B, setup(8)).update_peak == 44_693_454_848
+    assert trainer_memory(QWEN7B, setup(8)).peak / GIB == pytest.approx(41.62, abs=0.01)
+
+
+def test_the_weight_sync_holds_parameters_adam_the_gathered_tensor_and_two_buckets():
+    """Gradients are freed by then: 12 x 7,615,283,200 / 2 = 45,691,699,200, + the fp32 embedding gathered whole
+    544,997,376 x 4 = 2,179,989,504, + 2 buckets of 2 GiB = 4,294,967,296: 52,166,656,000."""
+    memory = trainer_memory(QWEN7B, setup(2))
+    assert memory.sync_tensor == 2_179_989_504 and memory.sync_buckets == 4_294_967_296
+    assert memory.sync_peak == 52_166_656_000
+    assert trainer_memory(QWEN7B, setup(2, bucket_bytes=0)).sync_buckets == 0  # naive: no buckets
+
+
+def test_offload_keys():
+    """FSDP2's offload_policy keeps the state on the CPU while training; param_offload and optimizer_offload
+    move it there only between phases (verl loads it back to train), so they lower what stays beside an awake
+    colocated engine, not the update's peak."""
+    offloaded = trainer_memory(QWEN7B, setup(2, offload_policy=True))
+    assert offloaded.state == 0 and offloaded.update_peak == 90_385_154_048 - 60_922_265_600
+    assert offloaded.sync_tensor == 2_179_989_504  # gathered onto the GPU all the same
+    kept = trainer_memory(QWEN7B, setup(2, param_offload=True, optimizer_offload=True))
+    assert kept.update_peak == 90_385_154_048 and kept.resident_between_updates == 0
+    assert trainer_memory(QWEN7B, setup(2, optimizer_offload=True)).resident_between_updates == 2 * P7B
+
+
+def test_a_moe_gathers_its_layer_and_routes_a_tokens_activations_through_k_experts():
+    """Qwen3-30B-A3B: a layer's 128 experts (3 x 2048 x 768 each) + attention + router = 623,116,288 parameters,
+    larger than the embedding (151,936 x 2048 = 311,164,928): the gathered unit is the layer. A token's MLP
+    activations span its 8 experts' 8 x 768 = 6144 width; the largest tensor the sync gathers is the fused
+    gate-and-up experts, 128 x 1536 x 2048 = 402,653,184."""
+    moe = from_table("Qwen/Qwen3-30B-A3B").shape
+    assert moe.layer_params == 18_874_368 + 128 * 3 * 2048 * 768 + 2048 * 128 == 623_116_288
+    memory = trainer_memory(moe, setup(8))
+    assert memory.gathered_unit == 623_116_288 * 8
+    assert activation_bytes_per_token(moe, gradient_checkpointing=False) == 48 * (17 * 2048 + 8 * 6144)
+    assert memory.sync_tensor == 402_653_184 * 4
+
+
+def test_a_toy_model_by_hand():
+    toy = ModelShape("toy", hidden=4, layers=2, heads=2, kv_heads=1, intermediate=8, vocab=10)
+    # a layer: q, o 2·4·4 = 32; k, v 2·4·1·2 = 16; MLP 3·4·8 = 96 -> 144; 2 layers 288 + embedding and head 80
+    assert toy.params == 368
+    memory = trainer_memory(toy, TrainerSetup(shard_gpus=1, param_bytes=4, micro_batch_tokens=3,
+                                              gradient_checkpointing=False))  # fmt: skip
+    # state 16 x 368; unit max(144, 40) x 8; activations 3 x 2 x (17·4 + 8·8); logits 3 x 10 x 4
+    assert (memory.state, memory.gathered_unit, memory.activations, memory.logits) == (5888, 1152, 792, 120)
