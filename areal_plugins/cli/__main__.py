@@ -4,4 +4,5 @@ from __future__ import annotations
 
 from areal_plugins.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # a module walk (the seam test) imports it without running the CLI
+    raise SystemExit(main())
