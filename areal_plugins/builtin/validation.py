@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from areal_plugins.config.settings import ArealConfigError
@@ -76,6 +78,7 @@ def areal_validate_config(config: Any) -> None:
         )
     if areal.mode == "async":
         _check_agent_loop_manager(rollout.get("agent", {}).get("agent_loop_manager_class"))
+    check_support_matrix(config)
 
 
 def _check_agent_loop_manager(class_path: str | None) -> None:
@@ -154,3 +157,121 @@ def check_verl_vllm_settings(config: Any) -> None:
                 f"areal_plugins checks every weight update of verl's vllm rollout tensor by tensor, and {what} does "
                 f"not go through that check yet: set {fix}, or areal.enable=false for verl's own trainer"
             )
+
+
+#: ``actor_rollout_ref.actor.strategy`` values areal_plugins runs on: its loss (a verl policy-loss registry entry),
+#: its token-budget micro-batching and the trainer-progress patch are checked on verl's FSDP engine
+#: (``verl/workers/engine/fsdp/transformer_impl.py``), and CI trains with FSDP2 only. verl registers ``fsdp``
+#: (FSDP1) on the same engine class, but no run of ours has used it; megatron, veomni, torchtitan, automodel and
+#: fsdp_turbo are other engines whose seams we have not reviewed (docs/support.md).
+TESTED_ACTOR_STRATEGIES = ("fsdp2",)
+#: Half-precision spellings verl accepts for the trainer's dtypes (fp32 and bf16 are what CI runs).
+HALF_DTYPES = ("fp16", "float16", "half")
+#: ``config.json`` keys giving a model's experts per layer (what verl's delta_weight_transfer.py reads).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+#: ``config.json`` keys of a model with non-text inputs.
+MEDIA_CONFIG_KEYS = ("vision_config", "audio_config")
+
+
+def checked_checkpoint_engines() -> tuple[str, ...]:
+    """Checkpoint engines whose transfer is checked tensor by tensor under ``areal_async``: ``naive`` (colocated: the
+    server adapter checksums what it hands the engine), those our mixin extends (``nccl``,
+    weight_sync/checked_transfer.py) and ``areal_gloo`` (its in-band check, weight_sync/gloo.py)."""
+    from areal_plugins.weight_sync.checked_transfer import CHECKED_BACKENDS
+    from areal_plugins.weight_sync.gloo import BACKEND_NAME
+
+    return ("naive", *CHECKED_BACKENDS, BACKEND_NAME)
+
+
+def model_config_json(config: Any) -> dict[str, Any] | None:
+    """``actor_rollout_ref.model.path``'s ``config.json`` where it is a directory already on disk; None before the
+    model exists (the tiny model is built after the startup checks) or for a hub id."""
+    path = Path(str(config.actor_rollout_ref.model.path)) / "config.json"
+    if not path.is_file():
+        return None
+    loaded = json.loads(path.read_text())
+    return loaded if isinstance(loaded, dict) else None
+
+
+def lora_rank(config: Any) -> int:
+    """The LoRA rank the recipe trains with (verl reads ``model.lora_rank`` and ``model.lora.rank``); 0 without."""
+    model = config.actor_rollout_ref.model
+    return max(int(model.get("lora_rank", 0) or 0), int((model.get("lora") or {}).get("rank", 0) or 0))
+
+
+def check_support_matrix(config: Any) -> None:
+    """Refuse the setups of docs/support.md that no test of ours covers, each in one line naming the key to change."""
+    from areal_plugins.rollout.capabilities import require_feature
+
+    areal = config.areal
+    if not areal.enable:
+        return
+    actor = config.actor_rollout_ref.actor
+    rollout = config.actor_rollout_ref.rollout
+    backend = str(rollout.name)
+    own = "or areal.enable=false for verl's own trainer"
+    strategy = str(actor.strategy)
+    if strategy not in TESTED_ACTOR_STRATEGIES:
+        raise ArealConfigError(
+            f"actor_rollout_ref.actor.strategy={strategy} is not a trainer engine areal_plugins runs its loss, "
+            f"micro-batching and progress reports on (tested: {', '.join(TESTED_ACTOR_STRATEGIES)}): set "
+            f"actor_rollout_ref.actor.strategy=fsdp2, {own}"
+        )
+    fsdp = actor.get("fsdp_config") or {}
+    for key, value in (
+        ("model_dtype", fsdp.get("model_dtype")),
+        ("mixed_precision.param_dtype", (fsdp.get("mixed_precision") or {}).get("param_dtype")),
+    ):
+        if str(value) in HALF_DTYPES:
+            raise ArealConfigError(
+                f"actor_rollout_ref.actor.fsdp_config.{key}={value}: float16 training (loss scaling) is not tested "
+                f"with areal_plugins' loss: set actor_rollout_ref.actor.fsdp_config.{key}=bf16 or fp32, {own}"
+            )
+    rank = lora_rank(config)
+    if rank > 0:
+        require_feature(
+            backend,
+            "lora_adapter_check",
+            f"LoRA (actor_rollout_ref.model.lora_rank={rank})",
+            f"set actor_rollout_ref.model.lora_rank=0 (docs/design.md, LoRA), {own}",
+        )
+    hf_config = model_config_json(config) or {}
+    experts = next((key for key in EXPERT_COUNT_KEYS if int(hf_config.get(key) or 0) > 0), None)
+    if experts is not None:
+        require_feature(
+            backend,
+            "moe_weight_check",
+            f"a mixture-of-experts model ({experts}={hf_config[experts]} in actor_rollout_ref.model.path)",
+            f"set actor_rollout_ref.rollout.name=areal_cpu, {own}",
+        )
+    media = next((key for key in MEDIA_CONFIG_KEYS if hf_config.get(key)), None)
+    if media is not None:
+        require_feature(
+            backend,
+            "multimodal",
+            f"a multimodal model ({media} in actor_rollout_ref.model.path)",
+            f"train a text-only model, {own}",
+        )
+    if areal.mode != "async":
+        return
+    if bool(rollout.get("enable_rollout_routing_replay", False)):
+        require_feature(
+            backend,
+            "routed_experts",
+            "router replay (actor_rollout_ref.rollout.enable_rollout_routing_replay=true)",
+            "set actor_rollout_ref.rollout.enable_rollout_routing_replay=false or actor_rollout_ref.rollout.name="
+            "areal_cpu",
+        )
+    transport = str((rollout.get("checkpoint_engine") or {}).get("backend", "naive"))
+    if areal.placement == "colocated" and transport != "naive":
+        raise ArealConfigError(
+            f"areal.placement=colocated with actor_rollout_ref.rollout.checkpoint_engine.backend={transport} is not "
+            "a setup areal_async has run (colocated engines take the trainer's weights in its own processes): set "
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=naive, or areal.placement=separate"
+        )
+    if transport not in checked_checkpoint_engines():
+        raise ArealConfigError(
+            f"actor_rollout_ref.rollout.checkpoint_engine.backend={transport} delivers weights that areal_async "
+            "cannot check tensor by tensor: set actor_rollout_ref.rollout.checkpoint_engine.backend=nccl (GPUs), "
+            "areal_gloo (CPU) or naive (areal.placement=colocated)"
+        )

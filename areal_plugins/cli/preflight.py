@@ -218,7 +218,7 @@ def one_line(error: BaseException) -> str:
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """verl's import-time chatter (absent engines, platform probing, prints) is noise on a refusal's terminal."""
-    handlers = logging.getLogger().handlers
+    handlers = list(logging.getLogger().handlers)  # a copy: an import inside may add a handler (megatron's does)
     levels = [handler.level for handler in handlers]
     for handler in handlers:
         handler.setLevel(logging.ERROR)

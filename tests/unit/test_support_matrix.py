@@ -1,0 +1,188 @@
+"""docs/support.md, checked: every refusal it lists is raised with the text it names, each new refusal has its own
+test below, the setups it calls tested or unit-tested name test files that exist, and every "refused" cell points
+to a refusal the table lists."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from areal_plugins.builtin.validation import areal_validate_config
+from areal_plugins.cli.preflight import one_line
+from areal_plugins.config.settings import ArealConfigError
+from tests.unit.test_recipes import compose
+from tests.unit.test_refusals import refusal_of, tiny_dirs  # noqa: F401  (tiny_dirs: autouse here too)
+
+REPO = Path(__file__).resolve().parents[2]
+SUPPORT = REPO / "docs" / "support.md"
+RECIPE = "grpo_cpu_async"
+#: A Qwen2-MoE's and a Qwen2-VL's config.json, as far as the checks read them.
+MOE_CONFIG = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "num_experts": 4}
+MULTIMODAL_CONFIG = {"architectures": ["Qwen2VLForConditionalGeneration"], "vision_config": {"depth": 2}}
+
+
+@pytest.fixture
+def models(tmp_path):
+    """The doc's placeholders: model folders whose config.json is a mixture of experts' or a multimodal model's."""
+    folders = {}
+    for placeholder, config in (("<moe-model>", MOE_CONFIG), ("<multimodal-model>", MULTIMODAL_CONFIG)):
+        folder = tmp_path / placeholder.strip("<>")
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        folders[placeholder] = str(folder)
+    return folders
+
+
+def refusal(overrides: list[str]) -> str:
+    """The startup validation's refusal of the recipe with ``overrides``, on one line as the CLI prints it."""
+    with pytest.raises(ArealConfigError) as refused:
+        areal_validate_config(compose(RECIPE, overrides))
+    return one_line(refused.value)
+
+
+def table_rows(heading: str) -> list[list[str]]:
+    """The rows of the first table under ``## heading`` in docs/support.md, cells stripped."""
+    text = SUPPORT.read_text()
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]
+
+
+def documented_refusals() -> dict[str, tuple[list[str], str]]:
+    refusals = {}
+    for identifier, _what, overrides, says in table_rows("Refused at startup"):
+        refusals[identifier.strip("`")] = (overrides.strip("`").split(), says.strip("`"))
+    return refusals
+
+
+def test_the_doc_lists_refusals():
+    assert len(documented_refusals()) >= 12
+
+
+@pytest.mark.parametrize("identifier", sorted(documented_refusals()))
+def test_every_refusal_the_doc_lists_is_raised_with_the_text_it_names(identifier, models):
+    overrides, says = documented_refusals()[identifier]
+    overrides = [re.sub(r"<[a-z-]+>", lambda found: models[found.group(0)], override) for override in overrides]
+    assert says in refusal(overrides)
+
+
+def matrix_cells() -> list[str]:
+    """The status cells of the matrix tables (every table but the refusals' own): each row's cells after its first
+    (the setting's name), header and separator rows left out."""
+    text = SUPPORT.read_text().split("\n## Refused at startup\n", 1)[0]
+    cells: list[str] = []
+    for table in re.findall(r"(?:^\|.*\n)+", text, flags=re.M):
+        for row in table.splitlines()[2:]:
+            cells.extend(cell.strip() for cell in row.strip("|").split("|")[1:])
+    return cells
+
+
+def test_every_refused_cell_points_to_a_listed_refusal():
+    listed = set(documented_refusals())
+    pointed = [found for cell in matrix_cells() for found in re.findall(r"refused \(`([a-z0-9-]+)`\)", cell)]
+    assert set(pointed) <= listed, sorted(set(pointed) - listed)
+    assert listed <= set(pointed), f"refusals no cell points to: {sorted(listed - set(pointed))}"
+
+
+def test_every_cell_is_tested_unit_tested_or_refused_and_names_tests_that_exist():
+    cells = matrix_cells()
+    assert len(cells) >= 30
+    for cell in cells:
+        assert cell.startswith(("tested: ", "unit-tested at the seam: ", "refused (")), cell
+        if not cell.startswith("refused"):
+            named = re.findall(r"`(tests/[\w/]+\.py)`", cell)
+            assert named, f"a tested cell names its test: {cell!r}"
+            for path in named:
+                assert (REPO / path).is_file(), f"{cell!r} names {path}, which does not exist"
+
+
+# ------------------------------------------------------------------ one test per refusal this file added
+
+
+def test_a_trainer_engine_other_than_fsdp2_is_refused_naming_the_key():
+    for strategy in ("megatron", "veomni", "fsdp"):
+        line = refusal([f"actor_rollout_ref.actor.strategy={strategy}"])
+        assert f"actor_rollout_ref.actor.strategy={strategy} is not a trainer engine" in line
+        assert "set actor_rollout_ref.actor.strategy=fsdp2" in line
+    areal_validate_config(compose(RECIPE, ["actor_rollout_ref.actor.strategy=megatron", "areal.enable=false"]))
+
+
+def test_the_trainer_engine_refusal_comes_out_of_the_cli_in_one_line(caplog):
+    """Megatron's config adds a logging handler while the recipe is checked: the refusal is still one line."""
+    line = refusal_of(caplog, REPO / "recipes" / f"{RECIPE}.yaml", "actor_rollout_ref.actor.strategy=megatron")
+    assert "set actor_rollout_ref.actor.strategy=fsdp2" in line
+
+
+def test_float16_training_is_refused_bf16_and_fp32_are_not():
+    line = refusal(["actor_rollout_ref.actor.fsdp_config.model_dtype=fp16"])
+    assert "set actor_rollout_ref.actor.fsdp_config.model_dtype=bf16 or fp32" in line
+    areal_validate_config(compose(RECIPE, ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"]))
+
+
+def test_lora_is_refused_on_every_backend_until_one_checks_adapters():
+    assert "lora_adapter_check" in refusal(["actor_rollout_ref.model.lora_rank=8"])
+    assert "lora_adapter_check" in refusal(["actor_rollout_ref.model.lora.rank=4"])  # verl's other spelling
+    line = refusal(["actor_rollout_ref.model.lora_rank=8", "areal.mode=sync"])
+    assert "set actor_rollout_ref.model.lora_rank=0" in line
+
+
+def test_a_backend_that_declares_the_adapter_check_lifts_the_lora_refusal(monkeypatch):
+    from areal_plugins.rollout.cpu.server import CPURolloutServer
+
+    monkeypatch.setattr(CPURolloutServer, "capabilities", CPURolloutServer.capabilities | {"lora_adapter_check"})
+    areal_validate_config(compose(RECIPE, ["actor_rollout_ref.model.lora_rank=8"]))
+
+
+def test_a_mixture_of_experts_is_refused_on_vllm_and_served_by_areal_cpu(models):
+    moe = models["<moe-model>"]
+    line = refusal(["actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.model.path={moe}"])
+    assert "moe_weight_check" in line and "set actor_rollout_ref.rollout.name=areal_cpu" in line
+    areal_validate_config(compose(RECIPE, [f"actor_rollout_ref.model.path={moe}"]))
+
+
+def test_a_model_not_on_disk_yet_is_not_read():
+    """The tiny model is built after the startup checks: a path with no config.json is no refusal."""
+    areal_validate_config(compose(RECIPE, ["actor_rollout_ref.rollout.name=vllm"]))
+
+
+def test_router_replay_is_refused_where_the_engine_returns_no_routed_experts():
+    replay = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
+    assert "(routed_experts)" in refusal(["actor_rollout_ref.rollout.name=vllm", replay])
+    areal_validate_config(compose(RECIPE, [replay]))  # areal_cpu returns them
+
+
+def test_a_multimodal_model_is_refused_on_every_backend(models):
+    path = f"actor_rollout_ref.model.path={models['<multimodal-model>']}"
+    for backend in ("areal_cpu", "vllm"):
+        assert "(multimodal)" in refusal([f"actor_rollout_ref.rollout.name={backend}", path])
+
+
+def test_a_checkpoint_engine_we_cannot_check_is_refused_and_ours_pass():
+    separate = [
+        "areal.placement=separate",
+        "actor_rollout_ref.rollout.nnodes=1",
+        "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    ]
+    for backend in ("nixl", "mooncake", "kimi_ckpt_engine", "delta_sharded"):
+        line = refusal([*separate, f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend}"])
+        assert f"checkpoint_engine.backend={backend} delivers weights that areal_async cannot check" in line
+    for backend in ("nccl", "areal_gloo"):
+        areal_validate_config(
+            compose(RECIPE, [*separate, f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend}"])
+        )
+
+
+def test_a_checkpoint_engine_between_colocated_engines_and_the_trainer_is_refused():
+    line = refusal(["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"])
+    assert "set actor_rollout_ref.rollout.checkpoint_engine.backend=naive, or areal.placement=separate" in line
+
+
+def test_every_shipped_recipe_passes_the_matrix():
+    from areal_plugins.builtin.validation import check_support_matrix
+
+    for recipe in sorted((REPO / "recipes").glob("*.yaml")):
+        if not recipe.name.startswith("_"):
+            check_support_matrix(compose(recipe.stem))
