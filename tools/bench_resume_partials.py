@@ -93,16 +93,17 @@ def before_resume(folder: str) -> dict[str, Any]:
     """The actor's startup as at 2746ace (``ResumedPartials.__init__``), then every answer taken from it once."""
     from areal_plugins.agent_loop.partial_outputs import read_partials
 
-    started = time.monotonic()
+    started, cpu = time.monotonic(), time.process_time()
     partials = read_partials(folder) or []
     kept = {(p["uid"], int(p["session"])): p for p in partials}
     saved = {"requests": len(partials), "tokens": sum(len(p["tokens"]) for p in partials)}
     del partials
-    loaded = time.monotonic()
+    loaded, loaded_cpu = time.monotonic(), time.process_time()
     taken = 0
     for key in list(kept):
         taken += len(kept.pop(key)["tokens"])
-    return {"load_s": loaded - started, "take_s": time.monotonic() - loaded, "taken_tokens": taken, "saved": saved}
+    return {"load_s": loaded - started, "load_cpu_s": loaded_cpu - cpu, "take_s": time.monotonic() - loaded,
+            "take_cpu_s": time.process_time() - loaded_cpu, "taken_tokens": taken, "saved": saved}  # fmt: skip
 
 
 def after_resume(folder: str, share: int, workers: int) -> dict[str, Any]:
@@ -111,10 +112,10 @@ def after_resume(folder: str, share: int, workers: int) -> dict[str, Any]:
     from areal_plugins.agent_loop import partial_outputs
     from areal_plugins.agent_loop.partial_outputs import KeptOutputs, take_resumed
 
-    started = time.monotonic()
+    started, cpu = time.monotonic(), time.process_time()
     kept = KeptOutputs(folder)
     partial_outputs._KEPT["kept"] = kept
-    loaded = time.monotonic()
+    loaded, loaded_cpu = time.monotonic(), time.process_time()
     keys = sorted(kept.entries)
     mine = keys if share == 0 else keys[share - 1 :: workers]
     digests = {key: kept.entries[key][3] for key in mine}
@@ -129,8 +130,9 @@ def after_resume(folder: str, share: int, workers: int) -> dict[str, Any]:
         return taken
 
     taken = asyncio.run(take_all())
-    return {"index_s": loaded - started, "take_s": time.monotonic() - loaded, "taken_tokens": taken,
-            "answers": len(mine), "indexed": len(keys)}  # fmt: skip
+    return {"index_s": loaded - started, "index_cpu_s": loaded_cpu - cpu, "take_s": time.monotonic() - loaded,
+            "take_cpu_s": time.process_time() - loaded_cpu, "taken_tokens": taken, "answers": len(mine),
+            "indexed": len(keys)}  # fmt: skip
 
 
 def in_flight(answers: int, tokens: int, seed: int = 1) -> None:
@@ -179,16 +181,18 @@ def measure_snapshot(which: str, answers: int, tokens: int) -> dict[str, Any]:
     in_flight(answers, tokens)
 
     async def go() -> dict[str, Any]:
-        gaps: list[float] = []
+        gaps: list[float] = []  # wall time between two turns of the loop
+        cpu_gaps: list[float] = []  # this process's CPU time between them: what the copy itself took, however busy
         done = asyncio.Event()
 
         async def ticker() -> None:
-            last = time.perf_counter()
+            last, last_cpu = time.perf_counter(), time.process_time()
             while not done.is_set():
                 await asyncio.sleep(0)
-                now = time.perf_counter()
+                now, now_cpu = time.perf_counter(), time.process_time()
                 gaps.append(now - last)
-                last = now
+                cpu_gaps.append(now_cpu - last_cpu)
+                last, last_cpu = now, now_cpu
 
         tick = asyncio.create_task(ticker())
         await asyncio.sleep(0)
@@ -200,7 +204,8 @@ def measure_snapshot(which: str, answers: int, tokens: int) -> dict[str, Any]:
         took = time.perf_counter() - started
         done.set()
         await tick
-        return {"snapshot_s": took, "longest_loop_stall_s": max(gaps), "answers": len(copies)}
+        return {"snapshot_s": took, "longest_loop_stall_s": max(gaps), "longest_loop_stall_cpu_s": max(cpu_gaps),
+                "answers": len(copies)}  # fmt: skip
 
     return asyncio.run(go())
 
@@ -259,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=8, help="agent-loop workers (verl's agent.num_workers)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kinds", default="before,after,after-all,snapshot-before,snapshot-after")
-    parser.add_argument("--folder", type=Path, help="the checkpoint folder (default: a temporary one, removed)")
+    parser.add_argument(
+        "--folder", type=Path, help="the checkpoint folder, kept and reused if it has one (default: temporary)"
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -272,7 +279,14 @@ def main(argv: list[str] | None = None) -> int:
 
     folder = args.folder or Path(tempfile.mkdtemp(prefix="areal-resume-bench-"))
     try:
-        checkpoint = write_checkpoint(folder, args.requests, args.tokens, args.workers)
+        if (folder / "areal_partials").is_dir():  # --folder of an earlier run: its checkpoint is reused
+            from areal_plugins.agent_loop.partial_outputs import KeptOutputs
+
+            files = KeptOutputs(folder).files.values()
+            checkpoint = {key: sum(f[key] for f in files) for key in ("requests", "tokens")}
+            checkpoint["bytes"] = sum(path.stat().st_size for path in (folder / "areal_partials").iterdir())
+        else:
+            checkpoint = write_checkpoint(folder, args.requests, args.tokens, args.workers)
         print(f"checkpoint: {checkpoint}", flush=True)
         kinds = args.kinds.split(",")
         runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
