@@ -48,7 +48,23 @@ def check(recipe: Path, overrides: list[str], cluster_args: argparse.Namespace) 
             "(pip install -e '.[gpu]' in a clone; docs/guides/gpus.md)",
             ", ".join(missing),
         )
+    warn_about_cluster_access(overrides)
     return 0
+
+
+def warn_about_cluster_access(overrides: list[str]) -> None:
+    """``check``'s look at the cluster the run is told to join: a warning when it is reached without a token (anyone
+    who reaches its GCS can run code on every node), or when it asks for one and this shell sets none."""
+    import os
+
+    from areal_plugins.cli.cluster_env import accepts_without_token, auth_warning, declared_cluster_address
+
+    address = declared_cluster_address(dict(os.environ), overrides)
+    if address is None:
+        return
+    warning = auth_warning(address, accepts_without_token(address), dict(os.environ))
+    if warning:
+        logger.warning("%s", warning)
 
 
 def add_plan_arguments(plan: argparse.ArgumentParser) -> None:

@@ -134,3 +134,71 @@ def test_overrides_after_the_options_are_overrides(caplog, monkeypatch, tmp_path
     with caplog.at_level(logging.INFO):
         assert cli.main(argv) == 2
     assert any("ppo_mini_batch_size=48 must divide data.train_batch_size=128" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("open_to_anyone", "shell_mode", "expected"),
+    [
+        (True, None, "accepts a client that sends no token: anyone who can reach its GCS port can run code"),
+        (True, "token", "accepts a client that sends no token"),  # the shell's token does not close the cluster
+        (False, None, "asks for a token, and this shell does not set RAY_AUTH_MODE=token"),
+        (False, "token", None),
+        (None, None, None),  # not reached (or a ray:// address): nothing to say
+    ],
+)
+def test_what_check_says_about_who_can_reach_the_cluster(open_to_anyone, shell_mode, expected):
+    env = {} if shell_mode is None else {"RAY_AUTH_MODE": shell_mode}
+    warning = cluster_env.auth_warning("10.0.0.2:6379", open_to_anyone, env)
+    if expected is None:
+        assert warning is None
+    else:
+        assert expected in warning and "10.0.0.2:6379" in warning
+        assert ("RAY_AUTH_MODE=token ray start" in warning) == bool(open_to_anyone)  # how to close it
+
+
+def check_cpu_recipe(caplog, monkeypatch, tmp_path) -> list[str]:
+    import logging
+    from pathlib import Path
+
+    for variable in ("AREAL_TINY_DIR", "AREAL_TINY_CALCULATOR_DIR", "AREAL_DATA_DIR"):
+        monkeypatch.setenv(variable, str(tmp_path))
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "grpo_cpu_async.yaml"
+    with caplog.at_level(logging.INFO):
+        assert cli.main(["check", str(recipe), "--nodes", "1", "--gpus-per-node", "2"]) == 0
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_check_warns_when_the_declared_cluster_answers_without_a_token(caplog, monkeypatch, tmp_path):
+    asked: list[str] = []
+    monkeypatch.setattr(cluster_env, "accepts_without_token", lambda address: asked.append(address) or True)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    warnings = check_cpu_recipe(caplog, monkeypatch, tmp_path)
+    assert asked == ["10.0.0.2:6379"]
+    assert any("the Ray cluster at 10.0.0.2:6379 accepts a client that sends no token" in w for w in warnings)
+
+
+def test_check_asks_no_cluster_when_none_is_declared(caplog, monkeypatch, tmp_path):
+    def never(address):
+        raise AssertionError(f"probed {address}")
+
+    monkeypatch.setattr(cluster_env, "accepts_without_token", never)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert not [w for w in check_cpu_recipe(caplog, monkeypatch, tmp_path) if "token" in w]
+
+
+def test_the_probe_sends_no_token_whatever_this_shell_sets(monkeypatch):
+    import subprocess
+
+    seen = {}
+
+    def run(command, env, **kwargs):
+        seen.update(env=env, gcs=command[3])
+        return subprocess.CompletedProcess(command, 0, stdout="OPEN\n")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert cluster_env.accepts_without_token("10.0.0.2:6379") is True
+    assert seen["gcs"] == "10.0.0.2:6379" and seen["env"]["RAY_AUTH_MODE"] == "disabled"
+    assert "RAY_AUTH_TOKEN" not in seen["env"]
+    assert cluster_env.accepts_without_token("ray://10.0.0.2:10001") is None  # Ray Client: not a GCS address
