@@ -123,14 +123,18 @@ def test_verls_vllm_in_its_own_pool_gets_every_update_checked_and_stops_on_a_bad
     ``areal_gloo`` checkpoint engine to verl's checkpoint-engine worker, whose adapter (ours) checks what each vLLM
     worker received against what it passed on, and what the worker holds after loading against what it received.
     Each update is staged in the worker while the engine generates, its broadcast leg compared with what the
-    trainer sent, then loaded. Temperature 0.7, η = 2. The third update (after step 2) arrives intact but one value
-    of ``model.norm.weight`` changes after loading (fault injection in the worker): the run must stop naming it."""
+    trainer sent, then loaded. Temperature 0.7, η = 2. The transfer bucket (1 MB, verl's smallest) is smaller than
+    the embedding and lm_head (8.4 MB each), so those two cross verl's bucketed transfer in pieces and are joined
+    before the check and the load (the path a 7B run's 2 GiB float32 embedding takes). The third update (after step
+    2) arrives intact but one value of ``model.norm.weight`` changes after loading (fault injection in the worker):
+    the run must stop naming it."""
     run_dir = tmp_path / "run"
     result = train_with_verl_vllm(
         run_dir,
         tiny_dir,
         3,
         "actor_rollout_ref.rollout.temperature=0.7",
+        "++actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=1",
         "++ray_kwargs.ray_init.runtime_env.env_vars.AREAL_CORRUPT_LOADED_WEIGHT='model.norm.weight@3'",
         recipe="grpo_cpu_async_vllm.yaml",
     )
@@ -144,6 +148,8 @@ def test_verls_vllm_in_its_own_pool_gets_every_update_checked_and_stops_on_a_bad
     assert [r["version"] for r in checked] == [0, 1], checked  # the start, then after step 1
     for record in checked:
         assert_loaded_check_covers_the_tiny_model(record["checksum"])
+        # Larger than the bucket (8.4 MB each; the next largest tensor is 128 KiB): cut, carried, joined, checked.
+        assert sorted(record["checksum"]["joined"]) == ["lm_head.weight", "model.embed_tokens.weight"], record
     # Each update that loaded was staged first and its broadcast leg compared before the load (the record is
     # written once the engines resume, so the third, whose load failed, has none): 27 tensors, the embedding,
     # 12 per layer for 2 layers (q/k/v weights and biases, o, gate, up, down, 2 norms), the final norm and
