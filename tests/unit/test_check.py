@@ -45,6 +45,10 @@ def test_every_recipe_passes_check_on_its_cluster(recipe, caplog):
     with caplog.at_level(logging.INFO):
         code = cli.main(["check", str(recipe), "--nodes", str(nodes), "--gpus-per-node", str(per_node)])
     assert code == 0, [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    if recipe.parent.name == "gpu":  # docs/guides/gpus.md quotes the memory lines of every GPU recipe
+        shown = (REPO / "docs" / "guides" / "gpus.md").read_text()
+        memory = [r.getMessage().strip() for r in caplog.records if "GPU: " in r.getMessage()]
+        assert len(memory) == 2 and all(line in shown for line in memory), memory
 
 
 def refused(caplog, *argv: str) -> str:
