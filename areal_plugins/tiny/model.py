@@ -59,6 +59,8 @@ WORKLOADS = {
     "calculator": TinyModelSpec(task="calculator", warmstart_steps=CALCULATOR_WARMSTART_STEPS),
     # The addition task on a mixture of experts: 4 routed experts, 2 per token, and the shared expert; the routed
     # experts together are as wide as the dense model's MLP (4 x 64 = 256), so a token computes 2 x 64 + 256.
+    # Measured here after the same 150-step warm start: greedy accuracy on 200 held-out sums 0.48 (the dense
+    # model: 0.545 in the same measurement), so GRPO has signal and room.
     "moe": TinyModelSpec(num_experts=4, experts_per_token=2, moe_intermediate_size=64),
     # The trainer's side of the paced-engine bench: a model so small that a step's training costs little next to
     # the control plane (512 tokenizer ranks fit the prompts in 22 tokens; ~20k weights; untrained).
