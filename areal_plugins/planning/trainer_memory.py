@@ -17,14 +17,22 @@ from dataclasses import dataclass
 
 from areal_plugins.planning.hardware import ModelShape
 
-#: Bytes a token's activations take per layer in bf16, in units of hidden and MLP width: Korthikanti et al. 2022
-#: (arXiv 2205.05198) §4.1 count 34·h per token per layer for a GPT layer: attention 11h (with flash attention,
-#: which keeps no s² score matrix), two layer norms 4h, MLP 19h (4h wide, GeLU). A gated MLP (SwiGLU/GeGLU)
-#: saves its input 2h and its gate, up, activation and product, 2 bytes x width each: 2h + 8·width.
-ACT_HIDDEN_FACTOR = 11 + 4 + 2
+#: Bytes a token's activations take per decoder layer in bf16, measured: autograd's saved tensors of transformers'
+#: Qwen2 decoder layer (sdpa attention, bf16) are 20·h + 8·I + 4·kv_heads·head_dim + 4·heads + 8 bytes a token, to
+#: the byte (tests/unit/test_trainer_memory.py measures it with ``torch.autograd.graph.saved_tensors_hooks``):
+#: the norms' inputs and their fp32 upcasts, q, the attention output and the residuals in h; the gated MLP's gate,
+#: up, activation and product, 2 bytes x I each; k and v after the rotary embedding; the attention's fp32
+#: log-sum-exp per head; the norms' fp32 scales. Korthikanti et al. 2022 (arXiv 2205.05198) §4.1 count 34·h for a
+#: GPT layer of 4h MLP width (attention 11h, norms 4h, MLP 19h), the same order.
+ACT_HIDDEN_FACTOR = 20
 ACT_WIDTH_FACTOR = 8
-#: With gradient checkpointing each layer keeps only its input (2h bytes a token, bf16), and the backward
-#: recomputes one layer at a time: L·2h + one layer's full activations (Korthikanti et al. §5, full recompute).
+ACT_KV_FACTOR = 4
+ACT_HEAD_FACTOR = 4
+ACT_LAYER_CONSTANT = 8
+#: After the layers: the final norm and the output head's input, 8·h a token (measured as above).
+ACT_FINAL_FACTOR = 8
+#: With gradient checkpointing each layer keeps only its input (2·h bytes a token, bf16; measured), and the backward
+#: recomputes one layer at a time: L·2·h + one layer's activations (Korthikanti et al. §5, full recompute).
 CHECKPOINT_INPUT_BYTES = 2
 #: The logits' bytes per token and vocabulary entry: the fp32 log-softmax of verl's
 #: ``logprobs_from_logits_v2`` (flash-attention's cross-entropy, verl's other path, holds the bf16 logits and
@@ -84,12 +92,24 @@ class TrainerMemory:
         return max(self.update_peak, self.sync_peak)
 
 
+def layer_activation_bytes_per_token(model: ModelShape) -> int:
+    """One decoder layer's saved activations for one token (bf16; see ``ACT_*``)."""
+    return (
+        ACT_HIDDEN_FACTOR * model.hidden
+        + ACT_WIDTH_FACTOR * model.active_mlp_width
+        + ACT_KV_FACTOR * model.kv_heads * model.head_size
+        + ACT_HEAD_FACTOR * model.heads
+        + ACT_LAYER_CONSTANT
+    )
+
+
 def activation_bytes_per_token(model: ModelShape, gradient_checkpointing: bool) -> int:
-    """Activations one token leaves for the backward, over every layer (bf16; see ``ACT_*``)."""
-    one_layer = ACT_HIDDEN_FACTOR * model.hidden + ACT_WIDTH_FACTOR * model.active_mlp_width
+    """Activations one token leaves for the backward, over every layer and the head (bf16; see ``ACT_*``)."""
+    one_layer = layer_activation_bytes_per_token(model)
+    final = ACT_FINAL_FACTOR * model.hidden
     if gradient_checkpointing:
-        return model.layers * CHECKPOINT_INPUT_BYTES * model.hidden + one_layer
-    return model.layers * one_layer
+        return model.layers * CHECKPOINT_INPUT_BYTES * model.hidden + one_layer + final
+    return model.layers * one_layer + final
 
 
 def trainer_memory(model: ModelShape, setup: TrainerSetup) -> TrainerMemory:
