@@ -175,8 +175,8 @@ def nodes_to_clean(nodes: list[dict[str, Any]]) -> list[str]:
 
 def kill_run_leftovers_on_cluster(address: str, run_dir: Path, timeout_s: float = CLUSTER_CLEANUP_S) -> dict[str, int]:
     """On a cluster the run joined: one task on every alive node (:func:`nodes_to_clean`) kills the run's processes
-    left there (:func:`kill_run_leftovers`: a vLLM server's engine core and workers outlive a killed actor and hold
-    their GPU's memory). Returns node id -> how many; a node whose task did not answer in ``timeout_s`` is left out
+    left there (:func:`kill_run_leftovers`: a process that left its Ray worker's process group outlives the job and
+    holds its GPU's memory). Returns node id -> how many; a node whose task did not answer in ``timeout_s`` is left out
     and logged."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -1,8 +1,9 @@
 """Replicas started mid-run (``placement: separate``): replacements for replicas that died
 (``areal.replace_dead_replicas``) and new ones when the cluster grows (``areal.max_rollout_replicas``).
 
-When the replica pool drops a dead replica (replica_pool.py), the processes it left on its nodes (a vLLM server's
-engine-core and worker processes outlive a killed server actor and keep their GPU memory) are ended, then its
+When the replica pool drops a dead replica (replica_pool.py), the processes it left on its nodes are ended (Ray ends
+a dead actor's children and process group; a descendant in a session of its own outlives it and keeps its GPU's
+memory): the trainer records each replica's process trees while it serves. Then its
 placement group is removed so that its devices are free again, and a replacement of the same class starts in the
 background through verl's own ``RolloutReplica.init_standalone`` (a placement group of its own, its
 checkpoint-engine workers, its server).
