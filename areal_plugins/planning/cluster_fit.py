@@ -286,6 +286,12 @@ def _trainer_memory(
         f"buckets = {memory.sync_peak / GIB:.1f} GiB"
     )
     context = f"~{overhead / GIB:g} GiB of CUDA context" + ("" if separate else " (ours and the sleeping engine's)")
+    rollout = config.actor_rollout_ref.rollout
+    # colocated without free_cache_engine, the engine's weights and KV cache stay on the GPU while the trainer trains
+    kept = 0.0 if separate or rollout.get("free_cache_engine", True) else float(rollout.gpu_memory_utilization) * gpu
+    if kept:
+        context += f" + {kept / GIB:.1f} GiB vLLM keeps asleep (free_cache_engine=false)"
+        overhead += kept
     if memory.peak + overhead > gpu:
         at_update = memory.update_peak >= memory.sync_peak
         raise RecipeRefusedError(
@@ -295,6 +301,7 @@ def _trainer_memory(
             f"{setup.shard_gpus} shard the state now), set actor_rollout_ref.actor.fsdp_config.offload_policy=true "
             "(FSDP2: the state stays on the CPU while training), or lower "
             + (f"{tokens_key} ({tokens} tokens a micro-batch)" if at_update else "update_weights_bucket_megabytes")
+            + ("; or set actor_rollout_ref.rollout.free_cache_engine=true" if kept else "")
         )
     if not separate and memory.resident_between_updates > awake_free:
         raise RecipeRefusedError(

@@ -309,3 +309,15 @@ def test_model_config_sizes_a_hub_model_the_table_lacks(tmp_path, caplog):
 def test_a_file_that_is_not_a_recipe_is_refused_in_one_line(caplog, recipe, expected):
     line = refused(caplog, str(REPO / recipe), *ONE_NODE)
     assert line.startswith(expected)
+
+
+def test_colocated_without_free_cache_engine_the_sleeping_engine_keeps_its_share(caplog):
+    """free_cache_engine=false keeps vLLM's weights and KV cache, 0.9 x 79.6 = 71.6 GiB, on the GPU while the trainer
+    trains: beside the 1.5B's 23.6 GiB update and ~4 GiB of CUDA context it no longer fits (with true it does: the
+    recipe as shipped)."""
+    line = refused(
+        caplog, str(REPO / "recipes/gpu/grpo_1.5b_colocated.yaml"), "actor_rollout_ref.rollout.free_cache_engine=false",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.9", *ONE_NODE,
+    )  # fmt: skip
+    assert "+ 71.6 GiB vLLM keeps asleep (free_cache_engine=false)" in line
+    assert line.endswith("or set actor_rollout_ref.rollout.free_cache_engine=true")
