@@ -29,6 +29,7 @@ import logging
 import os
 import socket
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,23 @@ def read_partials(folder: str | Path) -> list[dict[str, Any]] | None:
     ]
 
 
+def _index_of(data: Path) -> Iterator[list[Any]]:
+    """The index lines of one worker's file: from its index; for a checkpoint written before indexes were
+    (2026-12-04), made by reading the file once, a line at a time (its numbers are parsed, then dropped)."""
+    index = data.with_suffix(INDEX_SUFFIX)
+    if index.exists():
+        with open(index) as lines:
+            yield from (json.loads(line) for line in lines if line.strip())
+        return
+    with open(data, "rb") as lines:
+        offset = 0
+        for line in lines:
+            if line.strip():
+                kept = json.loads(line)
+                yield [kept["uid"], kept["session"], kept["prompt_digest"], offset, len(line), len(kept["tokens"])]
+            offset += len(line)
+
+
 class KeptOutputs:
     """The outputs a checkpoint kept, as one agent-loop worker sees them from its node: the indexes read, each
     answer's line read from disk when a request continues it, and taken at most once."""
@@ -188,19 +206,12 @@ class KeptOutputs:
         self.entries: dict[tuple[str, int], tuple[Path, int, int, str]] = {}
         #: per data file this worker sees: how many answers and tokens it keeps
         self.files: dict[str, dict[str, int]] = {}
-        for index_path in sorted(kept.glob(f"worker_*{INDEX_SUFFIX}")) if kept.is_dir() else []:
-            data = index_path.with_suffix(".jsonl")
-            if not data.exists():
-                continue
+        for data in sorted(kept.glob("worker_*.jsonl")) if kept.is_dir() else []:
             counts = {"requests": 0, "tokens": 0}
-            with open(index_path) as index:
-                for line in index:
-                    if not line.strip():
-                        continue
-                    uid, session, digest, offset, length, tokens = json.loads(line)
-                    self.entries[(uid, int(session))] = (data, int(offset), int(length), digest)
-                    counts["requests"] += 1
-                    counts["tokens"] += int(tokens)
+            for uid, session, digest, offset, length, tokens in _index_of(data):
+                self.entries[(uid, int(session))] = (data, int(offset), int(length), digest)
+                counts["requests"] += 1
+                counts["tokens"] += int(tokens)
             self.files[data.name] = counts
         self.continued = {"requests": 0, "tokens": 0}
 

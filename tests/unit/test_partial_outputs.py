@@ -201,6 +201,15 @@ def test_a_resume_reads_only_the_lines_of_the_answers_it_continues(tmp_path):
     assert kept.continued == {"requests": 2, "tokens": 4}
 
 
+def test_a_checkpoint_written_before_the_indexes_is_read_a_line_at_a_time(tmp_path):
+    write_partials(str(tmp_path), 0, [saved_answer("a", 0, [5], [1, 2]), saved_answer("b", 3, [5], [3])])
+    (tmp_path / "areal_partials" / "worker_0.index").unlink()  # as an earlier version wrote it
+    kept = KeptOutputs(tmp_path)
+    assert kept.files == {"worker_0.jsonl": {"requests": 2, "tokens": 3}}
+    assert kept.take("b", 3, token_digest([5]))["tokens"] == [3]
+    assert kept.take("a", 0, token_digest([5]))["tokens"] == [1, 2]
+
+
 def test_a_checkpoints_copy_lets_the_workers_requests_run_between_batches_and_shares_nothing():
     from array import array
 
