@@ -113,7 +113,7 @@ def test_weights_and_one_sequence_must_fit_vllms_share(tmp_path, max_model_len, 
         SEPARATE_GPU,
         [f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.rollout.max_model_len={max_model_len}",
          "actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "areal.placement=colocated",
-         "actor_rollout_ref.rollout.gpu_memory_utilization=0.125"],
+         "actor_rollout_ref.rollout.free_cache_engine=true", "actor_rollout_ref.rollout.gpu_memory_utilization=0.125"],
     )  # fmt: skip
     cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=8.0)
     if fits:
