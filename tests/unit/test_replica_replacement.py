@@ -251,3 +251,22 @@ def test_a_dead_replicas_leftovers_are_ended_before_its_devices_are_freed(local_
     replacer.replace(SimpleNamespace(replica_rank=1, resource_pool=None))
     assert order == ["end [{'node': 'n', 'processes': [[7, 1.0]]}]", "free"]
     assert recorder.lines[0]["processes_ended"] == 2 and recorder.lines[0]["placement_groups_freed"] == 1
+
+
+def test_what_the_placement_check_assumes_of_verls_standalone_replicas():
+    """The placement check and the removal of an abandoned start's groups read verl 0.9.1's own choices: a standalone
+    replica's pool reserves 2 CPUs with each device, packs each node's devices in one group, and names its groups
+    after its rank. A verl that changes them fails here, not in a run that waits for the wrong thing."""
+    import inspect
+
+    from verl.single_controller.ray.base import RayResourcePool
+    from verl.workers.rollout.replica import RolloutReplica
+
+    from areal_plugins.driver.replica_replacement import CPUS_PER_DEVICE, PLACEMENT_GROUP_NAME
+
+    standalone = inspect.getsource(RolloutReplica.init_standalone)
+    assert f"max_colocate_count={int(CPUS_PER_DEVICE)}" in standalone
+    assert 'resource_pool_name = f"rollout_pool_{self.replica_rank}{self.name_suffix}"' in standalone
+    groups = inspect.getsource(RayResourcePool.get_placement_groups)
+    assert 'bundle = {"CPU": self.max_colocate_count}' in groups and 'strategy="STRICT_PACK"' in groups
+    assert "verl_group_" in groups and PLACEMENT_GROUP_NAME.startswith("rollout_pool_{rank}{suffix}verl_group_")
