@@ -14,6 +14,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from areal_plugins.cli.cluster_env import has_accelerator
 from areal_plugins.cli.launch import DEFAULT_TINY_DIR, REFUSED_EXIT_CODE, checked_recipe, ensure_tiny_assets, train
@@ -41,6 +42,8 @@ def check(recipe: Path, overrides: list[str], cluster_args: argparse.Namespace) 
     )
     for line in where:
         logger.info("  %s", line)
+    for line in limit_lines(config, cluster_args.nodes, cluster_args.cpus_per_node):
+        logger.info("  %s", line)
     missing = missing_here(config)
     if missing:
         logger.warning(
@@ -50,6 +53,16 @@ def check(recipe: Path, overrides: list[str], cluster_args: argparse.Namespace) 
         )
     warn_about_cluster_access(overrides)
     return 0
+
+
+def limit_lines(config: Any, nodes: int, cpus_per_node: int | None) -> list[str]:
+    """``check``'s list of the run's limits, each with its value for the recipe and its source (driver/limits.py:
+    the list the run logs at startup), and the reward's scoring processes on ``nodes`` x ``cpus_per_node``."""
+    from areal_plugins.driver.limits import format_limits, run_limits, scorer_line
+
+    lines = ["the run's limits (value for this recipe, and where it comes from):"]
+    lines += [f"  {line}" for line in format_limits(run_limits(config))]
+    return [*lines, scorer_line(config, nodes if cpus_per_node is not None else None, cpus_per_node)]
 
 
 def warn_about_cluster_access(overrides: list[str]) -> None:
@@ -175,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     preflight.add_argument("--gpus-per-node", type=int, required=True)
     preflight.add_argument(
         "--gpu-memory-gib", type=float, default=79.6, help="memory of one GPU, GiB (H100 80 GB: 79.6)"
+    )
+    preflight.add_argument(
+        "--cpus-per-node",
+        type=int,
+        default=None,
+        help="CPUs of each node, for the reward's scoring processes (areal.reward.num_workers: null); "
+        "without it they are sized at startup from Ray's nodes",
     )
     preflight.add_argument(
         "--model-config",

@@ -24,18 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal_plugins.records.control_files import stop_wait_s
+from areal_plugins.records.control_files import CLUSTER_CLEANUP_S, stop_wait_s
+from areal_plugins.records.control_files import SIGTERM_GRACE_S as GRACE_S  # seconds verl gets after SIGTERM
 
 logger = logging.getLogger(__name__)
 
-
-#: Seconds verl gets to stop after SIGTERM before its process group is killed.
-GRACE_S = 20.0
 #: The environment variable that names the run directory in every process of the run (records/writer.py).
 RUN_DIR_ENV = "AREAL_RUN_DIR"
-#: How long the cleanup tasks on a cluster's nodes get to answer, all together: a task starts a Ray worker on its
-#: node (seconds) and scans that node's processes.
-CLUSTER_CLEANUP_S = 60.0
 
 
 def new_group_dying_with_parent() -> None:

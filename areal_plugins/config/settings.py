@@ -68,7 +68,22 @@ class RewardConfig:
     service: bool = field(
         default=True, metadata={"help": "score in worker processes with a time limit (a hung verifier costs 0)"}
     )
-    num_workers: int = field(default=1, metadata={"help": "reward worker processes per verl reward worker"})
+    num_workers: int | None = field(
+        default=None,
+        metadata={
+            "help": "scoring processes per verl reward worker (reward.num_workers of them). null: sized to the batch, "
+            "min(ceil(A / R), floor(C x cpu_share / ceil(R / N)), min(32, C + 4)), at least 1, with A = "
+            "data.train_batch_size x rollout.n answers a step, R = reward.num_workers, N the nodes with CPUs and C "
+            "the CPUs of the smallest (docs/guides/limits.md)"
+        },
+    )
+    cpu_share: float = field(
+        default=0.5,
+        metadata={
+            "help": "with num_workers: null, the share of each node's CPUs the scoring processes may take (the rest: "
+            "the engines', the trainer's and Ray's processes)"
+        },
+    )
     timeout_s: float = field(
         default=10.0,
         metadata={
@@ -90,8 +105,14 @@ class RewardConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.num_workers < 1:
-            raise ArealConfigError(f"areal.reward.num_workers must be >= 1, got {self.num_workers}")
+        workers = self.num_workers
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+            raise ArealConfigError(
+                f"areal.reward.num_workers must be a process count >= 1 or null (sized to the batch), got {workers!r}"
+            )
+        share = self.cpu_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+            raise ArealConfigError(f"areal.reward.cpu_share must be a share in (0, 1], got {self.cpu_share!r}")
         if not self.timeout_s > 0:
             raise ArealConfigError(f"areal.reward.timeout_s must be > 0, got {self.timeout_s}")
         if self.retries < 0:

@@ -56,9 +56,10 @@ from areal_plugins.driver.async_checkpoint import (
 )
 from areal_plugins.driver.engine_stats import EngineStats
 from areal_plugins.driver.hooked import HookedTrainerMixin
+from areal_plugins.driver.limits import format_limits, run_limits
 from areal_plugins.driver.placements import placement_for
 from areal_plugins.driver.replica_pool import ReplicaPool, RolloutServerDiedError, weight_group_rebuilt_each_sync
-from areal_plugins.driver.replica_replacement import START_TIMEOUT_FACTOR, ReplicaReplacer
+from areal_plugins.driver.replica_replacement import ReplicaReplacer
 from areal_plugins.driver.schedule_source import LiveSchedule, ScheduleSource
 from areal_plugins.driver.step_metrics import (
     admission_metrics,
@@ -207,17 +208,13 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         super()._setup()
         require_single_prompt_fetches(self.config.data)  # set by verl's _init_dataloader, read by admission
         self.placement.setup(self)
+        measured_start = None
         if self.placement.name == "separate":  # how long a replica started mid-run may take to start
-            configured, measured = self.areal.replica_start_timeout_s, self.placement.startup_s
-            limit = self.replacer.start_timeout_from(configured, measured)
-            source = "areal.replica_start_timeout_s" if configured is not None else (
-                f"{START_TIMEOUT_FACTOR:g}x the measured start of the run's replicas, {measured or 0:.0f} s"
-            )  # fmt: skip
-            logger.info(
-                "areal: a rollout replica started mid-run (a replacement, or growth) may take %s to start (%s)",
-                "any time" if limit is None else f"{limit:.0f} s",
-                source,
-            )
+            measured_start = self.placement.startup_s
+            self.replacer.start_timeout_from(self.areal.replica_start_timeout_s, measured_start)
+        # Every limit of the run and where it comes from: what `areal-plugins check` printed, with the start measured.
+        limits = format_limits(run_limits(self.config, replica_start_s=measured_start))
+        logger.info("areal: the run's limits:\n  %s", "\n  ".join(limits))
         from areal_plugins.driver.placement_report import record_ray_placement
 
         record_ray_placement(self.placement.name)

@@ -62,6 +62,7 @@ class HookedTrainerMixin:
         manager = configure_plugins(include=include, exclude=[])
         logger.info("areal_plugins: plugins %s", [name for name, _ in manager.list_name_plugin()])
         call_hook("areal_validate_config", config=self.config)
+        self._size_reward_scorers()  # before verl's reward workers are made from the config
         super().init()  # type: ignore[misc]
         workers = [self.actor_rollout_wg]  # type: ignore[attr-defined]
         # The trainer workers call areal_make_policy_loss: give them the driver's plugin set.
@@ -69,6 +70,16 @@ class HookedTrainerMixin:
         applied = apply_patches_in_workers(self.config, workers)
         if applied:
             logger.info("areal_plugins: applied %s in the trainer's worker processes", applied)
+
+    def _size_reward_scorers(self) -> None:
+        """Our reward's scoring processes per verl reward worker, from the batch and the cluster's CPUs (unless
+        ``areal.reward.num_workers`` sets them): written where the reward workers read it, and logged."""
+        from areal_plugins.driver.limits import cluster_cpus, scorer_line, size_reward_scorers
+
+        cpus = cluster_cpus()
+        if cpus is not None:
+            size_reward_scorers(self.config, *cpus)
+        logger.info("areal: %s", scorer_line(self.config, *(cpus or (None, None))))
 
     def on_init_end(self) -> None:
         super().on_init_end()  # type: ignore[misc]

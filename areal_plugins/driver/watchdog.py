@@ -164,7 +164,12 @@ def stall_limit(watchdog_s: float) -> float:
     return max(watchdog_s - STOP_MARGIN_S, watchdog_s / 2)
 
 
-def _stop_the_process(reason: str, grace_s: float = 10.0) -> None:
+#: Seconds the trainer's thread gets to end after the stall guard's interrupt before the process exits (the interrupt
+#: lands only once the thread is back in Python; a thread blocked in a native call never gets there).
+INTERRUPT_GRACE_S = 10.0
+
+
+def _stop_the_process(reason: str, grace_s: float = INTERRUPT_GRACE_S) -> None:
     import _thread
     import os
 

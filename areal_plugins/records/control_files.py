@@ -23,6 +23,12 @@ PHASE_TIMES_FILE = "areal_phase_times.jsonl"
 #: Of the Ctrl-C's wait beyond the measured phase and checkpoint: the trainer's look at the stop request and
 #: its stop, as a share of what was measured (a phase is timed once per step; the next may run a bit longer).
 STOP_WAIT_SLACK = 0.25
+#: Seconds verl gets to stop after the CLI's SIGTERM before its process group is killed: its own teardown (Ray's
+#: shutdown, the engines' servers) once nothing is left to save; a checkpointed stop is waited for before SIGTERM.
+SIGTERM_GRACE_S = 20.0
+#: How long the cleanup tasks on a cluster's nodes get to answer after a run, all together: a task starts a Ray worker
+#: on its node (seconds) and scans that node's processes.
+CLUSTER_CLEANUP_S = 60.0
 
 
 class PhaseTimes:

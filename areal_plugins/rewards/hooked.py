@@ -49,13 +49,23 @@ def _reward_fn(enable: bool, plugins: dict[str, Any]) -> Callable[..., float]:
 _services: dict[tuple, RewardService] = {}
 
 
-def _service(fn: Callable[..., float], settings: dict[str, Any]) -> RewardService | None:
+def scorers_for(settings: dict[str, Any], sized: int | None) -> int:
+    """The scoring processes of this reward worker: ``areal.reward.num_workers`` when the recipe sets it, else what
+    the driver sized to the batch (``reward_kwargs.areal_scorers``, from
+    :func:`~areal_plugins.rewards.sizing.scorer_processes`), else 1 (a trainer that sized nothing started it)."""
+    configured = settings.get("num_workers")
+    if configured is not None:
+        return int(configured)
+    return int(sized) if sized is not None else 1
+
+
+def _service(fn: Callable[..., float], settings: dict[str, Any], sized: int | None = None) -> RewardService | None:
     """This process's reward service for ``fn`` (None: score in-process)."""
     if not settings.get("service", False):
         return None
     key = (
         fn,
-        settings.get("num_workers", 1),
+        scorers_for(settings, sized),
         settings.get("timeout_s", 10.0),
         settings.get("retries", 1),
         settings.get("timeout_chars", 4096),
@@ -87,6 +97,7 @@ def compute_score(
     areal_enable: bool = False,
     areal_plugins: dict[str, Any] | None = None,
     areal_reward: dict[str, Any] | None = None,
+    areal_scorers: int | None = None,
     **kwargs: Any,
 ) -> float | dict[str, float]:
     """The reward of ``solution_str`` from the hook-chosen function (math-verify by default).
@@ -94,9 +105,10 @@ def compute_score(
     Through the reward service the result is verl's dict form: ``score``, ``acc`` (what verl records
     for a plain float) and the service's report (latency, failure, timeouts, crashes), which verl
     keeps per trajectory in ``reward_extra_info`` and our trainer turns into ``areal/reward_*`` metrics.
+    ``areal_scorers``: the scoring processes our driver sized to the batch (:func:`scorers_for`).
     """
     fn = _reward_fn(bool(areal_enable), dict(areal_plugins or {}))
-    service = _service(fn, dict(areal_reward or {})) if areal_enable else None
+    service = _service(fn, dict(areal_reward or {}), areal_scorers) if areal_enable else None
     if service is not None:
         report = service.score_with_report(data_source, solution_str, ground_truth, extra_info)
         return {"score": report.score, "acc": report.score, **report.as_extra_info()}

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from areal_plugins.rewards.sizing import reward_limit_s
+
 logger = logging.getLogger(__name__)
 
 
@@ -180,9 +182,9 @@ class RewardService:
     def limit_s(self, args: tuple) -> float:
         """The time limit of one attempt at ``args`` (``data_source, solution_str, ...``): it scales with the
         answer's length past ``timeout_chars`` (a verifier's parse grows with the text it reads)."""
-        if self.timeout_chars is None or len(args) < 2:
+        if len(args) < 2:
             return self.timeout_s
-        return self.timeout_s * max(1.0, len(str(args[1])) / self.timeout_chars)
+        return reward_limit_s(self.timeout_s, self.timeout_chars, len(str(args[1])))
 
     def _lost_to_timeout(self) -> None:
         with self._lock:
