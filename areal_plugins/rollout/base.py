@@ -207,6 +207,32 @@ class RolloutServer(abc.ABC):
     def verify_weights(reply: dict[str, Any], state_dict: dict[str, Any], version: int, where: str) -> None:
         """Raise :class:`WeightSyncError` unless ``reply`` shows ``state_dict`` loaded as ``version``."""
 
+    async def update_adapter(
+        self, tensors: dict[str, Any], peft_config: dict[str, Any], version: int
+    ) -> dict[str, Any]:
+        """Load a LoRA adapter (verl's adapter-only update: peft's tensors and ``peft_config``) onto the base weights
+        and serve them as ``version``; ``{"version", "adapter_reports"}``: one report per engine rank of what it
+        received and holds (weight_sync/adapter_check.py). A backend that declares ``lora_adapter_check`` implements
+        it; the others are refused LoRA at startup."""
+        raise NotImplementedError(
+            f"the {self.backend_name} rollout backend does not serve LoRA adapters (it does not declare "
+            "lora_adapter_check): set actor_rollout_ref.model.lora_rank=0"
+        )
+
+    @staticmethod
+    def verify_adapter(reply: dict[str, Any], sent: dict[str, list[float]], version: int, where: str) -> dict[str, int]:
+        """Raise :class:`WeightSyncError` unless ``reply`` (of :meth:`update_adapter`) shows every engine rank holding
+        the adapter the trainer sent (``sent``: each tensor's checksum) as ``version``; what was compared."""
+        from areal_plugins.weight_sync.adapter_check import check_adapter_reports
+        from areal_plugins.weight_sync.errors import WeightSyncError
+
+        if reply.get("version") != version:
+            raise WeightSyncError(
+                f"LoRA adapter update to {where}: the server reports version {reply.get('version')}, the trainer sent "
+                f"version {version}. The rollout would keep sampling a stale adapter; stopping."
+            )
+        return check_adapter_reports(sent, reply["adapter_reports"], version, reply.get("ranks_per_replica"))
+
     @abc.abstractmethod
     async def get_version(self) -> int: ...
 

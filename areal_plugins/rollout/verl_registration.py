@@ -19,8 +19,10 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from areal_plugins.rollout.base import RolloutServer
+from areal_plugins.rollout.base import RolloutServer, record_weight_sync
 from areal_plugins.rollout.server_slots import UNBOUNDED_SLOTS, server_concurrency
+from areal_plugins.weight_sync.checksums import tensor_checksum
+from areal_plugins.weight_sync.errors import WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +161,8 @@ def _replica_class() -> type:
             extra: dict[str, Any] = {}
             if "routed_experts" in cls.capabilities:  # router replay: asked of backends that declare it
                 extra["routed_experts"] = bool(self.config.get("enable_rollout_routing_replay", False))
+            if "lora_adapter_check" in cls.capabilities:  # adapter-only updates: sleep keeps the base weights
+                extra["lora_adapter"] = sends_lora_adapter(self.model_config)
             if self.workers:  # on the node of this replica's workers (its devices), as verl's vLLM replica does
                 node = str(ray.get(self.workers[0].__ray_call__.remote(_node_id)))
                 placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
@@ -193,6 +197,14 @@ def _replica_class() -> type:
             self._server_address = name
 
     return ArealRolloutReplica
+
+
+def sends_lora_adapter(model_config: Any) -> bool:
+    """Whether verl's trainer sends a LoRA adapter alone on each update: FSDP's ``lora_rank > 0`` without
+    ``lora.merge`` (verl 0.9.1's ``engine_workers.update_weights``; merged, it sends full weights)."""
+    rank = int(getattr(model_config, "lora_rank", 0) or 0)
+    merge = bool((getattr(model_config, "lora", None) or {}).get("merge", False))
+    return rank > 0 and not merge
 
 
 def process_rank() -> int:
@@ -249,6 +261,10 @@ def _adapter_class() -> type:
                 await self._server_handle().sleep.remote()
 
         async def update_weights(self, weights: Any, wire_format: str = "named_tensors", **kwargs: Any) -> None:
+            """verl's ``peft_config`` and ``base_sync_done`` (colocated LoRA, ``engine_workers.update_weights``): with
+            both, the tensors are the adapter alone, loaded by the server's ``update_adapter`` and checked tensor by
+            tensor; with ``peft_config`` alone they are the base weights (sent once), loaded and checked as full
+            weights."""
             if wire_format != "named_tensors":
                 raise ValueError(f"the {self.config.name} backend takes full named tensors, not {wire_format!r}")
             # Every rank must drain the generator: producing full tensors is a collective. Checkpoint
@@ -257,11 +273,29 @@ def _adapter_class() -> type:
                 state = {name: tensor.detach().to("cpu", copy=True) async for name, tensor in weights}
             else:
                 state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
+            peft_config = kwargs.get("peft_config")
+            version = int(kwargs.get("global_steps") or 0)
+            if sends_lora_adapter(self.model_config) and not peft_config:
+                # verl's checkpoint-engine path (placement: separate) sends the base weights without the adapter
+                # (verl issue #7495: the engines sampled from the initial policy for the whole run). Startup refuses
+                # that setup (builtin/validation.py); raised after the drain, so no rank of a transport is left waiting.
+                raise WeightSyncError(
+                    f"rollout replica {self.replica_rank}, update {version}: the trainer trains a LoRA adapter "
+                    f"(actor_rollout_ref.model.lora_rank={self.model_config.lora_rank}) but this update carries no "
+                    "adapter, only base weights: the engines would sample from the base model, not the policy. "
+                    "areal_async sends the adapter with areal.placement=colocated only (docs/design.md, LoRA)"
+                )
             if not self.is_leader_rank:
                 return
-            version = int(kwargs.get("global_steps") or 0)
+            where = f"rollout replica {self.replica_rank}"
+            if peft_config and kwargs.get("base_sync_done", False):  # verl's adapter-only update
+                sent = {name: tensor_checksum(tensor) for name, tensor in state.items()}
+                reply = await self._server_handle().update_adapter.remote(state, dict(peft_config), version)
+                checked = self.server_cls.verify_adapter(reply, sent, version, where)
+                record_weight_sync(self.replica_rank, version, {**checked, "adapter_only": True}, "update_checked")
+                return
             reply = await self._server_handle().update_weights.remote(state, version)
-            self.server_cls.verify_weights(reply, state, version, f"rollout replica {self.replica_rank}")
+            self.server_cls.verify_weights(reply, state, version, where)
 
     return ArealServerAdapter
 

@@ -5,7 +5,8 @@ default for tests and laptops: requests join and leave the running batch at ever
 each request keeps its own KV cache, every generated token carries its log-prob under the
 temperature-scaled distribution (what verl's trainer recomputes) and the policy version that
 produced it, and ``abort_all`` returns in-flight requests with their partial output (AReaL's
-interruptible generation). It imports neither Ray nor verl.
+interruptible generation). Under LoRA it serves the base model with the trainer's adapter in peft's LoRA layers
+(:meth:`ContinuousBatchingEngine.load_adapter`, rollout/cpu/lora.py). It imports neither Ray nor verl.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from areal_plugins.rollout.base import Generated
+from areal_plugins.rollout.cpu import lora
 from areal_plugins.rollout.cpu.holds import FinishFirstGroups
 from areal_plugins.rollout.prompt_seeds import PromptSeeds
 
@@ -125,6 +127,8 @@ class ContinuousBatchingEngine:
         self.generated_tokens = 0
         self.busy_seconds = 0.0  # wall time spent in model steps (rollout idle ratio = 1 - busy / wall)
         self.weights_loaded = True  # False between release_weights() and the next load_state_dict()
+        #: The LoRA adapter's shape (lora.shape_of) once one was loaded; None: the base model alone.
+        self.adapter_shape: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -213,6 +217,11 @@ class ContinuousBatchingEngine:
         """Free the weights' storage (a GPU engine's sleep); the next :meth:`load_state_dict` brings them back."""
         if self.num_in_flight:
             raise RuntimeError(f"cannot release the weights with {self.num_in_flight} requests in flight: abort them")
+        if self.adapter_shape is not None:
+            raise RuntimeError(
+                "cannot release the weights of an engine serving a LoRA adapter: verl sends the base weights once and "
+                "then the adapter only, so they would not come back (the server keeps them through sleep under LoRA)"
+            )
         with self._model_lock:
             # Buffers (rotary frequencies: not in any state dict) are tiny and kept to restore after the load.
             self._kept_buffers = {name: b.clone() for name, b in self.model.named_buffers()}
@@ -224,33 +233,94 @@ class ContinuousBatchingEngine:
         return self.weights_loaded
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load new weights between two decode steps and serve them as ``version``."""
+        """Load new weights between two decode steps and serve them as ``version``.
+
+        Names are the model's own, or with ``.base_layer`` where verl's LoRA base sync puts it; with a LoRA adapter
+        injected (:meth:`load_adapter`) they load into the wrapped layers' base weights and leave the adapter as it is.
+        """
         with self._model_lock:
             released = not self.weights_loaded
             if released:  # storage was freed: allocate it again, then fill it
                 self.model.to_empty(device="cpu")
-            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+            engine_names = self._base_names()
+            resolved = {engine_names.get(lora.base_name(name), name): tensor for name, tensor in state_dict.items()}
+            missing, unexpected = self.model.load_state_dict(resolved, strict=False)
             if released:
                 self.model.tie_weights()
                 for name, buffer in self._kept_buffers.items():
                     self.model.get_buffer(name).copy_(buffer)
-            # Tied embeddings legitimately lack lm_head.weight; anything else is a sync bug.
-            missing = [name for name in missing if name != "lm_head.weight"]
+            # Tied embeddings legitimately lack lm_head.weight, and a full update carries no adapter; anything else
+            # is a sync bug.
+            missing = [name for name in missing if name != "lm_head.weight" and not lora.is_adapter_parameter(name)]
             if missing or unexpected:
                 raise RuntimeError(
                     f"weight update did not match the rollout model: missing {missing[:5]}, unexpected {unexpected[:5]}"
                 )
-            self.version = version
-            self.weights_loaded = True
-            if self.holds is not None:  # held requests go on under the new weights; new groups are chosen
-                self.holds.new_version()
-                for request in self._held:
-                    request.hold = False
-                if self._held:
-                    self._running.extend(self._held)
-                    self._held.clear()
-                    if self._loop is not None and self._wakeup is not None:  # loads may come from another thread
-                        self._loop.call_soon_threadsafe(self._wakeup.set)
+            self._serve(version)
+
+    def base_state_dict(self) -> dict[str, torch.Tensor]:
+        """The base model's weights under their plain names, without any LoRA adapter's (what a full update sends)."""
+        return {
+            lora.base_name(name): tensor
+            for name, tensor in self.model.state_dict().items()
+            if not lora.is_adapter_parameter(name)
+        }
+
+    def _base_names(self) -> dict[str, str]:
+        """The model's state-dict name of each base weight, by its plain name (they differ in LoRA-wrapped layers)."""
+        return {lora.base_name(name): name for name in self.model.state_dict() if not lora.is_adapter_parameter(name)}
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any], version: int) -> list[str]:
+        """Load a LoRA adapter's tensors (verl's names, ``base_model.model.<module>.lora_A.weight``) between two decode
+        steps and serve the base model with it as ``version``; the base weights are not written. The first adapter
+        injects peft's LoRA layers, configured by ``peft_config`` (verl's ``LoraConfig.to_dict()``); later ones must
+        have the same shape. Returns the names the engine could not place (the per-update check names them).
+
+        Raises:
+            RuntimeError: the base weights were released (sleep) and never loaded since: an adapter cannot stand in.
+            ValueError: a LoRA variant the engine does not serve, or an adapter whose shape changed mid-run.
+        """
+        config = lora.lora_config(peft_config)
+        shape = lora.shape_of(config)
+        with self._model_lock:
+            if not self.weights_loaded:
+                raise RuntimeError(
+                    f"a LoRA adapter for version {version} arrived while the engine's base weights are released "
+                    "(sleep): the adapter would apply to nothing. The server keeps the base weights through sleep "
+                    "under LoRA (lora_adapter=True, which the replica sets from actor_rollout_ref.model.lora_rank)"
+                )
+            if self.adapter_shape is None:
+                lora.inject(self.model, config)
+                self.adapter_shape = shape
+            elif shape != self.adapter_shape:
+                changed = sorted(key for key in shape if shape[key] != self.adapter_shape[key])
+                raise ValueError(
+                    f"the LoRA adapter of version {version} differs from the one the engine serves in {changed} "
+                    f"({[self.adapter_shape[key] for key in changed]} -> {[shape[key] for key in changed]}): one "
+                    "adapter shape is served per run"
+                )
+            unplaced = lora.load_adapter(self.model, tensors)
+            self._serve(version)
+        return unplaced
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """What the engine's LoRA layers hold, by the trainer's tensor names (empty before the first adapter)."""
+        with self._model_lock:
+            return {name: tensor.clone() for name, tensor in lora.held_adapter(self.model).items()}
+
+    def _serve(self, version: int) -> None:
+        """Serve the weights just loaded as ``version`` (the model lock held): held requests go on under them."""
+        self.version = version
+        self.weights_loaded = True
+        if self.holds is not None:  # held requests go on under the new weights; new groups are chosen
+            self.holds.new_version()
+            for request in self._held:
+                request.hold = False
+            if self._held:
+                self._running.extend(self._held)
+                self._held.clear()
+                if self._loop is not None and self._wakeup is not None:  # loads may come from another thread
+                    self._loop.call_soon_threadsafe(self._wakeup.set)
 
     @property
     def num_in_flight(self) -> int:

@@ -3,6 +3,12 @@
 Sleep releases what a GPU engine releases: the KV caches (held only by in-flight requests, which
 must be aborted first) and the weights' storage; the next weight update allocates and fills them
 again. Checksums of the served weights answer every update (the sync handshake).
+
+Under LoRA (``actor_rollout_ref.model.lora_rank > 0``, ``lora.merge: false``) verl sends the base weights once and
+then the adapter only (docs/design.md, LoRA): :meth:`CPURolloutServer.update_adapter` loads it into peft's LoRA layers
+(rollout/cpu/lora.py) and answers with what each adapter tensor holds after loading, which the trainer's adapter
+compares with what it sent (weight_sync/adapter_check.py). Sleep then keeps the base weights: they would not come
+back (verl's vLLM server sleeps at level 1 under LoRA, keeping them in host memory, where these already are).
 """
 
 from __future__ import annotations
@@ -20,12 +26,17 @@ from areal_plugins.rollout.base import (
     record_replica_event,
     record_weight_sync,
 )
+from areal_plugins.rollout.cpu import lora
 from areal_plugins.rollout.cpu.engine import ContinuousBatchingEngine
 from areal_plugins.rollout.cpu.holds import FinishFirstGroups
 from areal_plugins.weight_sync.errors import WeightSyncError
 
 #: Seconds added to every model step of the engine, for running the tests with slow engines (0: off).
 STEP_DELAY_ENV = "AREAL_TEST_ENGINE_STEP_DELAY_S"
+#: Fault injection for tests, as for verl's vllm (rollout/verl_vllm/worker_extension.py): ``NAME`` or ``NAME@K``: from
+#: this server's K-th weight update on (default 1; the base weights and each adapter count as one update each), the
+#: first value of the received tensor NAME is changed by +1 before loading, as a bad transport would.
+CORRUPT_RECEIVED_ENV = "AREAL_CORRUPT_RECEIVED_WEIGHT"
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +48,17 @@ def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
         digest.update(name.encode())
         digest.update(state_dict[name].detach().to(torch.float32).contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def corrupted_on_arrival(tensors: dict[str, torch.Tensor], update: int) -> dict[str, torch.Tensor]:
+    """``tensors`` with :data:`CORRUPT_RECEIVED_ENV`'s tensor changed (a copy of it) if it names one for ``update``."""
+    name, _, first = os.environ.get(CORRUPT_RECEIVED_ENV, "").partition("@")
+    if not name or name not in tensors or update < int(first or 1):
+        return tensors
+    changed = tensors[name].detach().clone()
+    changed.view(-1)[0] += 1.0
+    logger.warning("fault injection (%s): tensor %s changed on arrival, update %d", CORRUPT_RECEIVED_ENV, name, update)
+    return {**tensors, name: changed}
 
 
 def step_delay_from_env() -> float:
@@ -72,6 +94,8 @@ class CPURolloutServer(RolloutServer):
         routed_experts: verl's ``rollout.enable_rollout_routing_replay``: every response carries the experts a
             mixture-of-experts model routed each token to (``TokenOutput.routed_experts``, as verl's vLLM server
             returns them).
+        lora_adapter: the trainer trains a LoRA adapter and sends it alone (``actor_rollout_ref.model.lora_rank >
+            0`` with ``lora.merge: false``; the replica sets it): sleep keeps the base weights, which verl sends once.
 
     The environment variable ``AREAL_TEST_ENGINE_STEP_DELAY_S`` (seconds, default 0) adds that much to every model
     step: the test suite run with slow engines (CONTRIBUTING.md, test tiers).
@@ -79,9 +103,10 @@ class CPURolloutServer(RolloutServer):
 
     backend_name = "areal_cpu"
     releases_memory_on_sleep = True
-    #: Beside the contract's: router replay (the engine records each token's experts), and every tensor, expert
-    #: tensors included, in the checksum that answers each update.
-    capabilities = RolloutServer.capabilities | {"routed_experts", "moe_weight_check"}
+    #: Beside the contract's: router replay (the engine records each token's experts), every tensor, expert
+    #: tensors included, in the checksum that answers each update, and every LoRA adapter tensor's checksum after
+    #: loading in the reply to each adapter update (:meth:`update_adapter`).
+    capabilities = RolloutServer.capabilities | {"routed_experts", "moe_weight_check", "lora_adapter_check"}
     #: ``engine_kwargs.areal_cpu`` keys (verl_registration.ENGINE_OPTIONS and this backend's own).
     engine_options = (
         "num_threads",
@@ -106,6 +131,7 @@ class CPURolloutServer(RolloutServer):
         finish_groups_per_version: int | None = None,
         hold_others_at_token: int = 1,
         routed_experts: bool = False,
+        lora_adapter: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -135,6 +161,8 @@ class CPURolloutServer(RolloutServer):
         self.global_steps = 0
         self.replica_rank = replica_rank
         self.ignore_eos = ignore_eos
+        self.lora_adapter = lora_adapter
+        self.updates = 0  # weight updates received (base weights and adapters), for fault injection
         record_weight_sync(replica_rank, self.engine.version, weights_checksum(model.state_dict()), "load")
 
     # ------------------------------------------------------------------ generation
@@ -187,7 +215,7 @@ class CPURolloutServer(RolloutServer):
             )
         # Idle: no request holds a KV cache; the weights' storage goes too unless only the cache was asked.
         # A request arriving before the next update fails with that reason (the engine checks).
-        if weights:
+        if weights and not self.lora_adapter:
             await asyncio.to_thread(self.engine.release_weights)
 
     async def _restore_memory(self, tags: set[str]) -> None:
@@ -204,11 +232,14 @@ class CPURolloutServer(RolloutServer):
     # ------------------------------------------------------------------ weights
 
     async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
-        """Load new weights between decode steps; return the version and weights checksum now served."""
+        """Load new weights between decode steps; return the version and weights checksum now served. Under LoRA this
+        is verl's base sync (the base weights, once): the adapter, if any, is left as it is."""
+        self.updates += 1
+        state_dict = corrupted_on_arrival(state_dict, self.updates)
         await asyncio.to_thread(self.engine.load_state_dict, state_dict, version)
         self.global_steps = version
-        served = self.engine.model.state_dict()
-        checksum = weights_checksum({k: served[k] for k in state_dict})
+        served = self.engine.base_state_dict()
+        checksum = weights_checksum({k: served[lora.base_name(k)] for k in state_dict})
         record_weight_sync(self.replica_rank, version, checksum, "update")
         record_replica_event(  # generated_tokens: what it served so far (a replacement's first is 0)
             self.replica_rank,
@@ -218,6 +249,34 @@ class CPURolloutServer(RolloutServer):
             **self._memory(),
         )
         return {"version": self.engine.version, "checksum": checksum}
+
+    async def update_adapter(
+        self, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any], version: int
+    ) -> dict[str, Any]:
+        """Load a LoRA adapter between decode steps onto the base weights (not written) and serve it as ``version``;
+        return the version and this engine's report of each adapter tensor as it arrived and as its LoRA layer holds
+        it after loading (:func:`~areal_plugins.rollout.cpu.lora.adapter_report`)."""
+        self.updates += 1
+        tensors = corrupted_on_arrival(tensors, self.updates)
+        unplaced = await asyncio.to_thread(self.engine.load_adapter, tensors, peft_config, version)
+        self.global_steps = version
+        held = self.engine.adapter_tensors()
+        report = lora.adapter_report(tensors, held, self.replica_rank)
+        record_weight_sync(
+            self.replica_rank,
+            version,
+            {"adapter": weights_checksum(held), "adapter_tensors": len(held), "unplaced": sorted(unplaced)},
+            "update_adapter",
+        )
+        record_replica_event(
+            self.replica_rank,
+            "update",
+            version=version,
+            adapter=True,
+            generated_tokens=self.engine.generated_tokens,
+            **self._memory(),
+        )
+        return {"version": self.engine.version, "adapter_reports": [report], "ranks_per_replica": 1}
 
     @staticmethod
     def verify_weights(reply: dict[str, Any], state_dict: dict[str, torch.Tensor], version: int, where: str) -> None:
@@ -233,7 +292,7 @@ class CPURolloutServer(RolloutServer):
         return self.engine.version
 
     async def get_weights_checksum(self) -> str:
-        return weights_checksum(self.engine.model.state_dict())
+        return weights_checksum(self.engine.base_state_dict())
 
     async def get_stats(self) -> dict[str, Any]:
         return {
