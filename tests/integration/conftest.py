@@ -248,11 +248,13 @@ _BASELINE: dict[str, Path] = {}
 @pytest.fixture(scope="session")
 def sync_run(tiny_dir, distinct_prompts, tmp_path_factory) -> Path:
     """Synchronous verl with our features off (``grpo_cpu_sync``): the baseline every comparison uses."""
-    _BASELINE["run"] = run_with_dump("grpo_cpu_sync.yaml", tiny_dir, tmp_path_factory, distinct_prompts)
-    return _BASELINE["run"]
+    _BASELINE["grpo_cpu_sync, float32"] = run_with_dump(
+        "grpo_cpu_sync.yaml", tiny_dir, tmp_path_factory, distinct_prompts
+    )
+    return _BASELINE["grpo_cpu_sync, float32"]
 
 
-def machine_speed_line(run_dir: Path) -> str | None:
+def machine_speed_line(label: str, run_dir: Path) -> str | None:
     """The baseline's seconds per step (verl's ``timing_s/step``; the first step, which compiles, left out)."""
     import statistics
 
@@ -261,7 +263,7 @@ def machine_speed_line(run_dir: Path) -> str | None:
         return None
     later = times[1:]
     return (
-        f"machine speed: synchronous verl baseline (grpo_cpu_sync, tiny model) {statistics.median(later):.2f} s per "
+        f"machine speed: synchronous verl ({label}) {statistics.median(later):.2f} s per "
         f"step, median of steps 2-{len(times)} (range {min(later):.2f}-{max(later):.2f}); compare the tier's time "
         "with CONTRIBUTING.md's at the speed stated there"
     )
@@ -269,8 +271,9 @@ def machine_speed_line(run_dir: Path) -> str | None:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     """Every integration run says how fast its machine was, so its time can be read against another's."""
-    if "run" in _BASELINE and (line := machine_speed_line(_BASELINE["run"])):
-        terminalreporter.write_line(line)
+    for label, run_dir in _BASELINE.items():
+        if (line := machine_speed_line(label, run_dir)) is not None:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
@@ -320,6 +323,7 @@ def tool_runs(calculator_dir, distinct_sums, tmp_path_factory) -> tuple[Path, Pa
     every verl start costs minutes of CI."""
     recipe = "grpo_cpu_async_calculator.yaml"
     sync = run_with_dump(recipe, calculator_dir, tmp_path_factory, distinct_sums, "areal.enable=false", *GPU_NUMERICS)
+    _BASELINE["calculator recipe, areal off, bf16 packed multi-turn"] = sync  # the CI tier's synchronous run
     episodes = tmp_path_factory.mktemp("episodes") / "episodes.jsonl"
     env = with_example_plugin(AREAL_EXAMPLE_OBSERVER_EPISODES=str(episodes))
     overrides = ("areal.max_staleness=0", *GPU_NUMERICS)
