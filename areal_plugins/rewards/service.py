@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 #: it counts as crashed; not part of ``timeout_s``, which bounds the reward function alone.
 STARTUP_S = 120.0
 READY = ("ready", None)
+#: How the log says what happened to a worker, by its counter's name.
+_WHAT = {"timeouts": "timed out", "crashes": "crashed"}
 
 
 def _serve(connection: Any, fn: Callable[..., float]) -> None:
@@ -163,7 +165,7 @@ class RewardService:
                     return report
                 self._count(outcome[0])
                 setattr(report, outcome[0], getattr(report, outcome[0]) + 1)
-                logger.warning("reward worker %s on attempt %d; replacing it", outcome[0][:-1], attempt + 1)
+                logger.warning("reward worker %s on attempt %d; replacing it", _WHAT[outcome[0]], attempt + 1)
                 worker.stop()
                 worker = _Worker(self._context, self.fn)
             report.failed = True
