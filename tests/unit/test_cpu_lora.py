@@ -247,3 +247,111 @@ def test_under_lora_sleep_keeps_the_base_weights_verl_sends_once(model_dir, base
     # Without the flag an engine serving an adapter refuses to release its weights, naming why.
     with pytest.raises(RuntimeError, match="serving a LoRA adapter"):
         server.engine.release_weights()
+
+
+# ---------------------------------------------------------------------------- the trainer's side of the update
+
+
+class InProcessHandle:
+    """A Ray actor handle's ``handle.method.remote(...)`` on a server object in this process (no Ray)."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+
+    def __getattr__(self, name):
+        method = getattr(self.server, name)
+
+        class Remote:
+            @staticmethod
+            def remote(*args, **kwargs):
+                return method(*args, **kwargs)
+
+        return Remote
+
+
+def trainer_adapter(server, lora_rank: int):
+    """Our trainer-side server adapter (rollout/verl_registration.py) bound to ``server``, as verl's worker builds it
+    (its constructor needs verl's device mesh and Ray's actor registry, which these tests stand in for)."""
+    from types import SimpleNamespace
+
+    from areal_plugins.rollout import verl_registration
+
+    cls = verl_registration.ArealServerAdapter
+    adapter = cls.__new__(cls)
+    adapter.config = SimpleNamespace(name="areal_cpu")
+    adapter.model_config = SimpleNamespace(lora_rank=lora_rank, lora={"merge": False})
+    adapter.replica_rank, adapter.is_leader_rank = server.replica_rank, True
+    adapter.server_cls = type(server)
+    adapter._server = InProcessHandle(server)
+    return adapter
+
+
+def verls_lora_updates(peft_model):
+    """What verl 0.9.1's FSDP engine yields for LoRA (``get_per_tensor_param``), by verl's own functions: the base
+    weights (``base_sync_done=False``: wrapped layers under ``.base_layer``), then the adapter alone."""
+    from verl.utils.fsdp_utils import collect_lora_params, replace_lora_wrapper
+
+    config = peft_model.peft_config["default"]
+    base = collect_lora_params(peft_model, layered_summon=False, base_sync_done=False)
+    base = {replace_lora_wrapper(name, config): tensor for name, tensor in base.items()}
+    adapter = collect_lora_params(peft_model, layered_summon=False, base_sync_done=True)
+    return base, dict(adapter), config.to_dict()
+
+
+def test_verls_colocated_lora_sync_sends_the_base_once_then_checked_adapters(
+    model_dir, base_model, tmp_path, monkeypatch
+):
+    """engine_workers.update_weights' order: at the first update the base (peft_config, base_sync_done=False), then
+    the adapter (base_sync_done=True); afterwards the adapter alone. A tensor corrupted on arrival at the server's
+    fourth update (the adapter of version 2) stops that update naming the replica and the tensor."""
+    monkeypatch.setenv("AREAL_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("AREAL_CORRUPT_RECEIVED_WEIGHT", f"{V_B1}@4")
+    server = make_server(model_dir)
+    adapter = trainer_adapter(server, lora_rank=RANK)
+    peft_model, _, _ = trained_adapter(base_model, seed=1)
+    base, tensors, peft_config = verls_lora_updates(peft_model)
+    assert any(".base_layer." in name for name in base) and not any("lora_" in name for name in base)
+    assert sorted(tensors) == sorted(lora.held_adapter(peft_model.base_model.model))
+
+    async def sync(version: int, first: bool):
+        if first:
+            await adapter.update_weights(
+                iter(base.items()), peft_config=peft_config, base_sync_done=False, global_steps=version
+            )
+        await adapter.update_weights(
+            iter(tensors.items()), peft_config=peft_config, base_sync_done=True, global_steps=version
+        )
+
+    run(sync(0, first=True))
+    run(sync(1, first=False))
+    with pytest.raises(
+        WeightSyncError,
+        match=rf"rollout replica 0, engine rank 0, update 2: adapter tensor {V_B1} "
+        "arrived different from what the trainer sent",
+    ):
+        run(sync(2, first=False))
+    records = [json.loads(line) for line in (tmp_path / "weight_syncs.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["version"]) for r in records] == [
+        ("load", 0),
+        ("update", 0),  # the base weights, once
+        ("update_adapter", 0),
+        ("update_checked", 0),
+        ("update_adapter", 1),
+        ("update_checked", 1),
+        ("update_adapter", 2),  # loaded, then refused by the check: no update_checked
+    ]
+    assert all(
+        r["checksum"] == {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1, "adapter_only": True}
+        for r in records
+        if r["event"] == "update_checked"
+    )
+
+
+def test_an_update_without_the_adapter_under_lora_is_refused(model_dir):
+    """verl's checkpoint-engine path (placement: separate) sends base weights and no peft_config (verl #7495)."""
+    server = make_server(model_dir)
+    adapter = trainer_adapter(server, lora_rank=RANK)
+    weights = dict(server.engine.base_state_dict())
+    with pytest.raises(WeightSyncError, match=r"trains a LoRA adapter .* but this update carries no adapter"):
+        run(adapter.update_weights(iter(weights.items()), global_steps=3))
+    assert server.engine.version == 0  # nothing was loaded
