@@ -63,7 +63,13 @@ class Workload:
 
     def sample(self, rng: random.Random) -> list[int]:
         mu, sigma = self.lognormal()
-        return [min(self.max_response, max(1, round(rng.lognormvariate(mu, sigma)))) for _ in range(self.group)]
+        return [draw_length(rng, mu, sigma, self.max_response) for _ in range(self.group)]
+
+
+def draw_length(rng: random.Random, mu: float, sigma: float, cap: int) -> int:
+    """One response length: log-normal(μ, σ) rounded to whole tokens, at least 1, at most ``cap``. The simulator's
+    workloads and the bench's GPU-shaped engine stand-in draw with it."""
+    return min(cap, max(1, round(rng.lognormvariate(mu, sigma))))
 
 
 def _inverse_normal(p: float) -> float:
@@ -171,6 +177,9 @@ class Result:
     staleness: list[int] = field(default_factory=list)
     decoded_tokens: float = 0.0
     sampled_tokens_per_step: float = 0.0  # the mean over every group drawn, trained or still in flight
+    #: simulate_sync only: each step's generation (its longest response) and training seconds
+    generate_s: list[float] = field(default_factory=list)
+    train_s: list[float] = field(default_factory=list)
 
     def step_s(self, warmup: int) -> float:
         """Mean step time after the first ``warmup`` steps (the pipeline fills meanwhile)."""
@@ -205,7 +214,7 @@ def simulate_sync(
         _EngineState(engine, work.prompt + work.response_mean) for _ in range(generating_gpus // engine.tensor_parallel)
     ]
     clock = 0.0
-    ends, tokens = [], []
+    ends, tokens, generate_s, train_s = [], [], [], []
     for _ in range(steps):
         lengths = []
         for group in range(work.batch):
@@ -225,10 +234,14 @@ def simulate_sync(
                 gen_end = max(gen_end, now)
         lengths_with_prompt = _group_tokens(lengths, work.prompt)
         train = train_seconds(cluster.model, cluster.gpu, cluster.efficiency, train_gpus, lengths_with_prompt)
+        generate_s.append(gen_end - clock)
+        train_s.append(train)
         clock = gen_end + train + engine.weight_load_time()
         ends.append(clock)
         tokens.append(int(sum(lengths_with_prompt)))
-    return Result(ends, tokens, sampled_tokens_per_step=sum(tokens) / len(tokens))
+    return Result(
+        ends, tokens, sampled_tokens_per_step=sum(tokens) / len(tokens), generate_s=generate_s, train_s=train_s
+    )
 
 
 def simulate_async(

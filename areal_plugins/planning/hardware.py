@@ -10,6 +10,7 @@ speeds; docs/simulator.md says where every number comes from.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -140,6 +141,51 @@ class Efficiency:
 
 
 @dataclass(frozen=True)
+class DecodeCost:
+    """Seconds of an inference engine's decode steps and prefills, from its byte and FLOP counts.
+
+    One decode step of ``running`` sequences holding ``context`` tokens of KV cache reads the weights and that
+    cache at ``bandwidth`` and does 2 FLOPs per matmul parameter per sequence at ``flops``, after a fixed
+    ``step_latency`` (every layer's launches and scheduling). The cluster simulator (:class:`Engine`) and the
+    bench's GPU-shaped engine stand-in (``areal_plugins/bench/paced_engine.py``) both call these methods: the
+    stand-in sleeps what the planner computes.
+    """
+
+    step_latency: float  # seconds per decode step, whatever the batch
+    weight_bytes: float
+    kv_bytes_per_token: float
+    matmul_params: float  # parameters one token multiplies through
+    attention_width: float  # layers x hidden: a prefill's attention FLOPs are 2 x this x Σ length²
+    bandwidth: float  # bytes/s achieved
+    flops: float  # FLOP/s achieved
+
+    def step_s(self, running: int, context: float) -> float:
+        """Seconds of one decode step with ``running`` sequences holding ``context`` tokens of KV cache."""
+        memory = (self.weight_bytes + context * self.kv_bytes_per_token) / self.bandwidth
+        return self.step_latency + memory + running * 2 * self.matmul_params / self.flops
+
+    def growth_s(self, running: int) -> float:
+        """How much each step slows the next: every running sequence adds one token of KV cache."""
+        return running * self.kv_bytes_per_token / self.bandwidth
+
+    def time_for_steps(self, running: int, context: float, steps: float) -> float:
+        """Seconds for ``steps`` lockstep decode steps: the step time grows linearly with the cache."""
+        return steps * self.step_s(running, context) + self.growth_s(running) * steps * steps / 2
+
+    def steps_in(self, running: int, context: float, seconds: float) -> float:
+        """The inverse of ``time_for_steps``: decode steps done in ``seconds`` (the positive root)."""
+        a, c = self.step_s(running, context), self.growth_s(running)
+        if c == 0:
+            return seconds / a
+        return (-a + (a * a + 2 * c * seconds) ** 0.5) / c
+
+    def prefill_s(self, tokens: float, squared_tokens: float = 0.0) -> float:
+        """Computing the KV cache of ``tokens`` (``squared_tokens`` = Σ length² for the attention part)."""
+        flops = 2 * self.matmul_params * tokens + 2 * self.attention_width * squared_tokens
+        return flops / self.flops
+
+
+@dataclass(frozen=True)
 class Engine:
     """One inference engine: ``tensor_parallel`` GPUs serving one model copy."""
 
@@ -170,32 +216,40 @@ class Engine:
     @property
     def step_latency(self) -> float:
         """The fixed part of a decode step: every layer's launch and scheduling cost, whatever the batch."""
-        return self.model.layers * self.efficiency.decode_step_latency
+        return self.decode.step_latency
+
+    @functools.cached_property
+    def decode(self) -> DecodeCost:
+        """This engine's decode and prefill times: the one function the simulator and the bench's stand-in call."""
+        return DecodeCost(
+            step_latency=self.model.layers * self.efficiency.decode_step_latency,
+            weight_bytes=self.model.weight_bytes,
+            kv_bytes_per_token=self.model.kv_bytes_per_token,
+            matmul_params=self.model.matmul_params,
+            attention_width=self.model.layers * self.model.hidden,
+            bandwidth=self.bandwidth,
+            flops=self.flops,
+        )
 
     def step_base(self, running: int, context: float) -> float:
         """Seconds of one decode step with ``running`` sequences holding ``context`` tokens of KV cache."""
-        memory = (self.model.weight_bytes + context * self.model.kv_bytes_per_token) / self.bandwidth
-        return self.step_latency + memory + running * 2 * self.model.matmul_params / self.flops
+        return self.decode.step_s(running, context)
 
     def step_growth(self, running: int) -> float:
         """How much each step slows the next: every running sequence adds one token of KV cache."""
-        return running * self.model.kv_bytes_per_token / self.bandwidth
+        return self.decode.growth_s(running)
 
     def time_for_steps(self, running: int, context: float, steps: float) -> float:
         """Seconds for ``steps`` lockstep decode steps: the step time grows linearly with the cache."""
-        return steps * self.step_base(running, context) + self.step_growth(running) * steps * steps / 2
+        return self.decode.time_for_steps(running, context, steps)
 
     def steps_in(self, running: int, context: float, seconds: float) -> float:
         """The inverse of ``time_for_steps``: decode steps done in ``seconds`` (the positive root)."""
-        a, c = self.step_base(running, context), self.step_growth(running)
-        if c == 0:
-            return seconds / a
-        return (-a + (a * a + 2 * c * seconds) ** 0.5) / c
+        return self.decode.steps_in(running, context, seconds)
 
     def prefill_time(self, tokens: float, squared_tokens: float = 0.0) -> float:
         """Recomputing the KV cache of ``tokens`` (``squared_tokens`` = Σ length² for the attention part)."""
-        flops = 2 * self.model.matmul_params * tokens + 2 * self.model.layers * self.model.hidden * squared_tokens
-        return flops / self.flops
+        return self.decode.prefill_s(tokens, squared_tokens)
 
     def weight_load_time(self) -> float:
         """New weights into the engine from host memory over PCIe Gen5 x16 (64 GB/s, datasheet)."""
