@@ -122,18 +122,32 @@ def test_float16_training_is_refused_bf16_and_fp32_are_not():
     areal_validate_config(compose(RECIPE, ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"]))
 
 
-def test_lora_is_refused_on_every_backend_until_one_checks_adapters():
-    assert "lora_adapter_check" in refusal(["actor_rollout_ref.model.lora_rank=8"])
-    assert "lora_adapter_check" in refusal(["actor_rollout_ref.model.lora.rank=4"])  # verl's other spelling
-    line = refusal(["actor_rollout_ref.model.lora_rank=8", "areal.mode=sync"])
-    assert "set actor_rollout_ref.model.lora_rank=0" in line
+def test_lora_runs_colocated_on_areal_cpu_and_is_refused_where_the_adapter_would_go_unchecked():
+    areal_validate_config(compose(RECIPE, ["actor_rollout_ref.model.lora_rank=8"]))
+    areal_validate_config(compose(RECIPE, ["actor_rollout_ref.model.lora_rank=8", "areal.mode=sync"]))
+    separate = [
+        "areal.placement=separate",
+        "actor_rollout_ref.rollout.nnodes=1",
+        "actor_rollout_ref.rollout.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=areal_gloo",
+    ]
+    areal_validate_config(compose(RECIPE, separate))  # the same pool without LoRA is a tested setup
+    line = refusal(["actor_rollout_ref.model.lora_rank=8", *separate])
+    assert "verl issue #7495" in line and "set areal.placement=colocated" in line
+    assert "set actor_rollout_ref.model.lora.merge=false" in refusal(
+        ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true"]
+    )
+    waived = "areal.waive_capabilities=[abort_keeps_partial,weight_checksum,progress_stats]"
+    line = refusal(["actor_rollout_ref.rollout.name=sglang", waived, "actor_rollout_ref.model.lora_rank=8"])
+    assert "(lora_adapter_check)" in line and "set actor_rollout_ref.model.lora_rank=0" in line
 
 
-def test_a_backend_that_declares_the_adapter_check_lifts_the_lora_refusal(monkeypatch):
+def test_a_backend_without_the_adapter_check_is_refused_lora(monkeypatch):
     from areal_plugins.rollout.cpu.server import CPURolloutServer
 
-    monkeypatch.setattr(CPURolloutServer, "capabilities", CPURolloutServer.capabilities | {"lora_adapter_check"})
-    areal_validate_config(compose(RECIPE, ["actor_rollout_ref.model.lora_rank=8"]))
+    monkeypatch.setattr(CPURolloutServer, "capabilities", CPURolloutServer.capabilities - {"lora_adapter_check"})
+    assert "lora_adapter_check" in refusal(["actor_rollout_ref.model.lora_rank=8"])
+    assert "lora_adapter_check" in refusal(["actor_rollout_ref.model.lora.rank=4"])  # verl's other spelling
 
 
 def test_a_mixture_of_experts_is_refused_on_vllm_and_served_by_areal_cpu(models):

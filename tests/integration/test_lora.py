@@ -1,0 +1,91 @@
+"""LoRA under ``areal_async`` on ``areal_cpu``, colocated: the tiny model trains an adapter through verl 0.9.1's FSDP2
+engine (peft's ``get_peft_model``), and every weight update after the first carries the adapter alone, loaded into
+the engine's LoRA layers and checked tensor by tensor (docs/design.md, LoRA). Full tier (two verl starts).
+
+What the records say, derived from verl's ``engine_workers.update_weights``: with ``rollout.load_format: dummy``
+(verl's default) the trainer's ``base_sync_done`` starts false, so the first update (version 0, before step 1) sends
+the base weights once (the server's ``update`` record) and then the adapter; every later update sends the adapter
+only. Each adapter update gives the server's ``update_adapter`` record and our trainer-side adapter's
+``update_checked`` record once the check passed. The tiny Qwen2 under ``target_modules: all-linear`` has 28 adapter
+tensors: 2 layers x 7 linear modules (q, k, v, o, gate, up, down) x 2 (``lora_A``, ``lora_B``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.integration.conftest import read_jsonl, run_cli, train_args, train_tiny
+
+pytestmark = [pytest.mark.integration, pytest.mark.full]
+
+STEPS = 3
+RECIPE = "grpo_cpu_async.yaml"
+LORA = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16")
+ADAPTER_TENSORS = 2 * 7 * 2
+CORRUPTED = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+
+
+def test_lora_trains_with_every_update_after_the_first_adapter_only_and_checked(tiny_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    steps = train_tiny(RECIPE, run_dir, tiny_dir, STEPS, *LORA)
+    assert [s["training/global_step"] for s in steps] == list(range(1, STEPS + 1))
+    assert all(s["areal/gen_tokens_per_s"] > 0 for s in steps)
+    assert max(s["areal/staleness_max"] for s in steps) <= 2
+
+    syncs = read_jsonl(run_dir / "weight_syncs.jsonl")
+    versions = list(range(STEPS + 1))
+    # The base weights once, at the first update; nothing else but adapters.
+    assert [r["version"] for r in syncs if r["event"] == "update"] == [0], syncs
+    assert {r["event"] for r in syncs} == {"load", "update", "update_adapter", "update_checked"}, syncs
+    loaded = [r for r in syncs if r["event"] == "update_adapter"]
+    assert [r["version"] for r in loaded] == versions, loaded
+    assert all(r["checksum"]["adapter_tensors"] == ADAPTER_TENSORS and r["checksum"]["unplaced"] == [] for r in loaded)
+    checked = [r for r in syncs if r["event"] == "update_checked"]
+    assert [r["version"] for r in checked] == versions, checked
+    expected = {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1, "adapter_only": True}
+    assert all(r["checksum"] == expected for r in checked), checked
+    # The adapter trained: each step's differs from the one before (peft starts lora_B at zero, so version 0's
+    # adapter changes nothing; the optimizer moves it from step 1 on).
+    digests = [r["checksum"]["adapter"] for r in loaded]
+    assert len(set(digests)) == len(digests), digests
+    # The engines slept before each later update (colocated, rollout.free_cache_engine: true) and kept the base
+    # weights through it: verl sends them once (the full-weight runs free them: test_placements.py).
+    events = [e for e in read_jsonl(run_dir / "replica_events.jsonl") if e["replica"] == 0]
+    updates = [i for i, e in enumerate(events) if e["event"] == "update" and e["version"] >= 1]
+    assert [events[i]["version"] for i in updates] == versions[1:], events
+    for i in updates:
+        assert events[i]["adapter"] is True
+        slept = [e for e in events[:i] if e["event"] == "sleep"][-1]
+        assert slept["released"] is True and slept["weight_bytes"] > 0, slept
+
+
+def test_an_adapter_tensor_corrupted_on_arrival_stops_the_run_naming_it(tiny_dir, tmp_path):
+    """The server's updates count 1 (the base weights, version 0), 2 (version 0's adapter), 3 (version 1's), 4
+    (version 2's, after step 2): from the fourth on, one value of ``CORRUPTED`` changes on arrival (fault injection
+    on the receiving side, rollout/cpu/server.py), and the run must stop at that update naming the replica, the
+    engine rank and the tensor, before step 2's metrics are written."""
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        *train_args(
+            RECIPE,
+            run_dir,
+            tiny_dir,
+            STEPS,
+            *LORA,
+            f"++ray_kwargs.ray_init.runtime_env.env_vars.AREAL_CORRUPT_RECEIVED_WEIGHT='{CORRUPTED}@4'",
+        ),
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert (
+        f"rollout replica 0, engine rank 0, update 2: adapter tensor {CORRUPTED} arrived different from what the "
+        "trainer sent" in output
+    ), output[-3000:]
+    syncs = read_jsonl(run_dir / "weight_syncs.jsonl")
+    assert [r["version"] for r in syncs if r["event"] == "update_checked"] == [0, 1], syncs
+    assert [r["version"] for r in syncs if r["event"] == "update_adapter"] == [0, 1, 2], syncs  # 2: loaded, refused
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+    assert [json.loads(line)["data"]["training/global_step"] for line in lines if line.strip()] == [1]
