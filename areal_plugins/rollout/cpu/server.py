@@ -36,7 +36,7 @@ STEP_DELAY_ENV = "AREAL_TEST_ENGINE_STEP_DELAY_S"
 #: Fault injection for tests, as for verl's vllm (rollout/verl_vllm/worker_extension.py): ``NAME`` or ``NAME@K``: from
 #: this server's K-th weight update on (default 1; the base weights and each adapter count as one update each), the
 #: first value of the received tensor NAME is changed by +1 before loading, as a bad transport would.
-CORRUPT_RECEIVED_ENV = "AREAL_CORRUPT_RECEIVED_WEIGHT"
+CORRUPT_VARIABLE = "AREAL_CORRUPT_RECEIVED_WEIGHT"
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +51,13 @@ def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
 
 
 def corrupted_on_arrival(tensors: dict[str, torch.Tensor], update: int) -> dict[str, torch.Tensor]:
-    """``tensors`` with :data:`CORRUPT_RECEIVED_ENV`'s tensor changed (a copy of it) if it names one for ``update``."""
-    name, _, first = os.environ.get(CORRUPT_RECEIVED_ENV, "").partition("@")
+    """``tensors`` with :data:`CORRUPT_VARIABLE`'s tensor changed (a copy of it) if it names one for ``update``."""
+    name, _, first = os.environ.get(CORRUPT_VARIABLE, "").partition("@")
     if not name or name not in tensors or update < int(first or 1):
         return tensors
     changed = tensors[name].detach().clone()
     changed.view(-1)[0] += 1.0
-    logger.warning("fault injection (%s): tensor %s changed on arrival, update %d", CORRUPT_RECEIVED_ENV, name, update)
+    logger.warning("fault injection (%s): tensor %s changed on arrival, update %d", CORRUPT_VARIABLE, name, update)
     return {**tensors, name: changed}
 
 
