@@ -27,12 +27,20 @@ Workloads: ``longtail`` (default; answers after a lognormal run of thinking toke
 longest response, as in reasoning RL; its tiny model is built on first use, ~3 min) and ``addition`` (the
 recipes' short answers). ``--quick`` (addition, 8 prompts per step, sync and async separate η = 4,
 2 repeats, 4 steps) is the smoke version, under 10 minutes on 2 cores.
+
+``--workload gpu-shaped --case paper-1.5b``: the engines are the paced stand-in decoding as the case's GPU engines
+do (``areal_plugins/bench/gpu_shaped.py``: the planner's decode model, the case's answer lengths times
+``--length-scale``), so they use no CPU worth counting and the trainer (the recipes' tiny model) has the cores to
+itself, as it has its GPUs on a cluster. Its time scale makes a synchronous step here divide between generation
+and training as the case's does: from ``--trainer-step-s``, or measured first by a 3-step synchronous run
+(``calibrate/``); ``bench.json`` states it under ``time_scale``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -48,8 +56,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from areal_plugins.records.writer import read_jsonl
+
+if TYPE_CHECKING:
+    from areal_plugins.bench.gpu_shaped import TimeScale
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -320,6 +332,16 @@ WORKLOADS = {
     # the response limit at a GPU-like rate, and a trainer model of ~20k weights; both sides hold no real work, so
     # what the rows differ by is the driving of requests, batches and weight versions. The engine holds no
     # weights: our rows waive the two weight capabilities (named in their startup warning).
+    # A GPU case's engines (areal_paced with engine_kwargs.areal_paced.case) and the recipes' tiny trainer: the case
+    # name, its length and time scales are added by gpu_shaped_overrides (the time scale is measured per run).
+    "gpu-shaped": (
+        REPO / ".areal" / "tiny",
+        [
+            "actor_rollout_ref.rollout.name=areal_paced",
+            "actor_rollout_ref.rollout.free_cache_engine=false",
+            "areal.waive_capabilities=[weight_update,weight_checksum]",
+        ],
+    ),
     "paced": (
         REPO / ".areal" / "tiny_paced",
         [
@@ -364,7 +386,49 @@ def batch_overrides(prompts: int | None, answers: int | None) -> list[str]:
 
 
 #: ``--quick``: 8 prompts per step (x 8 samples) instead of the recipes' 16.
-QUICK_BATCH = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
+QUICK_BATCH_PROMPTS = 8
+QUICK_BATCH = [
+    f"data.train_batch_size={QUICK_BATCH_PROMPTS}",
+    f"actor_rollout_ref.actor.ppo_mini_batch_size={QUICK_BATCH_PROMPTS}",
+]
+#: Prompt tokens of an addition prompt where no run measured them (--trainer-step-s given): only the stand-in's
+#: prefill depends on it (20 tokens on the 1.5B: 0.3 ms of a 5 ms step).
+GPU_SHAPED_PROMPT_TOKENS = 20
+
+#: Which tiny assets a workload trains on (its name in areal_plugins.tiny.model.WORKLOADS), where not its own name.
+TINY_ASSETS = {"gpu-shaped": "addition"}
+#: The recipes' batch, for the time scale where --prompts-per-step / --answers-per-prompt do not set it.
+RECIPE_PROMPTS, RECIPE_ANSWERS = 16, 8
+#: Steps of the synchronous run that measures the trainer's step for the gpu-shaped time scale (the first,
+#: which starts verl's agent-loop workers, is left out).
+CALIBRATION_STEPS = 3
+
+
+def gpu_shaped_overrides(case: str, length_scale: float, time_scale: float) -> list[str]:
+    """The gpu-shaped workload's engine keys: the case, its scales, and answers capped at the case's cap x scale."""
+    from areal_plugins.bench.gpu_shaped import case as find_case
+    from areal_plugins.bench.gpu_shaped import scaled_lengths
+
+    _, _, cap = scaled_lengths(find_case(case, "--case").workload, length_scale)
+    key = "++actor_rollout_ref.rollout.engine_kwargs.areal_paced"
+    return [
+        f"{key}.case={case}",
+        f"{key}.length_scale={length_scale!r}",
+        f"{key}.time_scale={time_scale!r}",
+        f"data.max_response_length={cap}",
+    ]
+
+
+def gpu_shaped_time_scale(
+    case: str, length_scale: float, trainer_step_s: float, prompts: int, answers: int, prompt_tokens: float
+) -> TimeScale:
+    """:func:`areal_plugins.bench.gpu_shaped.time_scale_for` for the bench's batch on one stand-in engine (every
+    row's rollout pool: the colocated replica, or the separate pool's one slot)."""
+    from areal_plugins.bench.gpu_shaped import StandInShape, time_scale_for
+    from areal_plugins.bench.gpu_shaped import case as find_case
+
+    shape = StandInShape(prompts, answers, round(prompt_tokens), length_scale, engines=1)
+    return time_scale_for(find_case(case, "--case"), trainer_step_s, shape)
 
 
 @contextlib.contextmanager
@@ -525,7 +589,30 @@ def plot(bench: dict, out: Path) -> None:
     plt.close(figure)
 
 
+def calibrated_gpu_shaped(
+    args: argparse.Namespace, tiny_dir: Path, overrides: list[str]
+) -> tuple[list[str], TimeScale]:
+    """The gpu-shaped overrides at the time scale for this box: from ``--trainer-step-s``, or measured by a short
+    synchronous run (at time scale 1: the trainer's step does not depend on it)."""
+    prompts = args.prompts_per_step or (QUICK_BATCH_PROMPTS if args.quick else RECIPE_PROMPTS)
+    answers = args.answers_per_prompt or RECIPE_ANSWERS
+    trainer_step_s, prompt_tokens = args.trainer_step_s, None
+    if trainer_step_s is None:
+        calibration = Config("sync", "grpo_cpu_sync.yaml", sync_poll_overrides(args.sync_poll_s))
+        print(f"gpu-shaped: measuring the trainer's step ({CALIBRATION_STEPS} synchronous steps)...", flush=True)
+        provisional = [*overrides, *gpu_shaped_overrides(args.case, args.length_scale, 1.0)]
+        figures = run_one(calibration, CALIBRATION_STEPS, 0, 0, args.out / "calibrate", tiny_dir, provisional, 1)
+        trainer_step_s, prompt_tokens = figures["train_s_median"], figures["prompt_len_mean"]
+    scale = gpu_shaped_time_scale(
+        args.case, args.length_scale, trainer_step_s, prompts, answers, prompt_tokens or GPU_SHAPED_PROMPT_TOKENS
+    )
+    print(f"gpu-shaped: {scale.describe()}", flush=True)
+    return [*overrides, *gpu_shaped_overrides(args.case, args.length_scale, scale.time_scale)], scale
+
+
 def main(argv: list[str] | None = None) -> int:
+    from areal_plugins.bench.gpu_shaped import CASES
+    from areal_plugins.bench.paced_engine import DEFAULT_LENGTH_SCALE
     from areal_plugins.rollout.verl_registration import BENCH_ENV
 
     os.environ[BENCH_ENV] = "1"  # the paced engine (areal_paced) is a benchmark's stand-in: opt in
@@ -594,15 +681,40 @@ def main(argv: list[str] | None = None) -> int:
         "--workload",
         choices=sorted(WORKLOADS),
         help="longtail (default; long-tailed lengths); --quick: addition; paced: engines with no model "
-        "(rollout.name=areal_paced) and a ~20k-weight trainer model, to compare the control planes",
+        "(rollout.name=areal_paced) and a ~20k-weight trainer model, to compare the control planes; gpu-shaped: "
+        "engines decoding as a GPU case's (--case), the recipes' tiny trainer, the time scale stated",
     )
     parser.add_argument("--tiny-dir", type=Path, default=None, help="default: the workload's own directory")
+    parser.add_argument(
+        "--case",
+        default="paper-1.5b",
+        choices=sorted(CASES),
+        help="gpu-shaped: the GPU case its engines decode as (default paper-1.5b)",
+    )
+    parser.add_argument(
+        "--length-scale",
+        type=float,
+        default=DEFAULT_LENGTH_SCALE,
+        help="gpu-shaped: answers this share of the case's lengths (default 1/64: the paper's mean 2,117 -> 33 "
+        "tokens, its cap 27,648 -> 432)",
+    )
+    parser.add_argument(
+        "--trainer-step-s",
+        type=float,
+        default=None,
+        help="gpu-shaped: a synchronous step's seconds without generation on this box, for the time scale; "
+        f"default: measured first by a {CALIBRATION_STEPS}-step synchronous run",
+    )
     args = parser.parse_args(argv)
     # --quick: addition (built by the setup; the long-tail build alone would take a third of the budget).
     defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.workload != "gpu-shaped" and args.trainer_step_s is not None:
+        parser.error("--trainer-step-s sizes the gpu-shaped workload's engines: add --workload gpu-shaped or drop it")
+    if not 0 < args.length_scale <= 1:
+        parser.error(f"--length-scale is a share of the case's answer lengths, in (0, 1]; got {args.length_scale}")
     if not 1 <= args.warmup_steps < args.steps:
         parser.error(f"--warmup-steps must be at least 1 and below --steps ({args.steps}), got {args.warmup_steps}")
     from areal_plugins.cli.launch import ensure_tiny_assets
@@ -617,7 +729,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.frozen_policy:
         workload_overrides = [*workload_overrides, *FROZEN_POLICY]
     workload_overrides = [*workload_overrides, *batch_overrides(args.prompts_per_step, args.answers_per_prompt)]
-    tiny_dir = ensure_tiny_assets(args.tiny_dir or default_dir, workload=args.workload)
+    tiny_dir = ensure_tiny_assets(args.tiny_dir or default_dir, workload=TINY_ASSETS.get(args.workload, args.workload))
+    time_scale = None
+    if args.workload == "gpu-shaped":
+        workload_overrides, time_scale = calibrated_gpu_shaped(args, tiny_dir, workload_overrides)
     etas = [int(x) for x in args.etas.split(",") if x]
     placements = [p for p in args.placements.split(",") if p]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -654,6 +769,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = {
         "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, no GPU",
         "workload": args.workload,
+        **({"time_scale": {**dataclasses.asdict(time_scale), "stated": time_scale.describe()}} if time_scale else {}),
         "workload_overrides": workload_overrides,
         "steps_per_run": args.steps,
         "counted_steps": args.steps - args.warmup_steps,

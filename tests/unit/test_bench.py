@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -181,3 +182,61 @@ def test_a_signal_to_the_bench_stops_its_current_run_and_the_bench(tmp_path):
     assert process.wait(timeout=30) == 128 + signal.SIGTERM
     assert time.monotonic() - started < 30
     assert child_log.read_text() == "stopped"  # the child got the signal and stopped itself
+
+
+def test_the_gpu_shaped_workload_names_the_case_its_scales_and_the_scaled_cap():
+    """The paper's answers are capped at 27,648 tokens: 27,648 / 64 = 432 at the default scale."""
+    overrides = bench.gpu_shaped_overrides("paper-1.5b", 1 / 64, 8.5)
+    key = "++actor_rollout_ref.rollout.engine_kwargs.areal_paced"
+    assert overrides == [
+        f"{key}.case=paper-1.5b",
+        f"{key}.length_scale=0.015625",
+        f"{key}.time_scale=8.5",
+        "data.max_response_length=432",
+    ]
+    _, base = bench.WORKLOADS["gpu-shaped"]
+    assert "actor_rollout_ref.rollout.name=areal_paced" in base and not any("tokens_per_s" in o for o in base)
+
+
+def gpu_shaped_bench(tmp_path, monkeypatch, *extra: str) -> tuple[list[tuple[str, Path, list[str]]], dict]:
+    """tools/bench.py --workload gpu-shaped with every run faked: (config, run directory, overrides) per run."""
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    (tiny / "BUILT.json").write_text(json.dumps({"workload": "addition"}))
+    runs: list[tuple[str, Path, list[str]]] = []
+
+    def fake_run(config, steps, repeat, seed, out_dir, tiny_dir, workload_overrides, warmup_steps=1):
+        runs.append((config.name, out_dir, list(workload_overrides)))
+        return {"s_per_1k_tokens": 1.0, "step_s_median": 1.0, "final_reward": 0.0, "wall_s": 10.0,
+                "overlap_bound": 1.5, "train_s_median": 2.5, "prompt_len_mean": 20.0}  # fmt: skip
+
+    monkeypatch.setattr(bench, "run_one", fake_run)
+    monkeypatch.setattr(bench, "plot", lambda bench_json, out: None)
+    argv = ["--workload", "gpu-shaped", "--steps", "3", "--repeats", "1", "--etas", "2", "--placements",
+            "separate", "--tiny-dir", str(tiny), "--out", str(tmp_path / "out"), *extra]  # fmt: skip
+    assert bench.main(argv) == 0
+    return runs, json.loads((tmp_path / "out" / "bench.json").read_text())
+
+
+def test_the_gpu_shaped_bench_measures_the_trainer_first_and_runs_every_row_at_that_time_scale(tmp_path, monkeypatch):
+    from areal_plugins.bench.gpu_shaped import StandInShape, case, time_scale_for
+
+    runs, result = gpu_shaped_bench(tmp_path, monkeypatch)
+    (calibration, *rows) = runs
+    assert calibration[0] == "sync" and calibration[1] == tmp_path / "out" / "calibrate"
+    assert any(o.endswith("areal_paced.time_scale=1.0") for o in calibration[2])
+    # The measured 2.5 s trainer step, the recipes' 16 x 8 batch, 20-token prompts, one engine.
+    expected = time_scale_for(case("paper-1.5b"), 2.5, StandInShape(16, 8, 20, 1 / 64))
+    assert result["time_scale"]["time_scale"] == pytest.approx(expected.time_scale)
+    assert result["time_scale"]["stated"] == expected.describe()
+    assert [name for name, _, _ in rows] == ["sync", "async-separate-eta2"]
+    for _, _, overrides in rows:
+        assert f"++actor_rollout_ref.rollout.engine_kwargs.areal_paced.time_scale={expected.time_scale!r}" in overrides
+
+
+def test_a_given_trainer_step_skips_the_measurement(tmp_path, monkeypatch):
+    runs, result = gpu_shaped_bench(tmp_path, monkeypatch, "--trainer-step-s", "4.0", "--prompts-per-step", "4")
+    assert [name for name, _, _ in runs] == ["sync", "async-separate-eta2"]
+    assert result["time_scale"]["trainer_step_s"] == 4.0
+    with pytest.raises(SystemExit):
+        bench.main(["--workload", "addition", "--trainer-step-s", "4.0"])
