@@ -336,6 +336,8 @@ class GpuShapedDecode:
                 timer = loop.call_later(wait, wake.set)
                 await wake.wait()
                 timer.cancel()
+            else:  # due already (a late wake-up): let the finished requests' callers run first
+                await asyncio.sleep(0)
         self.busy.update(0, loop.time())
 
 
