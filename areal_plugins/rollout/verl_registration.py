@@ -96,6 +96,12 @@ def check_capabilities(rollout_config: Any) -> None:
 
     cls = server_class(rollout_config.name)
     require_contract(cls, BackendCapabilities, f"rollout backend {rollout_config.name} (its server class)")
+    if "lora_adapter_check" in cls.capabilities and cls.update_adapter is RolloutServer.update_adapter:
+        raise ValueError(
+            f"rollout backend {rollout_config.name} declares lora_adapter_check, but its server class "
+            f"{cls.__name__} does not implement update_adapter (the adapter-only update that reports what each "
+            "adapter tensor holds): implement it, or drop lora_adapter_check from its capabilities"
+        )
     if rollout_config.free_cache_engine and not cls.releases_memory_on_sleep:
         raise ValueError(
             f"actor_rollout_ref.rollout.free_cache_engine=true asks the {rollout_config.name} servers to release "

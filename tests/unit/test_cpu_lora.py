@@ -355,3 +355,20 @@ def test_an_update_without_the_adapter_under_lora_is_refused(model_dir):
     with pytest.raises(WeightSyncError, match=r"trains a LoRA adapter .* but this update carries no adapter"):
         run(adapter.update_weights(iter(weights.items()), global_steps=3))
     assert server.engine.version == 0  # nothing was loaded
+
+
+def test_a_backend_declaring_the_adapter_check_without_implementing_it_is_refused_before_servers_start(monkeypatch):
+    from types import SimpleNamespace
+
+    from areal_plugins.rollout import verl_registration
+    from areal_plugins.rollout.base import RolloutServer
+    from areal_plugins.rollout.cpu.server import CPURolloutServer
+
+    class Declares(CPURolloutServer):
+        update_adapter = RolloutServer.update_adapter
+
+    config = SimpleNamespace(name="areal_cpu", free_cache_engine=False)
+    verl_registration.check_capabilities(config)  # ours implements it
+    monkeypatch.setattr(verl_registration, "server_class", lambda backend: Declares)
+    with pytest.raises(ValueError, match="declares lora_adapter_check, but its server class Declares does not"):
+        verl_registration.check_capabilities(config)
