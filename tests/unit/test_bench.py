@@ -210,6 +210,9 @@ def gpu_shaped_bench(tmp_path, monkeypatch, *extra: str) -> tuple[list[tuple[str
         return {"s_per_1k_tokens": 1.0, "step_s_median": 1.0, "final_reward": 0.0, "wall_s": 10.0,
                 "overlap_bound": 1.5, "train_s_median": 2.5, "prompt_len_mean": 20.0}  # fmt: skip
 
+    from areal_plugins.rollout.verl_registration import BENCH_ENV
+
+    monkeypatch.setenv(BENCH_ENV, "1")  # main() opts in; monkeypatch restores the environment after the test
     monkeypatch.setattr(bench, "run_one", fake_run)
     monkeypatch.setattr(bench, "plot", lambda bench_json, out: None)
     argv = ["--workload", "gpu-shaped", "--steps", "3", "--repeats", "1", "--etas", "2", "--placements",
