@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from omegaconf import OmegaConf
 
 from areal_plugins.driver.actor_liveness import ActorLiveness, RunActorDiedError, describe_actor
 
@@ -149,11 +150,16 @@ def test_a_rollout_server_found_dead_by_the_statistics_look_is_named_with_its_no
         raise RolloutServerDiedError("a rollout server of areal_cpu (replicas [0]) died")
 
     monkeypatch.setattr(PPOTrainer, "fit", fit)
+    # What fit does before verl's loop (tell the agent-loop workers what a checkpoint kept) has no part here.
+    monkeypatch.setattr("areal_plugins.driver.async_trainer.prepare_workers", lambda *args, **kwargs: None)
     trainer = object.__new__(ArealAsyncTrainer)
     trainer.manager = None
+    trainer.config = OmegaConf.create({"trainer": {"default_local_dir": "unused", "save_freq": -1}})
+    trainer._resume_from = None
+    trainer.recorder = RunRecorder()
     pool = ReplicaPool(lambda: None, RunRecorder(), survives=False, backend="areal_cpu")
     trainer.engine_stats = EngineStats("areal_cpu", pool, RunRecorder())
     trainer.supervisor = Supervisor(trainer, 60.0, trainer.engine_stats, RunRecorder(), lambda: None)
     trainer.supervisor.liveness = liveness
     with pytest.raises(RunActorDiedError, match=r"rollout server CPURolloutServer \(pid 42, node abababab\) died"):
-        trainer.fit(None)
+        trainer.fit(SimpleNamespace(agent_loop_workers=[]))
