@@ -1,7 +1,7 @@
 """``areal-plugins replay``: an asynchronous run, run again by its record, through verl's real trainer.
 
 A colocated η = 2 run of the main recipe on areal_cpu with ``batch_invariant`` is recorded (the engine finishes only
-a batch of groups per version, rollout/cpu/holds.py, so the others are in flight when sampling ends: they are cut
+a batch of groups per version, rollout/holds.py, so the others are in flight when sampling ends: they are cut
 and continue under newer weights), then replayed: the replay must
 train the same tokens with the same behaviour log-probs, and compute the same losses and gradient norms, to the
 last bit. A replay with another learning rate must report the first step it changes, naming the field and both

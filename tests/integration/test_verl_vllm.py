@@ -76,6 +76,11 @@ def test_verls_vllm_trains_checks_every_update_and_stops_on_a_weight_corrupted_i
         # the next 48 only as far as one step got, and on a fast CPU it found none with output.)
         "actor_rollout_ref.rollout.max_num_seqs=48",
         "actor_rollout_ref.rollout.max_num_batched_tokens=96",
+        # And by construction, on any machine: under each version only the first 16 prompt groups (the trainer's
+        # batch) finish; the others stop after 4 tokens and wait for the abort that ends sampling (our server, for
+        # tests). A fast engine had finished all 48 groups of version 0 before the trainer took its batch.
+        "++actor_rollout_ref.rollout.custom.areal_finish_groups_per_version=16",
+        "++actor_rollout_ref.rollout.custom.areal_hold_others_at_token=4",
         "++ray_kwargs.ray_init.runtime_env.env_vars.AREAL_CORRUPT_RECEIVED_WEIGHT='model.norm.weight@5'",
     )
     output = result.stdout + result.stderr

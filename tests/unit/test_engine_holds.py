@@ -1,4 +1,4 @@
-"""Interruptions by construction (rollout/cpu/holds.py): only the first prompt groups of a weight version finish.
+"""Interruptions by construction (rollout/holds.py): only the first prompt groups of a weight version finish.
 
 The tests count by hand what must finish and what must be held, whatever the speed of the machine: no timing is
 involved, the engine is driven until it has nothing left to decode.
@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from areal_plugins.rollout.cpu.engine import STOP_ABORTED, STOP_COMPLETED, ContinuousBatchingEngine
-from areal_plugins.rollout.cpu.holds import FinishFirstGroups
+from areal_plugins.rollout.holds import FinishFirstGroups
 from areal_plugins.rollout.cpu.server import STEP_DELAY_ENV, step_delay_from_env
 
 NO_EOS: list[int] = []

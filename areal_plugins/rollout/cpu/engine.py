@@ -23,7 +23,7 @@ import torch
 
 from areal_plugins.rollout.base import Generated
 from areal_plugins.rollout.cpu import lora
-from areal_plugins.rollout.cpu.holds import FinishFirstGroups
+from areal_plugins.rollout.holds import FinishFirstGroups
 from areal_plugins.rollout.prompt_seeds import PromptSeeds
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class ContinuousBatchingEngine:
             depend on the batch's shapes in the last bits: measured up to 4e-6 in a log-prob on the tiny model).
             What a replay of an asynchronous run needs; costs the batching.
         holds: for tests, the requests of which prompt groups finish under each weight version; the others are held
-            until aborted or new weights load (:mod:`areal_plugins.rollout.cpu.holds`). None: every request runs.
+            until aborted or new weights load (:mod:`areal_plugins.rollout.holds`). None: every request runs.
         step_delay_s: for tests, seconds added to every model step (prefill or decode), to run a test suite with
             the engines slower than the trainer; 0 in use.
         routed_experts: record the experts a mixture-of-experts model routes each token to, as verl's vLLM server

@@ -28,7 +28,7 @@ from areal_plugins.rollout.base import (
 )
 from areal_plugins.rollout.cpu import lora
 from areal_plugins.rollout.cpu.engine import ContinuousBatchingEngine
-from areal_plugins.rollout.cpu.holds import FinishFirstGroups
+from areal_plugins.rollout.holds import FinishFirstGroups
 from areal_plugins.weight_sync.errors import WeightSyncError
 
 #: Seconds added to every model step of the engine, for running the tests with slow engines (0: off).
@@ -89,7 +89,7 @@ class CPURolloutServer(RolloutServer):
             log-probs bit for bit whatever else is in flight.
         finish_groups_per_version: for tests that need requests cut by a weight update on any machine: only the
             first this many prompt groups of each weight version finish, the others are held after
-            ``hold_others_at_token`` tokens (:mod:`areal_plugins.rollout.cpu.holds`). None: every request runs.
+            ``hold_others_at_token`` tokens (:mod:`areal_plugins.rollout.holds`). None: every request runs.
         hold_others_at_token: see ``finish_groups_per_version``.
         routed_experts: verl's ``rollout.enable_rollout_routing_replay``: every response carries the experts a
             mixture-of-experts model routed each token to (``TokenOutput.routed_experts``, as verl's vLLM server

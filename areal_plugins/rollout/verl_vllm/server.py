@@ -7,6 +7,7 @@ verl's; the async trainer registers it for ``rollout.name: vllm`` in its own dri
 
 from __future__ import annotations
 
+import asyncio
 from contextvars import ContextVar
 from typing import Any
 
@@ -14,11 +15,18 @@ from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, 
 
 from areal_plugins.rollout.activity import RequestActivity
 from areal_plugins.rollout.base import SEED_FIELD
+from areal_plugins.rollout.holds import FinishFirstGroups
 from areal_plugins.rollout.prompt_seeds import PromptSeeds
 
 EXTENSION_CLASS = "areal_plugins.rollout.verl_vllm.worker_extension.ArealVLLMWorkerExtension"
 #: ``actor_rollout_ref.rollout.custom.<this>: true`` seeds each request by its prompt (rollout/prompt_seeds.py).
 SEEDED_SAMPLING_KEY = "areal_seeded_sampling"
+#: For tests (``rollout.custom.<this>: N``): under each weight version only the first ``N`` prompt groups' requests
+#: finish; every other request stops after ``areal_hold_others_at_token`` tokens (default 1) and is held until the
+#: next abort, which returns it as aborted with those tokens (rollout/holds.py; areal_cpu's engine option, here at
+#: the server, since vLLM's scheduler is verl's).
+FINISH_GROUPS_KEY = "areal_finish_groups_per_version"
+HOLD_AT_TOKEN_KEY = "areal_hold_others_at_token"
 
 #: This generate call's mark among the requests entering the engine. A call and the engine's ``add_request`` it
 #: awaits run in one asyncio task, so both see it; two calls that share a request id do not share a mark.
@@ -47,6 +55,9 @@ class ArealVLLMHttpServer(vLLMHttpServer):
         # Each replica its own seeds (as areal_cpu's servers): the k-th answers to one prompt on two replicas differ.
         seed = int(self.config.seed) + int(self.replica_rank)
         self.prompt_seeds = PromptSeeds(seed) if custom.get(SEEDED_SAMPLING_KEY) else None
+        groups = custom.get(FINISH_GROUPS_KEY)
+        self.holds = None if groups is None else FinishFirstGroups(int(groups), int(custom.get(HOLD_AT_TOKEN_KEY, 1)))
+        self._release_held = asyncio.Event()  # set by the next abort: the held requests return, cut
 
     def _get_worker_extension_cls(self) -> str:
         return EXTENSION_CLASS
@@ -56,10 +67,19 @@ class ArealVLLMHttpServer(vLLMHttpServer):
     ) -> Any:
         if self.prompt_seeds is not None and "seed" not in sampling_params:
             sampling_params = {**sampling_params, "seed": self.prompt_seeds.next(prompt_ids)}
+        held = self.holds is not None and self.holds.holds(list(prompt_ids))
+        if held:  # a few tokens of this version, then wait for the abort that cuts it (tests only)
+            assert self.holds is not None
+            limit = min(int(sampling_params.get("max_tokens") or self.holds.hold_at_token), self.holds.hold_at_token)
+            sampling_params = {**sampling_params, "max_tokens": limit}
+            release = self._release_held
         _ENTERING.set(None)  # this call's mark, set once it passes the gate
         self.activity.enter()
         try:
             output = await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
+            if held and getattr(output, "stop_reason", None) not in ("aborted", "abort"):
+                await release.wait()
+                output.stop_reason = "aborted"  # as if the abort had found it mid-answer, which it did
         finally:
             self.activity.leave()
             self._entering_engine.discard(_ENTERING.get())  # failed before reaching the engine: no abort waits for it
@@ -67,6 +87,14 @@ class ArealVLLMHttpServer(vLLMHttpServer):
         if isinstance(getattr(output, "extra_fields", None), dict):  # the seed vLLM sampled with (None: its own)
             output.extra_fields[SEED_FIELD] = sampling_params.get("seed")
         return output
+
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict[str, Any]:
+        result = await super().abort_all_requests(reset_prefix_cache=reset_prefix_cache, reject_request=reject_request)
+        if self.holds is not None:  # the held requests return cut; the next version's first groups finish
+            self._release_held.set()
+            self._release_held = asyncio.Event()
+            self.holds.new_version()
+        return result
 
     @property
     def _admitting(self) -> int:
