@@ -98,7 +98,8 @@ def test_the_paced_engine_aborts_with_partial_output_parks_new_requests_and_serv
     asyncio.run(scenario())
 
 
-def test_a_tiny_local_run_produces_a_row(tmp_path):
+def test_a_tiny_local_run_produces_a_row(tmp_path, monkeypatch):
+    monkeypatch.setenv("AREAL_BENCH_BACKENDS", "1")  # what main() sets; undone after the test, not left to the next
     out_file = tmp_path / "control_plane.json"
     printed: list[str] = []
     argv = [

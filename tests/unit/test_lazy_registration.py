@@ -32,7 +32,8 @@ print(json.dumps({
     "trainers": [get_trainer_cls(name).__name__ for name in ("areal_async", "areal_sync")],
     "losses": sorted(n for n in core_algos.POLICY_LOSS_REGISTRY if n.startswith("areal")),
     "adapters": sorted(n for (n, mode) in base._ROLLOUT_REGISTRY if n.startswith("areal")),
-    "replicas": [RolloutReplicaRegistry.get(n).__name__ for n in ("areal_cpu", "areal_paced")],
+    "replicas": [RolloutReplicaRegistry.get(n).__name__ for n in ("areal_cpu", "areal_paced")
+                 if n in RolloutReplicaRegistry._registry],
     "engine": "areal_gloo" in CheckpointEngineRegistry._registry,
     "platform": PlatformRegistry.get("cpu") is not None,
 }))
@@ -40,7 +41,9 @@ print(json.dumps({
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    environment = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_PLUGINS", "VERL_PLATFORM")}
+    # The benchmarks' opt-in too: a test that ran a benchmark's main() in this process may have left it set.
+    unset = ("VERL_USE_EXTERNAL_PLUGINS", "VERL_PLATFORM", "AREAL_BENCH_BACKENDS")
+    environment = {k: v for k, v in os.environ.items() if k not in unset}
     environment.update(env)
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=240, check=True
@@ -60,11 +63,14 @@ def test_every_name_is_registered_once_verl_imports_its_registry() -> None:
     assert registered == {
         "trainers": ["ArealAsyncTrainer", "ArealPPOTrainerSync"],
         "losses": ["areal_decoupled", "areal_decoupled_loglinear"],
-        "adapters": ["areal_cpu", "areal_paced"],
-        "replicas": ["ArealRolloutReplica", "ArealRolloutReplica"],
+        "adapters": ["areal_cpu"],  # the benchmarks' paced engine only where they opt in (below)
+        "replicas": ["ArealRolloutReplica"],
         "engine": True,
         "platform": True,
     }
+    benchmark = json.loads(_run(_REGISTERED, AREAL_BENCH_BACKENDS="1").stdout)
+    assert benchmark["adapters"] == ["areal_cpu", "areal_paced"]
+    assert benchmark["replicas"] == ["ArealRolloutReplica", "ArealRolloutReplica"]
 
 
 def test_our_trainer_imported_first_is_still_registered() -> None:
