@@ -11,8 +11,8 @@ import asyncio
 import pytest
 
 from areal_plugins.rollout.cpu.engine import STOP_ABORTED, STOP_COMPLETED, ContinuousBatchingEngine
-from areal_plugins.rollout.holds import FinishFirstGroups
 from areal_plugins.rollout.cpu.server import STEP_DELAY_ENV, step_delay_from_env
+from areal_plugins.rollout.holds import FinishFirstGroups
 
 NO_EOS: list[int] = []
 
