@@ -23,6 +23,7 @@ import torch
 
 from areal_plugins.rollout.base import Generated
 from areal_plugins.rollout.cpu import lora
+from areal_plugins.rollout.cpu.experts import fuse_expert_tensors
 from areal_plugins.rollout.holds import FinishFirstGroups
 from areal_plugins.rollout.prompt_seeds import PromptSeeds
 
@@ -243,6 +244,8 @@ class ContinuousBatchingEngine:
             if released:  # storage was freed: allocate it again, then fill it
                 self.model.to_empty(device="cpu")
             engine_names = self._base_names()
+            # A MoE's experts arrive per expert, as its checkpoint names them; transformers holds them fused.
+            state_dict = fuse_expert_tensors(state_dict, engine_names.values())
             resolved = {engine_names.get(lora.base_name(name), name): tensor for name, tensor in state_dict.items()}
             missing, unexpected = self.model.load_state_dict(resolved, strict=False)
             if released:

@@ -28,6 +28,7 @@ from areal_plugins.rollout.base import (
 )
 from areal_plugins.rollout.cpu import lora
 from areal_plugins.rollout.cpu.engine import ContinuousBatchingEngine
+from areal_plugins.rollout.cpu.experts import held_tensor
 from areal_plugins.rollout.holds import FinishFirstGroups
 from areal_plugins.weight_sync.errors import WeightSyncError
 
@@ -239,7 +240,7 @@ class CPURolloutServer(RolloutServer):
         await asyncio.to_thread(self.engine.load_state_dict, state_dict, version)
         self.global_steps = version
         served = self.engine.base_state_dict()
-        checksum = weights_checksum({k: served[lora.base_name(k)] for k in state_dict})
+        checksum = weights_checksum({k: held_tensor(served, lora.base_name(k)) for k in state_dict})
         record_weight_sync(self.replica_rank, version, checksum, "update")
         record_replica_event(  # generated_tokens: what it served so far (a replacement's first is 0)
             self.replica_rank,
