@@ -119,7 +119,7 @@ def test_a_tiny_local_run_produces_a_row(tmp_path, monkeypatch):
     assert "| 4x2 eta=1 engines=2 | 1 × 2 |" in printed[-1]
 
 
-def test_areal_paced_is_built_from_verls_replica_arguments_and_declares_no_weights():
+def test_areal_paced_is_built_from_verls_replica_arguments_and_declares_no_weights(monkeypatch):
     """rollout.name=areal_paced (the bench's paced workload): our replica's constructor arguments build it, its rate
     is its own engine option (refused for areal_cpu), and areal_async refuses it unless both weight capabilities
     are waived, since it holds no weights."""
@@ -128,8 +128,9 @@ def test_areal_paced_is_built_from_verls_replica_arguments_and_declares_no_weigh
     from areal_plugins.bench.paced_engine import VerlPacedServer
     from areal_plugins.config.settings import ArealConfigError
     from areal_plugins.rollout.capabilities import check_backend_capabilities
-    from areal_plugins.rollout.verl_registration import engine_options, server_class
+    from areal_plugins.rollout.verl_registration import BENCH_ENV, engine_options, server_class
 
+    monkeypatch.setenv(BENCH_ENV, "1")  # the benchmarks' opt-in, as tools/bench*.py set it
     cls = server_class("areal_paced")
     assert cls is VerlPacedServer
     rollout = OmegaConf.create({"name": "areal_paced", "engine_kwargs": {"areal_paced": {"tokens_per_s": 250.0}}})

@@ -41,6 +41,28 @@ class Recorder:
         self.lines.append(line)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def handles_collected_before_ray_shuts_down(local_ray):
+    """The module's Ray actor handles are collected while its Ray runs: one collected after the shutdown, during a
+    later test file, ended the pytest process (exit code 1, no summary)."""
+    yield
+    import gc
+
+    gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def start_threads_end_with_their_test():
+    """Every replica-start thread a test began ends before the next test (and before this module's Ray shuts down):
+    a start left running made a Ray call after the shutdown, which ended the whole pytest process (exit code 1, no
+    summary) two test files later."""
+    yield
+    for thread in threading.enumerate():
+        if thread.name.startswith("areal-start-replica-"):
+            thread.join(timeout=30)
+            assert not thread.is_alive(), f"{thread.name} still running after its test"
+
+
 def stand_in_manager(started: threading.Event, fails: bool = False, tensor_parallel: int = 1) -> SimpleNamespace:
     class StandInReplica:
         def __init__(self, replica_rank, config, model_config, gpus_per_node) -> None:
