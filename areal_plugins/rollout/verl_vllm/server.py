@@ -44,6 +44,9 @@ class ArealVLLMHttpServer(vLLMHttpServer):
     verl's 60 s barrier timeout: the engine drained instead of being interrupted.
     """
 
+    #: The test-only holds (FINISH_GROUPS_KEY); None: every request runs to its end. Set in ``__init__``.
+    holds: FinishFirstGroups | None = None
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         #: Generate calls past the submission gate whose ``add_request`` into the engine has not returned yet, one
         #: mark per call (not its request id: a repeated id must not hide a second request from the abort).
