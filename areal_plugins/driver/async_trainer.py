@@ -167,12 +167,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         )
         self.replica_pool = ReplicaPool(lambda: self.rollout_servers, self.recorder, survives, backend)
         replacing = survives and self.areal.replace_dead_replicas
-        self.replacer = ReplicaReplacer(
-            lambda: self.rollout_servers,
-            self.recorder,
-            enabled=replacing,
-            checkpoint_manager=lambda: self.weight_sync,
-        )
+        self.replacer = ReplicaReplacer(lambda: self.rollout_servers, self.recorder, enabled=replacing)
         if self.areal.max_rollout_replicas is not None and not survives:
             raise ArealConfigError(
                 "areal.max_rollout_replicas adds replicas to the weight sync mid-run, which needs a checkpoint engine "

@@ -54,17 +54,8 @@ class ReplicaPool:
     thread calls it, between their uses.
     """
 
-    def __init__(
-        self,
-        server_manager: Callable[[], Any],
-        recorder: RunRecorder,
-        survives: bool,
-        backend: str,
-        checkpoint_manager: Callable[[], Any] | None = None,
-    ) -> None:
+    def __init__(self, server_manager: Callable[[], Any], recorder: RunRecorder, survives: bool, backend: str) -> None:
         self._server_manager = server_manager
-        #: verl's ``CheckpointEngineManager`` whose sync the replicas take part in (its ``remove_replicas`` seam).
-        self._checkpoint_manager = checkpoint_manager
         self.recorder = recorder
         self.survives = survives
         self.backend = backend
@@ -164,14 +155,10 @@ class ReplicaPool:
         parts = [*replica.servers, *getattr(replica, "workers", [])]
         with self._lock:
             self._dropped.update(actor_id(handle) for handle in parts)
-        # verl's seam for elastic replicas takes it out of the weight sync; verl's server manager has none, so its
-        # three aligned lists are rebuilt (new lists: nothing relies on the two managers sharing one).
-        if self._checkpoint_manager is not None:
-            self._checkpoint_manager().remove_replicas([replica])
-        keep = [i for i in range(len(manager.rollout_replicas)) if i != index]
-        manager.rollout_replicas = [manager.rollout_replicas[i] for i in keep]
-        manager.server_handles = [manager.server_handles[i] for i in keep]
-        manager.server_addresses = [manager.server_addresses[i] for i in keep]
+        # In place: verl's checkpoint manager iterates this same list (its ``replicas``).
+        del manager.rollout_replicas[index]
+        del manager.server_handles[index]
+        del manager.server_addresses[index]
         ray.get(manager.global_load_balancer.remove_servers.remote([address]))
         # Every part still alive goes too: a server left with hung requests would hold their admission slots (its
         # callers fail over when it dies), and the workers hold devices for nothing.

@@ -251,11 +251,8 @@ class ReplicaReplacer:
         recorder: RunRecorder,
         enabled: bool,
         start_timeout_s: float | None = None,
-        checkpoint_manager: Callable[[], Any] | None = None,
     ) -> None:
         self._server_manager = server_manager
-        #: verl's ``CheckpointEngineManager`` the replicas join (its ``add_replicas`` seam).
-        self._checkpoint_manager = checkpoint_manager
         self.recorder = recorder
         self.enabled = enabled
         self.start_timeout_s = start_timeout_s
@@ -393,13 +390,10 @@ class ReplicaReplacer:
                 )
                 continue
             replica = started.result()
-            # verl's seam for elastic replicas adds it to the next weight sync; verl's server manager has none, so
-            # its three aligned lists are rebuilt (new lists: nothing relies on the two managers sharing one).
-            manager.rollout_replicas = [*manager.rollout_replicas, replica]
-            manager.server_handles = [*manager.server_handles, replica._server_handle]
-            manager.server_addresses = [*manager.server_addresses, replica._server_address]
-            if self._checkpoint_manager is not None:
-                self._checkpoint_manager().add_replicas([replica])
+            # In place, the three lists aligned: verl's checkpoint manager iterates ``rollout_replicas`` itself.
+            manager.rollout_replicas.append(replica)
+            manager.server_handles.append(replica._server_handle)
+            manager.server_addresses.append(replica._server_address)
             self._joined.append((dead, replica))
             joined += 1
         self._starting = still

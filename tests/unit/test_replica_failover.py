@@ -96,16 +96,12 @@ def kill(server) -> None:
             time.sleep(0.1)
 
 
-class StandInReplica:
-    """Hashable by identity, as verl's ``RolloutReplica`` is (its ``remove_replicas`` makes a set of them)."""
-
-    def __init__(self, replica_rank: int, servers: list, workers: list) -> None:
-        self.replica_rank, self.servers, self.workers = replica_rank, servers, workers
-
-
 def replica_manager(servers: list, lb, workers: list | None = None) -> SimpleNamespace:
     workers = workers or [[] for _ in servers]
-    replicas = [StandInReplica(rank, [server], workers[rank]) for rank, server in enumerate(servers)]
+    replicas = [
+        SimpleNamespace(replica_rank=rank, servers=[server], workers=workers[rank])
+        for rank, server in enumerate(servers)
+    ]
     manager = SimpleNamespace(
         rollout_replicas=replicas,
         server_handles=list(servers),
@@ -124,18 +120,8 @@ def test_the_pool_drops_a_dead_replica_everywhere_and_stops_when_none_is_left(lo
     servers = [StandInServer.remote([]) for _ in range(3)]
     lb = balancer({f"s{rank}": server for rank, server in enumerate(servers)})
     manager = replica_manager(servers, lb)
-    from verl.checkpoint_engine.base import CheckpointEngineManager
-
-    # verl's own checkpoint manager, holding the server manager's very list as verl builds it (get_replicas()).
-    checkpoints = object.__new__(CheckpointEngineManager)
-    checkpoints.replicas = manager.get_replicas()
-    pool = ReplicaPool(
-        lambda: manager,
-        RunRecorder(str(tmp_path)),
-        survives=True,
-        backend="areal_cpu",
-        checkpoint_manager=lambda: checkpoints,
-    )
+    replicas = manager.rollout_replicas  # the list verl's checkpoint manager holds too
+    pool = ReplicaPool(lambda: manager, RunRecorder(str(tmp_path)), survives=True, backend="areal_cpu")
     stats = EngineStats("areal_cpu", pool, RunRecorder(str(tmp_path)))
     assert stats.read()["generated_tokens"] == 30
     assert pool.prune() == []  # every server answers
@@ -146,9 +132,7 @@ def test_the_pool_drops_a_dead_replica_everywhere_and_stops_when_none_is_left(lo
     assert (total["generated_tokens"], total["in_flight"], total["replicas"]) == (30, 2, 2)
     assert pool.has_suspects
     assert pool.prune() == [1]
-    # Gone from verl's weight sync (through its remove_replicas) and from the server manager's three lists.
-    assert [r.replica_rank for r in checkpoints.replicas] == [0, 2]
-    assert [r.replica_rank for r in manager.rollout_replicas] == [0, 2]
+    assert replicas is manager.rollout_replicas and [r.replica_rank for r in replicas] == [0, 2]
     assert manager.server_addresses == ["s0", "s2"] and len(manager.server_handles) == 2
     assert sorted(ray.get(lb.get_all_servers.remote())) == ["s0", "s2"]
     (event,) = read_jsonl(tmp_path / "replica_events.jsonl")

@@ -89,12 +89,8 @@ def stand_in_manager(started: threading.Event, fails: bool = False, tensor_paral
 
 def test_a_replacement_joins_the_sync_once_started_and_takes_requests_only_after_it(local_ray):
     placed = threading.Event()
-    from verl.checkpoint_engine.base import CheckpointEngineManager
-
     manager, recorder = stand_in_manager(placed), Recorder()
-    checkpoints = object.__new__(CheckpointEngineManager)  # verl's, holding the server manager's list as verl does
-    checkpoints.replicas = manager.rollout_replicas
-    replacer = ReplicaReplacer(lambda: manager, recorder, enabled=True, checkpoint_manager=lambda: checkpoints)
+    replacer = ReplicaReplacer(lambda: manager, recorder, enabled=True)
     replacer.replace(SimpleNamespace(replica_rank=1, resource_pool=None))  # replica 1 of 0-1 died
     assert replacer.join() == 0 and len(manager.rollout_replicas) == 1  # not placed yet: this sync goes without it
     replacer.serve(version=4)
@@ -105,7 +101,6 @@ def test_a_replacement_joins_the_sync_once_started_and_takes_requests_only_after
         time.sleep(0.05)
     assert replacer.join() == 1  # before the next sync: in the list the sync updates, aligned with verl's other two
     assert [r.replica_rank for r in manager.rollout_replicas] == [0, 2]
-    assert [r.replica_rank for r in checkpoints.replicas] == [0, 2]  # once: through verl's add_replicas
     assert manager.server_addresses == ["server-0", "server-2"] and len(manager.server_handles) == 2
     assert ray.get(manager.global_load_balancer.addresses.remote()) == []  # no request before the weights
     replacer.serve(version=5)
