@@ -181,9 +181,6 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "verl.checkpoint_engine.base:CheckpointEngine.send_weights": ("self", "weights", "global_steps"),
     "verl.checkpoint_engine.base:CheckpointEngine.receive_weights": ("self", "global_steps"),
     "verl.checkpoint_engine.base:CheckpointEngineManager.update_weights": ("self", "global_steps"),
-    # Dead replicas leave and replacements join the weight sync through verl's elastic-replica seam.
-    "verl.checkpoint_engine.base:CheckpointEngineManager.add_replicas": ("self", "replicas"),
-    "verl.checkpoint_engine.base:CheckpointEngineManager.remove_replicas": ("self", "replicas"),
     "verl.experimental.agent_loop.agent_loop:AgentLoopWorker._run_agent_loop": (
         "self",
         "sampling_params",
