@@ -9,7 +9,7 @@ distributions installing the ``cupy`` module over each other) resolves, and the 
 
 Online (``full`` tier): the same resolve against the real index, ``pip install '.[gpu]' ... --dry-run --report``.
 The index this project's machines reach serves no PEP 658 metadata, so pip downloads every wheel to read its
-dependencies: 4.1 GB for this resolve (torch 2.11.0 530 MB, flashinfer-cubin 448 MB, vLLM 279 MB, ...), 74 s here.
+dependencies: 4.1 GB for this resolve (torch 2.11.0 530 MB, flashinfer-cubin 448 MB, vLLM 279 MB, ...), 35-74 s here.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def test_another_cupy_build_resolves_and_is_caught(tmp_path):
 
 @pytest.mark.full
 def test_the_gpu_install_resolves_against_the_real_index(tmp_path):
-    """pip's resolver on the machine's index: 257 distributions, 4.1 GB downloaded to read their metadata (74 s
+    """pip's resolver on the machine's index: 257 distributions, 4.1 GB downloaded to read their metadata (35-74 s
     here). flash-attention is left out: PyPI has only its source, whose metadata takes a build against CUDA torch."""
     result = resolve([".[gpu]", "verl[vllm,cupy-cu130]==0.9.1"], ROOT, tmp_path / "report.json", offline_from=None)
     assert result.returncode == 0, result.stderr[-4000:]

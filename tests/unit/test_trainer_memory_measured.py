@@ -85,10 +85,11 @@ def _max_mmapped(libc: ctypes.CDLL) -> int:
     return int(re.search(r"max mmap bytes\s*=\s*(\d+)", text).group(1))  # type: ignore[union-attr]
 
 
-def _train(rank: int, port: int, out: str) -> None:
+def _train(rank: int, port: int, out: str, pin_mmap_threshold: bool) -> None:
     """One rank: build, shard, warm up, then measure a step without and a step with gradient checkpointing."""
     libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)  # fixes the threshold (no dynamic raise): frees go to the kernel
+    if pin_mmap_threshold:  # fixes the threshold (no dynamic raise): a freed tensor goes back to the kernel
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
     import torch
     import torch.distributed as dist
@@ -204,14 +205,15 @@ def _mmapped_now(libc: ctypes.CDLL) -> int:
     return int(libc.mallinfo2().hblkhd)
 
 
-def measure(out: Path) -> list[dict]:
-    """Run the two ranks; each rank's measurements (bytes), as ``_train`` writes them."""
+def measure(out: Path, pin_mmap_threshold: bool = True) -> list[dict]:
+    """Run the two ranks; each rank's measurements (bytes), as ``_train`` writes them. ``pin_mmap_threshold=False``:
+    glibc's default allocator, which keeps freed chunks (docs/guides/sizing.md gives both)."""
     import torch.multiprocessing as mp
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    mp.start_processes(_train, args=(port, str(out)), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_train, args=(port, str(out), pin_mmap_threshold), nprocs=WORLD, start_method="spawn")
     return [json.loads((out / f"{rank}.json").read_text()) for rank in range(WORLD)]
 
 
