@@ -41,6 +41,15 @@ ABORTED = ("aborted", "abort")
 MAX_FAILOVERS = 8
 
 
+def current_answer() -> tuple[str, int] | None:
+    """Which answer of which prompt group the current agent-loop task generates (what a checkpoint keeps it under),
+    or None outside an episode that knows both."""
+    episode = CURRENT_EPISODE.get()
+    if episode is None or episode.group_uid is None or episode.session is None:
+        return None
+    return (episode.group_uid, episode.session)
+
+
 @dataclass
 class SpanningFields:
     """verl's rollout-output fields that span the requests of one interrupted call, merged request by request as
@@ -109,9 +118,7 @@ class InterruptibleLLMClient(LLMServerClient):
         from verl.workers.rollout.replica import TokenOutput
 
         episode = CURRENT_EPISODE.get()
-        answer = None
-        if episode is not None and episode.group_uid is not None and episode.session is not None:
-            answer = (episode.group_uid, episode.session)
+        answer = current_answer()
         params = dict(sampling_params)  # the caller reuses its dict across turns
         limit_key = "max_new_tokens" if "max_new_tokens" in params else "max_tokens"
         budget = params.get(limit_key) or self.config.actor_rollout_ref.rollout.response_length

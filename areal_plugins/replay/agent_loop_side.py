@@ -14,10 +14,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, version_fields
-from areal_plugins.agent_loop.llm_client import InterruptibleLLMClient
+from areal_plugins.agent_loop.llm_client import InterruptibleLLMClient, current_answer
 from areal_plugins.agent_loop.partial_outputs import PartialOutput, take_resumed
 from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, REPLAY_OF, token_digest
 from areal_plugins.replay.conductor import find_conductor
@@ -28,14 +26,6 @@ logger = logging.getLogger(__name__)
 _found: dict[str, Any] = {}
 
 
-def replaying(config: Any) -> bool:
-    """Whether this run replays a record (``areal.replay.run_dir`` of verl's config, or of a plain object's)."""
-    if OmegaConf.is_config(config):
-        return bool(OmegaConf.select(config, "areal.replay.run_dir", default=None))
-    replay = getattr(getattr(config, "areal", None), "replay", None)
-    return bool(getattr(replay, "run_dir", None))
-
-
 class ReplayingLLMClient(InterruptibleLLMClient):
     """The rollout client of a replay (the driver picks it when ``areal.replay.run_dir`` is set): a request whose
     prompt the record has follows the recorded trajectory's requests; any other runs as in a live run."""
@@ -44,10 +34,8 @@ class ReplayingLLMClient(InterruptibleLLMClient):
         recorded = await claim_recorded(prompt_ids)
         if recorded is None:
             return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
-        episode = CURRENT_EPISODE.get()
-        resumed = None
-        if episode is not None and episode.group_uid is not None and episode.session is not None:
-            resumed = await take_resumed(episode.group_uid, episode.session, prompt_ids)
+        answer = current_answer()
+        resumed = await take_resumed(*answer, prompt_ids) if answer is not None else None
         return await follow_record(
             self._generate_once, request_id, prompt_ids, sampling_params, recorded, resumed, **kwargs
         )
