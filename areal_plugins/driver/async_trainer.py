@@ -58,6 +58,7 @@ from areal_plugins.driver.engine_stats import EngineStats
 from areal_plugins.driver.hooked import HookedTrainerMixin
 from areal_plugins.driver.limits import format_limits, run_limits
 from areal_plugins.driver.placements import placement_for
+from areal_plugins.driver.replica_lists import ReplicaLists
 from areal_plugins.driver.replica_pool import ReplicaPool, RolloutServerDiedError, weight_group_rebuilt_each_sync
 from areal_plugins.driver.replica_replacement import ReplicaReplacer
 from areal_plugins.driver.schedule_source import LiveSchedule, ScheduleSource
@@ -165,16 +166,13 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             if self.areal.replay.run_dir
             else LiveSchedule()
         )
-        self.replica_pool = ReplicaPool(lambda: self.rollout_servers, self.recorder, survives, backend)
-        replacing = survives and self.areal.replace_dead_replicas
-        self.replacer = ReplicaReplacer(lambda: self.rollout_servers, self.recorder, enabled=replacing)
+        self._build_replica_pool(survives, backend)
         if self.areal.max_rollout_replicas is not None and not survives:
             raise ArealConfigError(
                 "areal.max_rollout_replicas adds replicas to the weight sync mid-run, which needs a checkpoint engine "
                 "that builds its process group for every sync: areal_gloo, or verl's nccl with "
                 "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.nccl.rebuild_group=true"
             )
-        self.replica_pool.on_drop = self.replacer.replace
         self.engine_stats = EngineStats(backend, self.replica_pool, self.recorder, watchdog_s=self.areal.watchdog_s)
         self.supervisor = Supervisor(
             self,
@@ -190,6 +188,16 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self.recorder.write(PHASE_TIMES_FILE, self.phase_times.record())
 
     # ------------------------------------------------------------------ construction
+
+    def _build_replica_pool(self, survives: bool, backend: str) -> None:
+        """The pool that drops dead replicas and the replacer that starts new ones, both changing the replicas through
+        one :class:`ReplicaLists` over the placement's server manager and the checkpoint manager that syncs them
+        (driver/replica_lists.py: a replica leaves and joins the weight sync's group together with the servers)."""
+        lists = ReplicaLists(lambda: self.rollout_servers, lambda: self.weight_sync)
+        self.replica_pool = ReplicaPool(lists, self.recorder, survives, backend)
+        replacing = survives and self.areal.replace_dead_replicas
+        self.replacer = ReplicaReplacer(lists, self.recorder, enabled=replacing)
+        self.replica_pool.on_drop = self.replacer.replace
 
     def _build_replay_buffer(self) -> ReplayBuffer:
         sampler = self.config.trainer.v1.sampler

@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 
+from areal_plugins.driver.replica_lists import ReplicaLists
 from areal_plugins.records.writer import RunRecorder
 
 logger = logging.getLogger(__name__)
@@ -46,16 +47,16 @@ def weight_group_rebuilt_each_sync(rollout_config: Any) -> bool:
 
 
 class ReplicaPool:
-    """The replicas of ``server_manager()`` (verl's ``LLMServerManager``, built after the trainer) still serving.
+    """The replicas of ``lists`` (verl's server and checkpoint managers, built after the trainer) still serving.
 
     ``survives`` is False where a dead server must stop the run (colocated engines, or a checkpoint engine that
     keeps its process group across syncs). Thread-safe marks (:meth:`survivable`) come from any thread;
-    :meth:`prune` changes the lists the trainer and verl's checkpoint manager iterate, so only the trainer's
-    thread calls it, between their uses.
+    :meth:`prune` changes the lists the trainer and verl's checkpoint manager iterate (through ``lists``), so only
+    the trainer's thread calls it, between their uses.
     """
 
-    def __init__(self, server_manager: Callable[[], Any], recorder: RunRecorder, survives: bool, backend: str) -> None:
-        self._server_manager = server_manager
+    def __init__(self, lists: ReplicaLists, recorder: RunRecorder, survives: bool, backend: str) -> None:
+        self.lists = lists
         self.recorder = recorder
         self.survives = survives
         self.backend = backend
@@ -67,7 +68,7 @@ class ReplicaPool:
 
     @property
     def replicas(self) -> list[Any]:
-        return self._server_manager().get_replicas()
+        return self.lists.replicas
 
     def servers(self) -> list[tuple[int, Any]]:
         """(replica rank, server handle) of every replica still in the pool."""
@@ -148,18 +149,12 @@ class ReplicaPool:
         return deaths
 
     def _drop(self, rank: int, why: str) -> None:
-        manager = self._server_manager()
-        index = next(i for i, replica in enumerate(manager.rollout_replicas) if replica.replica_rank == rank)
-        replica = manager.rollout_replicas[index]
-        address = manager.server_addresses[index]
+        replica = next(replica for replica in self.lists.replicas if replica.replica_rank == rank)
         parts = [*replica.servers, *getattr(replica, "workers", [])]
         with self._lock:
             self._dropped.update(actor_id(handle) for handle in parts)
-        # In place: verl's checkpoint manager iterates this same list (its ``replicas``).
-        del manager.rollout_replicas[index]
-        del manager.server_handles[index]
-        del manager.server_addresses[index]
-        ray.get(manager.global_load_balancer.remove_servers.remote([address]))
+        address = self.lists.remove(replica)  # from the servers and from the weight sync's group, together
+        ray.get(self.lists.server_manager.global_load_balancer.remove_servers.remote([address]))
         # Every part still alive goes too: a server left with hung requests would hold their admission slots (its
         # callers fail over when it dies), and the workers hold devices for nothing.
         for handle in parts:
@@ -167,7 +162,7 @@ class ReplicaPool:
         self.lost.append(rank)
         if self.on_drop is not None:
             self.on_drop(replica)
-        left = len(manager.rollout_replicas)
+        left = len(self.lists.replicas)
         self.recorder.write(
             "replica_events.jsonl",
             {"time": time.time(), "event": "lost", "replica": rank, "reason": why, "replicas_left": left},

@@ -40,6 +40,7 @@ from typing import Any
 
 import ray
 
+from areal_plugins.driver.replica_lists import ReplicaLists
 from areal_plugins.records.writer import RunRecorder
 
 logger = logging.getLogger(__name__)
@@ -247,12 +248,12 @@ class ReplicaReplacer:
 
     def __init__(
         self,
-        server_manager: Callable[[], Any],
+        lists: ReplicaLists,
         recorder: RunRecorder,
         enabled: bool,
         start_timeout_s: float | None = None,
     ) -> None:
-        self._server_manager = server_manager
+        self.lists = lists
         self.recorder = recorder
         self.enabled = enabled
         self.start_timeout_s = start_timeout_s
@@ -306,7 +307,7 @@ class ReplicaReplacer:
         has the devices for it now (a node joined). Returns whether one started."""
         if max_replicas is None:
             return False
-        manager = self._server_manager()
+        manager = self.lists.server_manager
         # One at a time: Ray counts a device as free until the new replica's placement group holds it.
         if self.pending or len(manager.rollout_replicas) >= max_replicas:
             return False
@@ -336,7 +337,7 @@ class ReplicaReplacer:
 
     def _start(self, dead: int | None, extra_ranks: list[int] | None = None) -> int:
         """Start a replica of the run's class in the background under a new rank; the rank."""
-        manager = self._server_manager()
+        manager = self.lists.server_manager
         if self._next_rank is None:
             ranks = [replica.replica_rank for replica in manager.rollout_replicas] + (extra_ranks or [])
             self._next_rank = max(ranks, default=-1) + 1
@@ -370,7 +371,7 @@ class ReplicaReplacer:
     def join(self) -> int:
         """Before a weight sync: add each replacement that has started to the replicas the sync updates (not yet to
         the load balancer); abandon each start past its time. Returns how many joined."""
-        manager, still, joined = self._server_manager(), [], 0
+        manager, still, joined = self.lists.server_manager, [], 0
         for dead, rank, started, since, replica in self._starting:
             if not started.done():
                 waited = self.clock() - since
@@ -390,10 +391,7 @@ class ReplicaReplacer:
                 )
                 continue
             replica = started.result()
-            # In place, the three lists aligned: verl's checkpoint manager iterates ``rollout_replicas`` itself.
-            manager.rollout_replicas.append(replica)
-            manager.server_handles.append(replica._server_handle)
-            manager.server_addresses.append(replica._server_address)
+            self.lists.add(replica)  # the server manager's lists and the weight sync's (verl's add_replicas), together
             self._joined.append((dead, replica))
             joined += 1
         self._starting = still
@@ -414,14 +412,14 @@ class ReplicaReplacer:
             "areal: %s: abandoned, %d pending placement group(s) removed; running with the %d replica(s) left",
             why,
             removed,
-            len(self._server_manager().rollout_replicas),
+            len(self.lists.replicas),
         )
 
     def serve(self, version: int) -> None:
         """After a weight sync to ``version`` succeeded: the replicas it brought in take requests."""
         if not self._joined:
             return
-        manager = self._server_manager()
+        manager = self.lists.server_manager
         serving = {id(replica) for replica in manager.rollout_replicas}
         servers = {
             replica._server_address: replica._server_handle for _, replica in self._joined if id(replica) in serving

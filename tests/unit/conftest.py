@@ -43,3 +43,16 @@ def wait_until(condition, timeout_s: float = 10.0, what: str = "the condition") 
     while not condition():
         assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
         time.sleep(0.01)
+
+
+def replica_lists(server_manager):
+    """The run's :class:`ReplicaLists` over ``server_manager`` (a stand-in of verl's ``LLMServerManager``) and verl's
+    own ``CheckpointEngineManager``, built as driver/placements.py builds it: holding the server manager's very list
+    (``replicas=server_manager.get_replicas()``). Returns (lists, checkpoint manager)."""
+    from verl.checkpoint_engine.base import CheckpointEngineManager
+    from verl.workers.config import CheckpointEngineConfig
+
+    from areal_plugins.driver.replica_lists import ReplicaLists
+
+    checkpoints = CheckpointEngineManager(CheckpointEngineConfig(backend="naive"), None, server_manager.get_replicas())
+    return ReplicaLists(lambda: server_manager, lambda: checkpoints), checkpoints

@@ -137,6 +137,7 @@ def test_a_rollout_server_found_dead_by_the_statistics_look_is_named_with_its_no
 
     from areal_plugins.driver.async_trainer import ArealAsyncTrainer
     from areal_plugins.driver.engine_stats import EngineStats, RolloutServerDiedError
+    from areal_plugins.driver.replica_lists import ReplicaLists
     from areal_plugins.driver.replica_pool import ReplicaPool
     from areal_plugins.driver.supervision import Supervisor
     from areal_plugins.records.writer import RunRecorder
@@ -157,7 +158,7 @@ def test_a_rollout_server_found_dead_by_the_statistics_look_is_named_with_its_no
     trainer.config = OmegaConf.create({"trainer": {"default_local_dir": "unused", "save_freq": -1}})
     trainer._resume_from = None
     trainer.recorder = RunRecorder()
-    pool = ReplicaPool(lambda: None, RunRecorder(), survives=False, backend="areal_cpu")
+    pool = ReplicaPool(ReplicaLists(lambda: None, lambda: None), RunRecorder(), survives=False, backend="areal_cpu")
     trainer.engine_stats = EngineStats("areal_cpu", pool, RunRecorder())
     trainer.supervisor = Supervisor(trainer, 60.0, trainer.engine_stats, RunRecorder(), lambda: None)
     trainer.supervisor.liveness = liveness

@@ -15,6 +15,8 @@ import pytest
 import ray
 from omegaconf import OmegaConf
 
+from tests.unit.conftest import replica_lists
+
 
 @ray.remote
 class StandInServer:
@@ -96,12 +98,16 @@ def kill(server) -> None:
             time.sleep(0.1)
 
 
+class StandInReplica:
+    """Hashable by identity, as verl's ``RolloutReplica`` is (verl's ``remove_replicas`` makes a set of them)."""
+
+    def __init__(self, replica_rank: int, servers: list, workers: list) -> None:
+        self.replica_rank, self.servers, self.workers, self.resource_pool = replica_rank, servers, workers, None
+
+
 def replica_manager(servers: list, lb, workers: list | None = None) -> SimpleNamespace:
     workers = workers or [[] for _ in servers]
-    replicas = [
-        SimpleNamespace(replica_rank=rank, servers=[server], workers=workers[rank])
-        for rank, server in enumerate(servers)
-    ]
+    replicas = [StandInReplica(rank, [server], workers[rank]) for rank, server in enumerate(servers)]
     manager = SimpleNamespace(
         rollout_replicas=replicas,
         server_handles=list(servers),
@@ -120,8 +126,8 @@ def test_the_pool_drops_a_dead_replica_everywhere_and_stops_when_none_is_left(lo
     servers = [StandInServer.remote([]) for _ in range(3)]
     lb = balancer({f"s{rank}": server for rank, server in enumerate(servers)})
     manager = replica_manager(servers, lb)
-    replicas = manager.rollout_replicas  # the list verl's checkpoint manager holds too
-    pool = ReplicaPool(lambda: manager, RunRecorder(str(tmp_path)), survives=True, backend="areal_cpu")
+    lists, checkpoints = replica_lists(manager)
+    pool = ReplicaPool(lists, RunRecorder(str(tmp_path)), survives=True, backend="areal_cpu")
     stats = EngineStats("areal_cpu", pool, RunRecorder(str(tmp_path)))
     assert stats.read()["generated_tokens"] == 30
     assert pool.prune() == []  # every server answers
@@ -132,7 +138,9 @@ def test_the_pool_drops_a_dead_replica_everywhere_and_stops_when_none_is_left(lo
     assert (total["generated_tokens"], total["in_flight"], total["replicas"]) == (30, 2, 2)
     assert pool.has_suspects
     assert pool.prune() == [1]
-    assert replicas is manager.rollout_replicas and [r.replica_rank for r in replicas] == [0, 2]
+    # Gone from the servers and from verl's weight sync (its checkpoint manager's replicas), together.
+    assert [r.replica_rank for r in manager.rollout_replicas] == [0, 2]
+    assert [r.replica_rank for r in checkpoints.replicas] == [0, 2]
     assert manager.server_addresses == ["s0", "s2"] and len(manager.server_handles) == 2
     assert sorted(ray.get(lb.get_all_servers.remote())) == ["s0", "s2"]
     (event,) = read_jsonl(tmp_path / "replica_events.jsonl")
@@ -154,7 +162,7 @@ def test_colocated_engines_are_never_dropped(local_ray, tmp_path):
 
     servers = [StandInServer.remote([]) for _ in range(2)]
     manager = replica_manager(servers, balancer({"s0": servers[0], "s1": servers[1]}))
-    pool = ReplicaPool(lambda: manager, RunRecorder(str(tmp_path)), survives=False, backend="areal_cpu")
+    pool = ReplicaPool(replica_lists(manager)[0], RunRecorder(str(tmp_path)), survives=False, backend="areal_cpu")
     kill(servers[0])
     assert not pool.survivable(actor_id(servers[0]))  # the actor watch stops the run, naming it
     assert pool.prune() == [] and len(manager.rollout_replicas) == 2  # nothing is dropped
@@ -169,12 +177,13 @@ def test_a_dead_checkpoint_engine_worker_drops_its_replica_and_every_part_of_it_
     servers = [StandInServer.remote([]) for _ in range(2)]
     workers = [[StandInServer.remote([])] for _ in range(2)]  # stand-ins for verl's CheckpointEngineWorker
     manager = replica_manager(servers, balancer({"s0": servers[0], "s1": servers[1]}), workers)
-    pool = ReplicaPool(lambda: manager, RunRecorder(str(tmp_path)), survives=True, backend="areal_cpu")
+    lists, checkpoints = replica_lists(manager)
+    pool = ReplicaPool(lists, RunRecorder(str(tmp_path)), survives=True, backend="areal_cpu")
     assert not pool.survivable("an actor of no replica")  # an agent-loop worker, the load balancer, ...
     kill(workers[0][0])
     assert pool.survivable(actor_id(workers[0][0]))
     assert pool.prune() == [0]
-    assert [r.replica_rank for r in manager.rollout_replicas] == [1]
+    assert [r.replica_rank for r in manager.rollout_replicas] == [r.replica_rank for r in checkpoints.replicas] == [1]
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(servers[0].__ray_ready__.remote(), timeout=30)
     assert pool.survivable(actor_id(servers[0]))  # its death, which we caused, stops nothing

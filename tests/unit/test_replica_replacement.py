@@ -15,6 +15,7 @@ import pytest
 import ray
 
 from areal_plugins.driver.replica_replacement import ReplicaReplacer
+from tests.unit.conftest import replica_lists
 
 
 class Balancer:
@@ -78,19 +79,22 @@ def stand_in_manager(started: threading.Event, fails: bool = False, tensor_paral
             self._server_address = f"server-{self.replica_rank}"
 
     survivor = SimpleNamespace(replica_rank=0, _server_handle=None, _server_address="server-0")
-    return SimpleNamespace(
+    manager = SimpleNamespace(
         rollout_replicas=[survivor], server_handles=[None], server_addresses=["server-0"],
         rollout_replica_class=StandInReplica, model_config=None,
         rollout_config=SimpleNamespace(n_gpus_per_node=8, tensor_model_parallel_size=tensor_parallel,
                                        data_parallel_size=1, pipeline_model_parallel_size=1),
         global_load_balancer=ray.remote(Balancer).remote(),
     )  # fmt: skip
+    manager.get_replicas = lambda: manager.rollout_replicas
+    return manager
 
 
 def test_a_replacement_joins_the_sync_once_started_and_takes_requests_only_after_it(local_ray):
     placed = threading.Event()
     manager, recorder = stand_in_manager(placed), Recorder()
-    replacer = ReplicaReplacer(lambda: manager, recorder, enabled=True)
+    lists, checkpoints = replica_lists(manager)
+    replacer = ReplicaReplacer(lists, recorder, enabled=True)
     replacer.replace(SimpleNamespace(replica_rank=1, resource_pool=None))  # replica 1 of 0-1 died
     assert replacer.join() == 0 and len(manager.rollout_replicas) == 1  # not placed yet: this sync goes without it
     replacer.serve(version=4)
@@ -101,6 +105,7 @@ def test_a_replacement_joins_the_sync_once_started_and_takes_requests_only_after
         time.sleep(0.05)
     assert replacer.join() == 1  # before the next sync: in the list the sync updates, aligned with verl's other two
     assert [r.replica_rank for r in manager.rollout_replicas] == [0, 2]
+    assert [r.replica_rank for r in checkpoints.replicas] == [0, 2]  # once, through verl's add_replicas
     assert manager.server_addresses == ["server-0", "server-2"] and len(manager.server_handles) == 2
     assert ray.get(manager.global_load_balancer.addresses.remote()) == []  # no request before the weights
     replacer.serve(version=5)
@@ -114,7 +119,7 @@ def test_a_replacement_that_cannot_start_is_recorded_and_the_run_goes_on_without
     placed = threading.Event()
     placed.set()
     manager, recorder = stand_in_manager(placed, fails=True), Recorder()
-    replacer = ReplicaReplacer(lambda: manager, recorder, enabled=True)
+    replacer = ReplicaReplacer(replica_lists(manager)[0], recorder, enabled=True)
     replacer.replace(SimpleNamespace(replica_rank=1, resource_pool=None))
     replacer._starting[0][2].exception(timeout=30)
     assert replacer.join() == 0 and len(manager.rollout_replicas) == 1 and replacer.pending == 0
@@ -123,7 +128,7 @@ def test_a_replacement_that_cannot_start_is_recorded_and_the_run_goes_on_without
 
 def test_with_replacement_off_a_dead_replica_is_only_dropped(local_ray):
     manager, recorder = stand_in_manager(threading.Event()), Recorder()
-    replacer = ReplicaReplacer(lambda: manager, recorder, enabled=False)
+    replacer = ReplicaReplacer(replica_lists(manager)[0], recorder, enabled=False)
     replacer.replace(SimpleNamespace(replica_rank=1, resource_pool=None))
     assert replacer.pending == 0 and recorder.lines == []
 
@@ -141,7 +146,7 @@ def test_the_replicas_grow_to_their_limit_when_one_node_has_the_devices_for_one_
     placed = threading.Event()
     placed.set()
     manager, recorder = stand_in_manager(placed), Recorder()
-    replacer = ReplicaReplacer(lambda: manager, recorder, enabled=True)
+    replacer = ReplicaReplacer(replica_lists(manager)[0], recorder, enabled=True)
     assert not replacer.grow(None) and not replacer.grow(3)  # no limit set; no free device
     free["view"] = gpus(0.0, 1.0)  # a node with one device joined
     assert replacer.grow(3) and not replacer.grow(3)  # one starts; the next waits until it serves
@@ -165,7 +170,7 @@ def test_two_nodes_with_one_free_gpu_each_start_no_tensor_parallel_2_replica_and
     # Before, the cluster's total (2 free) was enough: the start then waited for a placement Ray never makes.
     monkeypatch.setattr(replica_replacement, "free_per_node", lambda: gpus(1.0, 1.0))
     manager, recorder = stand_in_manager(threading.Event(), tensor_parallel=2), Recorder()
-    replacer = ReplicaReplacer(lambda: manager, recorder, enabled=True)
+    replacer = ReplicaReplacer(replica_lists(manager)[0], recorder, enabled=True)
     assert not replacer.grow(2) and not replacer.grow(2)
     assert replacer.pending == 0 and len(manager.rollout_replicas) == 1
     (blocked,) = recorder.lines  # recorded once, not at every step's end
@@ -209,7 +214,7 @@ def test_a_start_past_its_time_is_abandoned_recorded_and_growth_looks_again(loca
     monkeypatch.setattr(replica_replacement, "free_per_node", lambda: gpus(1.0))
     never = threading.Event()  # Ray never places it (before: the start thread waited forever, growth stopped)
     manager, recorder = stand_in_manager(never), Recorder()
-    replacer = ReplicaReplacer(lambda: manager, recorder, enabled=True, start_timeout_s=60.0)
+    replacer = ReplicaReplacer(replica_lists(manager)[0], recorder, enabled=True, start_timeout_s=60.0)
     now = [100.0]
     replacer.clock = lambda: now[0]
     assert replacer.grow(3)
@@ -229,7 +234,7 @@ def test_a_start_past_its_time_is_abandoned_recorded_and_growth_looks_again(loca
 def test_the_start_timeout_comes_from_the_recipe_else_from_the_measured_start():
     from areal_plugins.driver.replica_replacement import START_TIMEOUT_FACTOR
 
-    replacer = ReplicaReplacer(lambda: None, Recorder(), enabled=True)
+    replacer = ReplicaReplacer(replica_lists(SimpleNamespace(get_replicas=list))[0], Recorder(), enabled=True)
     assert replacer.start_timeout_from(None, None) is None
     assert replacer.start_timeout_from(None, 40.0) == START_TIMEOUT_FACTOR * 40.0
     assert replacer.start_timeout_from(900.0, 40.0) == 900.0
@@ -268,7 +273,7 @@ def test_a_dead_replicas_leftovers_are_ended_before_its_devices_are_freed(local_
     monkeypatch.setattr(replica_replacement, "end_leftovers", lambda trees: order.append(f"end {trees}") or 2)
     monkeypatch.setattr(replica_replacement, "free_devices", lambda replica: order.append("free") or 1)
     manager, recorder = stand_in_manager(threading.Event()), Recorder()
-    replacer = ReplicaReplacer(lambda: manager, recorder, enabled=True)
+    replacer = ReplicaReplacer(replica_lists(manager)[0], recorder, enabled=True)
     replacer._processes[1] = [{"node": "n", "processes": [[7, 1.0]]}]  # recorded while replica 1 served
     replacer.replace(SimpleNamespace(replica_rank=1, resource_pool=None))
     assert order == ["end [{'node': 'n', 'processes': [[7, 1.0]]}]", "free"]

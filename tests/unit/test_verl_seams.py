@@ -63,6 +63,9 @@ SEAMS: dict[str, tuple[str, ...] | None] = {
     "verl.checkpoint_engine": None,
     "verl.checkpoint_engine.base:CheckpointEngine": None,
     "verl.checkpoint_engine.base:CheckpointEngineManager": None,
+    # Replicas leave and join the weight sync through verl's elastic-replica seams (driver/replica_lists.py).
+    "verl.checkpoint_engine.base:CheckpointEngineManager.add_replicas": ("self", "replicas"),
+    "verl.checkpoint_engine.base:CheckpointEngineManager.remove_replicas": ("self", "replicas"),
     "verl.checkpoint_engine.base:CheckpointEngineRegistry": None,
     "verl.checkpoint_engine.base:CheckpointEngineRegistry._registry": None,
     "verl.checkpoint_engine.base:CheckpointEngineRegistry.register": ("backend",),
@@ -87,6 +90,7 @@ SEAMS: dict[str, tuple[str, ...] | None] = {
     "verl.utils.tokenizer.continuous_token:QwenContinuousTokenBuilder": None,
     "verl.workers.rollout.llm_server:LLMServerClient": None,
     "verl.workers.rollout.llm_server:LLMServerManager": None,
+    "verl.workers.rollout.llm_server:LLMServerManager.get_replicas": ("self",),
     "verl.workers.rollout.utils:ensure_async_iterator": ("iterable",),
     # Patch targets (patches/*.py TARGETS / MODULE): replaced functions keep these parameters.
     "verl.single_controller.ray.base": None,
