@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from repeats import spread
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results"
 RECIPE = REPO / "recipes" / "grpo_cpu_async_separate.yaml"
@@ -120,10 +122,6 @@ def choose_regime(settings: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The setting with the largest KL(π_prox‖π_behav) among those whose run still learns."""
     candidates = [s for s in settings if s["learns"] and "kl_prox_behav" in s["drift"]]
     return max(candidates, key=lambda s: s["drift"]["kl_prox_behav"], default=None)
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"mean": statistics.mean(values), "min": min(values), "max": max(values)}
 
 
 #: GRPO group size of the CPU recipes (recipes/_cpu_grpo_tiny.yaml, rollout.n): a mini-batch of ``m``
@@ -281,10 +279,10 @@ def summarize(runs: dict[str, Any], window: int) -> dict[str, Any]:
         past_eta = [run["staleness"]["over_eta_fraction"] for run in members if "staleness" in run]
         summary[key] = {
             "seeds": len(members),
-            "final_validation": spread(finals) if finals else None,
-            "final_reward": spread(rewards) if rewards else None,
-            "kl_prox_behav": spread(kls) if kls else None,
-            "trajectories_past_eta": spread(past_eta) if past_eta else None,
+            "final_validation": spread(finals, centre="mean", count=None) if finals else None,
+            "final_reward": spread(rewards, centre="mean", count=None) if rewards else None,
+            "kl_prox_behav": spread(kls, centre="mean", count=None) if kls else None,
+            "trajectories_past_eta": spread(past_eta, centre="mean", count=None) if past_eta else None,
         }
     return summary
 
@@ -322,7 +320,7 @@ def plot(report: dict[str, Any], out: Path) -> None:
 
 
 def spread_cell(value: dict[str, float] | None, digits: int = 3) -> str:
-    """``mean (min-max)`` of a :func:`spread`, or ``-`` when there is none."""
+    """``mean (min-max)`` of a :func:`repeats.spread` taken with ``centre="mean"``, or ``-`` when there is none."""
     if value is None:
         return "-"
     return f"{value['mean']:.{digits}f} ({value['min']:.{digits}f}-{value['max']:.{digits}f})"

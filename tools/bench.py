@@ -58,6 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from repeats import spread
+
 from areal_plugins.records.writer import read_jsonl
 
 if TYPE_CHECKING:
@@ -507,10 +509,6 @@ def run_one(
             figures[f"cpu_s_per_1k_tokens/{role}"] = 1000 * seconds / figures["trained_tokens"]
             figures[f"cpu_ms_per_trajectory/{role}"] = 1000 * seconds / figures["trained_trajectories"]
     return figures
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def summarise(name: str, runs: list[dict], sync_runs: list[dict]) -> dict:

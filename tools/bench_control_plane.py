@@ -46,6 +46,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from repeats import spread
+
 REPO = Path(__file__).resolve().parents[1]
 PARTITION = "train"
 #: The admission loop's default poll interval (areal.poll_interval_s).
@@ -63,14 +65,6 @@ def median(values: Iterable[float]) -> float | None:
     """The median, or None for no values."""
     values = list(values)
     return statistics.median(values) if values else None
-
-
-def spread(per_repeat: Iterable[float | None]) -> dict[str, Any]:
-    """Median over repeats and the spread (min, max) of one measure; repeats that measured nothing are left out."""
-    values = [value for value in per_repeat if value is not None]
-    if not values:
-        return {"median": None, "min": None, "max": None, "repeats": 0}
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "repeats": len(values)}
 
 
 def cpu_per_step(cpu_marks: list[float], trajectories_per_step: int) -> tuple[float, float]:
@@ -153,12 +147,15 @@ def summarize(config: Config, repeats: list[dict[str, Any]]) -> dict[str, Any]:
     """One table row from the repeats of one configuration (each a :func:`run_once` result)."""
     row: dict[str, Any] = {"config": asdict(config), "name": config.name, "repeats": len(repeats)}
     for key in MEASURES:
-        row[key] = spread(repeat[key] for repeat in repeats)
+        row[key] = spread((repeat[key] for repeat in repeats), count="repeats")
     row["steps_per_repeat"] = repeats[0]["steps"] if repeats else 0
     row["repeat_results"] = repeats
     roles = sorted({role for repeat in repeats for role in repeat.get("other_processes_cpu_s_per_step_by_role", {})})
     row["other_processes_cpu_s_per_step_by_role"] = {
-        role: spread(repeat["other_processes_cpu_s_per_step_by_role"].get(role) for repeat in repeats) for role in roles
+        role: spread(
+            (repeat["other_processes_cpu_s_per_step_by_role"].get(role) for repeat in repeats), count="repeats"
+        )
+        for role in roles
     }
     return row
 
@@ -937,7 +934,7 @@ def poll_scale(rig: Any, shapes: list[tuple[int, int, int]], repeats: int, polls
         found_by = "the workers' reports" if reports else "listing every poll"
         row["finds_settled_groups_by"] = found_by + (", with their summaries (no rows read)" if summaries else "")
         row |= {"entries": groups * (answers + 1), "repeats": len(repeat_results), "polls": polls}
-        row |= {key: spread(result[key] for result in repeat_results) for key in POLL_MEASURES}
+        row |= {key: spread((result[key] for result in repeat_results), count="repeats") for key in POLL_MEASURES}
         rows.append(row)
     return rows
 

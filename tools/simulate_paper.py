@@ -19,6 +19,8 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from repeats import spread
+
 from areal_plugins.planning.calibration import (
     PAPER_ASYNC_STEP_S,
     PAPER_ETA,
@@ -41,10 +43,6 @@ from areal_plugins.planning.cluster_sim import Workload, simulate_async, simulat
 from areal_plugins.planning.hardware import Efficiency
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def eta_key(eta: float) -> str:

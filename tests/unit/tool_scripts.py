@@ -11,6 +11,8 @@ TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 def load_tool(name: str) -> ModuleType:
+    if str(TOOLS) not in sys.path:  # as when a tool runs as a script: its helpers (repeats.py) import by name
+        sys.path.append(str(TOOLS))
     spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up there
