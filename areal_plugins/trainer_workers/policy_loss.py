@@ -18,7 +18,6 @@ the global token mean, not a mean of micro-batch means.
 from __future__ import annotations
 
 import functools
-import os
 import time
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 
 from areal_plugins.config.routing import LOGLINEAR_LOSS_NAME, RECOMPUTE_LOSS_NAME, parse_cap_threshold
 from areal_plugins.core.losses import decoupled_ppo_loss
+from areal_plugins.core.speed_knobs import seconds_from_env
 
 LOSS_NAME = RECOMPUTE_LOSS_NAME
 #: Seconds added to every micro-batch's loss, for running the tests with a slow trainer (0: off).
@@ -35,14 +35,7 @@ MICRO_BATCH_DELAY_ENV = "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S"
 @functools.cache
 def micro_batch_delay_s() -> float:
     """:data:`MICRO_BATCH_DELAY_ENV` as seconds, read once per trainer worker; refused unless a number >= 0."""
-    raw = os.environ.get(MICRO_BATCH_DELAY_ENV, "").strip()
-    try:
-        delay = float(raw) if raw else 0.0
-    except ValueError:
-        delay = -1.0
-    if not delay >= 0:
-        raise ValueError(f"{MICRO_BATCH_DELAY_ENV}={raw!r}: set it to a number of seconds >= 0, or unset it")
-    return delay
+    return seconds_from_env(MICRO_BATCH_DELAY_ENV)
 
 
 def areal_decoupled_policy_loss(

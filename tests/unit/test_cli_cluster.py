@@ -62,13 +62,22 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
         "MICRO_BATCH_DELAY_ENV": "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
         "BENCH_ENV": "AREAL_BENCH_BACKENDS",
     }
-    read = re.compile(r"os\.environ(?:\.get\(|\[)\s*([A-Z_]+|\"[A-Z_]+\")")
-    names = set()
+    # A read names its variable at the call: os.environ's, or the speed-knob helper's (core/speed_knobs.py).
+    read = re.compile(r"(?:os\.environ(?:\.get\(|\[)|seconds_from_env\()\s*([A-Z_]+|\"[A-Z_]+\")")
+    # A read through a parameter is a helper's: the scan finds its variables only at its callers, so each helper
+    # is listed here with the call the scan reads (above); a new one fails below until it is.
+    through_a_parameter = re.compile(r"os\.environ(?:\.get\(|\[)\s*[a-z_]")
+    helpers = {"core/speed_knobs.py"}
+    names, readers = set(), set()
     for path in package.rglob("*.py"):
-        if path.relative_to(package).as_posix() in ("cli/__init__.py", "cli/launch.py", "cli/cluster_env.py"):
+        relative = path.relative_to(package).as_posix()
+        if relative in ("cli/__init__.py", "cli/launch.py", "cli/cluster_env.py"):
             continue  # the CLI's own process
         for token in read.findall(path.read_text()):
             names.add(constants.get(token, token.strip('"')))
+        if through_a_parameter.search(path.read_text()):
+            readers.add(relative)
+    assert readers == helpers, f"environment read through a parameter in {sorted(readers - helpers)}: scan its calls"
     # RANK: verl's worker sets it in every worker process itself (our rollout adapter reads it, as verl's does).
     set_by_verl = {"RANK"}
     # Fault injection: a test sets it in the job's runtime_env itself (++ray_kwargs.ray_init.runtime_env...).

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from areal_plugins.core.speed_knobs import seconds_from_env
 from areal_plugins.rollout.base import (
     RolloutServer,
     record_replica_event,
@@ -64,14 +65,7 @@ def corrupted_on_arrival(tensors: dict[str, torch.Tensor], update: int) -> dict[
 
 def step_delay_from_env() -> float:
     """:data:`STEP_DELAY_ENV` as seconds; a value that is not a number >= 0 is refused, naming the variable."""
-    raw = os.environ.get(STEP_DELAY_ENV, "").strip()
-    try:
-        delay = float(raw) if raw else 0.0
-    except ValueError:
-        delay = -1.0
-    if not delay >= 0:
-        raise ValueError(f"{STEP_DELAY_ENV}={raw!r}: set it to a number of seconds >= 0, or unset it")
-    return delay
+    return seconds_from_env(STEP_DELAY_ENV)
 
 
 class CPURolloutServer(RolloutServer):
