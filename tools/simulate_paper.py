@@ -120,6 +120,58 @@ def interruption(efficiency: Efficiency, work: Workload, seeds: int) -> dict:
     return out
 
 
+#: Splits (GPUs generating) held against the paper's choice, 3/4 generating: the 1.5B on its 128 GPUs and the 7B on
+#: its 192 (Table 1), η = 4; speedups over synchronous AReaL on the same GPUs, as Table 1 measures them.
+SPLITS = {"1.5b": (128, (64, 80, 96, 112)), "7b": (192, (96, 120, 144, 168))}
+
+
+def splits(efficiency: Efficiency, work: Workload, seeds: int) -> dict:
+    """Throughput and speedup by rollout:trainer split, η = 4, against the paper's 3:1 (its Table 1 runs)."""
+    from areal_plugins.planning.calibration import sync_step_s
+    from areal_plugins.planning.cluster_sim import Cluster
+    from areal_plugins.planning.hardware import GPUS, MODELS
+
+    out = {}
+    for model, (gpus, rollouts) in SPLITS.items():
+        sync = sync_step_s(Cluster(GPUS["h800"], MODELS[model], efficiency, gpus), work, seeds)
+        row: dict = {"gpus": gpus, "paper_split": gpus * 3 // 4, "paper_speedup": PAPER_TABLE1[model].speedup}
+        for rollout in rollouts:
+            cluster = Cluster(GPUS["h800"], MODELS[model], efficiency, gpus, rollout)
+            runs = [simulate_async(cluster, work, PAPER_ETA, STEPS, seed=seed) for seed in range(seeds)]
+            step = statistics.median(run.step_s(WARMUP) for run in runs)
+            row[str(rollout)] = {
+                "tokens_per_s": spread([run.tokens_per_s(WARMUP) for run in runs]),
+                "step_s": step,
+                "speedup": sync / step,
+            }
+        row["best_split"] = int(max(rollouts, key=lambda r: row[str(r)]["tokens_per_s"]["median"]))
+        out[model] = row
+        print(f"  {model}: " + ", ".join(f"{r}: {row[str(r)]['speedup']:.2f}x" for r in rollouts)
+              + f" (best {row['best_split']}; the paper ran {row['paper_split']})", flush=True)  # fmt: skip
+    return out
+
+
+#: One node, as issue 51 quotes the paper's Table 7 (8 GPUs): throughput at η = 2 is 1.76x that at η = 0. Only that
+#: ratio is quoted; the table's split and workload are not, so the sweep runs the Table 1 workload at each split.
+EIGHT_GPU_SPLITS = (4, 6)
+PAPER_8GPU_ETA2_OVER_ETA0 = 1.76
+
+
+def eta_sweep_8gpu(efficiency: Efficiency, work: Workload, seeds: int) -> dict:
+    out = {}
+    for rollout in EIGHT_GPU_SPLITS:
+        cluster = paper_cluster(efficiency, 8, rollout)
+        by_eta = {
+            eta_key(eta): statistics.median(
+                simulate_async(cluster, work, eta, STEPS, seed=seed).tokens_per_s(WARMUP) for seed in range(seeds)
+            )
+            for eta in (0, 1, 2, 4, 8)
+        }
+        out[f"{rollout}+{8 - rollout}"] = {"tokens_per_s": by_eta, "eta2_over_eta0": by_eta["2"] / by_eta["0"]}
+        print(f"  8 GPUs, {rollout} generating: η = 2 is {by_eta['2'] / by_eta['0']:.2f}x η = 0", flush=True)
+    return out
+
+
 def run(seeds: int) -> dict:
     started = time.time()
     print("fitting the decode step latency and compute efficiency to the paper's two step times ...", flush=True)
@@ -135,6 +187,10 @@ def run(seeds: int) -> dict:
     interrupt = interruption(efficiency, PAPER_WORKLOAD, seeds)
     print("Table 1: 1.5B (fitted), 7B, 14B, 32B (held out) ...", flush=True)
     models = table1(efficiency, PAPER_WORKLOAD, seeds)
+    print("rollout:trainer splits (1.5B, 7B) ...", flush=True)
+    by_split = splits(efficiency, PAPER_WORKLOAD, seeds)
+    print("η sweep on one node (8 GPUs) ...", flush=True)
+    eight = eta_sweep_8gpu(efficiency, PAPER_WORKLOAD, seeds)
     print("sensitivity to the length tail (refitted each time) ...", flush=True)
     tails = {}
     for fraction in (0.001, 0.01):
@@ -169,6 +225,9 @@ def run(seeds: int) -> dict:
         "paper_interrupt_gain": PAPER_INTERRUPT_GAIN_1_5B,
         "tail_sensitivity": tails,
         "table1": models,
+        "splits": by_split,
+        "eta_8gpu": eight,
+        "paper_8gpu_eta2_over_eta0": PAPER_8GPU_ETA2_OVER_ETA0,
     }
 
 

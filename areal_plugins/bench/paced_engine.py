@@ -299,7 +299,7 @@ class GpuShapedDecode:
         prompts = squared = 0
         while self.queue:
             request_id, request = next(iter(self.queue.items()))
-            if self.running and self.reserved + request.reserve > self.kv_capacity_tokens:
+            if not self.cost.kv_admits(len(self.running), self.reserved, request.reserve, self.kv_capacity_tokens):
                 break
             del self.queue[request_id]
             request.start_step = self.steps

@@ -104,7 +104,11 @@ class _EngineState:
 
     def __init__(self, engine: Engine, expected_tokens: float) -> None:
         self.engine = engine
-        self.max_running = max(1, int(engine.kv_capacity_tokens // expected_tokens))
+        self.capacity_tokens = engine.kv_capacity_tokens
+        #: sequences of the mean length the cache holds: the default concurrency of the submitter, not a bound on
+        #: what runs (:meth:`DecodeCost.kv_admits` bounds that by tokens)
+        self.max_running = max(1, int(self.capacity_tokens // expected_tokens))
+        self.reserved = 0.0  # KV tokens the running sequences hold once done (prompt + response)
         self.steps = 0.0  # decode steps done since the start
         self.clock = 0.0
         self.busy_until = 0.0  # prefill or weight load: no decoding until then
@@ -139,15 +143,21 @@ class _EngineState:
         return start + self.engine.time_for_steps(self.running, self.context, steps)
 
     def admit(self, now: float) -> None:
-        prompts = 0
-        while self.queue and self.running < self.max_running:
+        """Start queued sequences while their KV cache fits (first come, first served), then prefill their prompts:
+        Σ prompt tokens through the matmuls and Σ prompt² through attention (:meth:`DecodeCost.prefill_s`)."""
+        prompts = squared = 0
+        fits = self.engine.decode.kv_admits
+        while self.queue and fits(self.running, self.reserved, self.queue[0].prompt + self.queue[0].length,
+                                  self.capacity_tokens):  # fmt: skip
             seq = self.queue.popleft()
             seq.finish_at = self.steps + seq.length
             heapq.heappush(self.finishing, (seq.finish_at, id(seq), seq))
             self.context += seq.prompt
+            self.reserved += seq.prompt + seq.length
             prompts += seq.prompt
+            squared += seq.prompt * seq.prompt
         if prompts:
-            self.busy_until = max(self.busy_until, now) + self.engine.prefill_time(prompts, prompts * prompts)
+            self.busy_until = max(self.busy_until, now) + self.engine.prefill_time(prompts, squared)
         self.epoch += 1
 
     def pop_finished(self, now: float) -> list[_Sequence]:
@@ -155,6 +165,7 @@ class _EngineState:
         while self.finishing and self.finishing[0][0] <= self.steps + 1e-3:
             _, _, seq = heapq.heappop(self.finishing)
             self.context -= seq.prompt + seq.length
+            self.reserved -= seq.prompt + seq.length
             done.append(seq)
         self.context = max(self.context, 0.0)
         if done:

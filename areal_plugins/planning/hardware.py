@@ -180,9 +180,27 @@ class DecodeCost:
         return (-a + (a * a + 2 * c * seconds) ** 0.5) / c
 
     def prefill_s(self, tokens: float, squared_tokens: float = 0.0) -> float:
-        """Computing the KV cache of ``tokens`` (``squared_tokens`` = Σ length² for the attention part)."""
+        """Computing the KV cache of ``tokens`` (``squared_tokens`` = Σ length² for the attention part).
+
+        Each sequence of length L costs 2·P·L FLOPs in its matmuls and, causally, Q·Kᵀ and A·V over L²/2
+        (query, key) pairs, 2 x 2·hidden FLOPs each per layer: 2·layers·hidden·L² (Kaplan et al. 2020, Table 1,
+        with the causal half). Sequences attend only to themselves, so a batch costs Σ L², never (Σ L)².
+        """
         flops = 2 * self.matmul_params * tokens + 2 * self.attention_width * squared_tokens
         return flops / self.flops
+
+    @staticmethod
+    def kv_admits(running: int, reserved_tokens: float, request_tokens: float, capacity_tokens: float) -> bool:
+        """Whether a request whose prompt + answer hold ``request_tokens`` of KV cache when done joins ``running``
+        requests that reserve ``reserved_tokens`` of a cache of ``capacity_tokens`` (one request always runs).
+
+        Bounded by tokens, not by a count of mean-length sequences: the requests running at any moment are
+        length-biased (a request runs for as long as it is long), so their final lengths average E[L²]/E[L] —
+        exp(σ²) = 6.2x the mean for the paper's log-normal, before the cap — and a count of cache / mean length
+        overfills the cache several times over. The cluster simulator's engines and the bench's GPU-shaped
+        stand-in both admit by this rule.
+        """
+        return running == 0 or reserved_tokens + request_tokens <= capacity_tokens
 
 
 @dataclass(frozen=True)
