@@ -48,21 +48,59 @@ class PluginInstalled:
             os.environ["PYTHONPATH"] = self.before
 
 
+class TokenAuthentication:
+    """Ray's token authentication for every process started inside this block (docs/cluster.md): the nodes inherit
+    ``RAY_AUTH_MODE=token`` and the token, and so does the CLI the tests start (they pass ``os.environ`` on)."""
+
+    NAMES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+    def __enter__(self) -> None:
+        import secrets
+
+        from ray._private.authentication_test_utils import reset_auth_token_state
+
+        self.before = {name: os.environ.get(name) for name in self.NAMES}
+        os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+        reset_auth_token_state()  # this process's Ray reads the token anew
+
+    def __exit__(self, *exc) -> None:
+        from ray._private.authentication_test_utils import reset_auth_token_state
+
+        for name, value in self.before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        reset_auth_token_state()
+
+
 @pytest.fixture(scope="module")
 def cluster():
     from ray._private.utils import get_ray_address_file
     from ray.cluster_utils import Cluster
 
-    with PluginInstalled():
-        cluster = Cluster(
-            initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 0, "include_dashboard": True}
-        )
-        for _ in range(2):
-            cluster.add_node(num_cpus=4, num_gpus=1)
-    yield cluster
-    cluster.shutdown()
+    with TokenAuthentication():  # as docs/cluster.md starts a cluster: nobody without the token runs code on it
+        with PluginInstalled():
+            cluster = Cluster(
+                initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 0, "include_dashboard": True}
+            )
+            for _ in range(2):
+                cluster.add_node(num_cpus=4, num_gpus=1)
+        yield cluster
+        cluster.shutdown()
     # Else a later plain ray.init() on this machine would try to join the dead cluster.
     Path(get_ray_address_file(None)).unlink(missing_ok=True)
+
+
+def test_the_cluster_refuses_a_client_without_its_token_and_check_says_this_shell_has_one(cluster):
+    """The cluster the run joins has token authentication on: a client without the token is refused (asked in a
+    process of its own by what ``check`` asks), and ``check``'s warning is silent for a shell that sends it."""
+    from areal_plugins.cli.cluster_env import accepts_without_token, auth_warning
+
+    assert accepts_without_token(cluster.address) is False
+    assert auth_warning(cluster.address, False, dict(os.environ)) is None
+    assert "RAY_AUTH_MODE=token" in (auth_warning(cluster.address, False, {}) or "")
 
 
 def cluster_args(run_dir, tiny_dir, observer_log) -> list[str]:
