@@ -181,7 +181,8 @@ def _engine_memory(
     """Lines about an engine GPU, and what is left of it beside the awake engine (for a colocated trainer)."""
     rollout = config.actor_rollout_ref.rollout
     dtype = str(rollout.get("dtype") or "bfloat16")
-    weights = model.params * _bytes_per_param(dtype, "actor_rollout_ref.rollout.dtype") / tp
+    engine_bytes = _bytes_per_param(dtype, "actor_rollout_ref.rollout.dtype")
+    weights = model.params * engine_bytes / tp
     gpu = cluster.gpu_memory_gib * GIB
     vllm_share = float(rollout.gpu_memory_utilization) * gpu
     # vLLM refuses to start unless one sequence of max_model_len fits its KV cache (null: the model's maximum).
@@ -191,11 +192,12 @@ def _engine_memory(
         length = int(config.data.max_prompt_length) + int(config.data.max_response_length)
         length_key = "prompt + response: set rollout.max_model_len, or vLLM sizes for the model's maximum"
     heads_per_gpu = math.ceil(model.kv_heads / tp)  # a KV head is not split: TP beyond the KV heads replicates them
-    one_sequence = model.kv_bytes_per_token / model.kv_heads * heads_per_gpu * int(length)
+    # K and V of every layer, in the engine's dtype (vLLM's kv_cache_dtype "auto", which verl leaves: the model's)
+    one_sequence = 2 * model.layers * heads_per_gpu * model.head_size * engine_bytes * int(length)
     if weights + one_sequence > vllm_share:
         raise RecipeRefusedError(
             f"an engine GPU needs {weights / GIB:.1f} GiB of weights ({dtype}, TP {tp}) + {one_sequence / GIB:.1f} GiB "
-            f"of KV cache for one sequence of {length} tokens, over vLLM's share of {vllm_share / GIB:.1f} GiB "
+            f"of {dtype} KV cache for one sequence of {length} tokens, over vLLM's share of {vllm_share / GIB:.1f} GiB "
             f"(gpu_memory_utilization {rollout.gpu_memory_utilization} x {cluster.gpu_memory_gib:g} GiB): raise "
             "actor_rollout_ref.rollout.tensor_model_parallel_size or gpu_memory_utilization, or lower max_model_len"
         )
@@ -258,6 +260,21 @@ def _trainer_memory(
     megabytes = int(config.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes)
     bucket = 0 if transport == "naive" else megabytes << 20
     dtype_key = "actor_rollout_ref.actor.fsdp_config.model_dtype"
+    # The compute dtype: verl's FSDPEngine casts the parameters to mixed_precision.param_dtype for the forward and
+    # backward (bf16 when mixed_precision is unset) and reduces gradients in its reduce_dtype (fp32 when unset).
+    mixed = fsdp.get("mixed_precision") or {}
+    compute = str(mixed.get("param_dtype", "bf16"))
+    mixed_key = "actor_rollout_ref.actor.fsdp_config.mixed_precision"
+    padding_note = ""
+    if actor.get("use_dynamic_bsz") and not config.actor_rollout_ref.model.get("use_remove_padding", False):
+        areal_on = bool((config.get("areal") or {}).get("enable"))
+        if not (areal_on and ((config.areal.get("micro_batch") or {}).get("max_tokens") is not None)):
+            # verl's own token-budget micro-batches count real tokens, then pad each to its longest sequence
+            padding_note = (
+                f" (padding not counted: verl pads each micro-batch of up to {tokens} real tokens to its longest "
+                "sequence; set actor_rollout_ref.model.use_remove_padding=true, or areal.micro_batch.max_tokens, "
+                "which counts padded tokens)"
+            )
     setup = TrainerSetup(
         shard_gpus=fsdp_size if fsdp_size > 0 else trainer_gpus,
         param_bytes=_bytes_per_param(fsdp.get("model_dtype", "fp32"), dtype_key),
@@ -267,6 +284,8 @@ def _trainer_memory(
         param_offload=bool(fsdp.get("param_offload", False)),
         optimizer_offload=bool(fsdp.get("optimizer_offload", False)),
         bucket_bytes=bucket,
+        compute_bytes=_bytes_per_param(compute, f"{mixed_key}.param_dtype"),
+        reduce_bytes=_bytes_per_param(mixed.get("reduce_dtype", "fp32"), f"{mixed_key}.reduce_dtype"),
     )
     memory = trainer_memory(model, setup)
     gpu = cluster.gpu_memory_gib * GIB
@@ -276,8 +295,9 @@ def _trainer_memory(
     where = "on the CPU (offload_policy)" if setup.offload_policy else f"over {setup.shard_gpus} GPU(s)"
     update = (
         f"{memory.state / GIB:.1f} GiB of {dtype} parameters, gradients and Adam m, v {where} + "
-        f"{memory.logits / GIB:.1f} GiB logits of a {tokens}-token micro-batch + {memory.activations / GIB:.1f} GiB "
-        f"activations ({'with' if setup.gradient_checkpointing else 'without'} gradient checkpointing) + "
+        f"{memory.logits / GIB:.1f} GiB {compute} logits of a {tokens}-token micro-batch{padding_note} + "
+        f"{memory.activations / GIB:.1f} GiB {compute} activations "
+        f"({'with' if setup.gradient_checkpointing else 'without'} gradient checkpointing) + "
         f"{memory.gathered_unit / GIB:.1f} GiB gathered FSDP unit = {memory.update_peak / GIB:.1f} GiB"
     )
     sync = (

@@ -17,30 +17,45 @@ from dataclasses import dataclass
 
 from areal_plugins.planning.hardware import ModelShape
 
-#: Bytes a token's activations take per decoder layer in bf16, measured: autograd's saved tensors of transformers'
-#: Qwen2 decoder layer (sdpa attention, bf16) are 20·h + 8·I + 4·kv_heads·head_dim + 4·heads + 8 bytes a token, to
-#: the byte (tests/unit/test_trainer_memory.py measures it with ``torch.autograd.graph.saved_tensors_hooks``):
-#: the norms' inputs and their fp32 upcasts, q, the attention output and the residuals in h; the gated MLP's gate,
-#: up, activation and product, 2 bytes x I each; k and v after the rotary embedding; the attention's fp32
-#: log-sum-exp per head; the norms' fp32 scales. Korthikanti et al. 2022 (arXiv 2205.05198) §4.1 count 34·h for a
-#: GPT layer of 4h MLP width (attention 11h, norms 4h, MLP 19h), the same order.
-ACT_HIDDEN_FACTOR = 20
-ACT_WIDTH_FACTOR = 8
-ACT_KV_FACTOR = 4
-ACT_HEAD_FACTOR = 4
+#: The compute dtype is ``fsdp_config.mixed_precision.param_dtype`` (verl's ``FSDPEngine._build_fsdp_module``: bf16
+#: when ``mixed_precision`` is unset; FSDP casts the ``model_dtype`` parameters to it and verl's ``forward_step``
+#: autocasts to it, or skips autocast for fp32); ``fsdp_config.dtype`` is read only by verl's Megatron engine.
+#:
+#: A token's activations per decoder layer, measured: autograd's saved tensors of transformers' Qwen2 decoder layer
+#: (sdpa attention) are, to the byte, ``c·(6·h + 4·I + 2·kv_heads·head_dim) + 4·(2·h + heads) + 8`` bytes for a
+#: compute dtype of ``c`` bytes (bf16: 20·h + 8·I + 4·kv_heads·head_dim + 4·heads + 8; fp32: 32·h + 16·I +
+#: 8·kv_heads·head_dim + 4·heads + 8; tests/unit/test_trainer_memory.py measures both with
+#: ``torch.autograd.graph.saved_tensors_hooks``): in the compute dtype the norms' inputs and outputs, q, the attention
+#: output and the residuals (6 x h), the gated MLP's gate, up, activation and product (4 x I), k and v after the
+#: rotary embedding; always in fp32 the norms' upcast inputs (2 x h, the same tensors as their inputs in fp32), the
+#: attention's log-sum-exp per head, and the norms' two scales (8 bytes). Korthikanti et al. 2022 (arXiv 2205.05198)
+#: §4.1 count 34·h bytes for a bf16 GPT layer of 4h MLP width (attention 11h, norms 4h, MLP 19h), the same order.
+ACT_HIDDEN_ELEMENTS = 6
+ACT_WIDTH_ELEMENTS = 4
+ACT_KV_ELEMENTS = 2
+ACT_FP32_HIDDEN_ELEMENTS = 2
+ACT_FP32_HEAD_ELEMENTS = 1
 ACT_LAYER_CONSTANT = 8
-#: After the layers: the final norm and the output head's input, 8·h a token (measured as above).
-ACT_FINAL_FACTOR = 8
-#: With gradient checkpointing each layer keeps only its input (2·h bytes a token, bf16; measured), and the backward
-#: recomputes one layer at a time: L·2·h + one layer's activations (Korthikanti et al. §5, full recompute).
-CHECKPOINT_INPUT_BYTES = 2
-#: The logits' bytes per token and vocabulary entry: the fp32 log-softmax of verl's
-#: ``logprobs_from_logits_v2`` (flash-attention's cross-entropy, verl's other path, holds the bf16 logits and
-#: writes their gradient in place: the same 2 + 2 bytes).
-LOGIT_BYTES = 4
-#: An FSDP unit gathered for compute: its parameters in bf16 twice (the unit computing and the one FSDP
-#: prefetches) and its unsharded gradient in fp32 before the reduce-scatter (verl's ``reduce_dtype``).
-GATHERED_UNIT_BYTES = 2 + 2 + 4
+FP32_BYTES = 4
+#: After the layers: the final norm and the output head's input, 2·h elements in the compute dtype + h in fp32 a
+#: token (measured as above: 8·h bytes in bf16, 12·h in fp32).
+ACT_FINAL_ELEMENTS = 2
+ACT_FINAL_FP32_ELEMENTS = 1
+#: With gradient checkpointing each layer keeps only its input (h elements of the compute dtype a token; measured),
+#: and the backward recomputes one layer at a time: L·c·h + one layer's activations (Korthikanti et al. §5, full
+#: recompute).
+CHECKPOINT_INPUT_ELEMENTS = 1
+#: The logits' bytes per token and vocabulary entry at their peak in the backward, by the compute dtype's bytes,
+#: measured on verl's ``logprobs_from_logits_v2`` (the path without flash-attention's cross-entropy, or with
+#: ``VERL_DISABLE_FLASH_ATTN_CE=1``): bf16 keeps one row's ``log_softmax`` output at a time for the backward (2) and
+#: the logits' gradient (2): 4.3 measured; fp32 takes its ``logsumexp`` path, which keeps the logits themselves (4),
+#: and the backward adds the gather's gradient and the stacked ``logsumexp`` gradients before summing them (4 + 4):
+#: 11.9 measured (tests/unit/test_trainer_memory_measured.py). flash-attention's cross-entropy, verl's other path,
+#: keeps the logits and writes their gradient in place: no more than these.
+LOGIT_BYTES = {2: 4, 4: 12}
+#: An FSDP unit gathered for compute: its parameters in the compute dtype twice (the unit computing and the one FSDP
+#: prefetches) and its unsharded gradient in ``reduce_dtype`` (fp32 by verl's default) before the reduce-scatter.
+GATHERED_UNIT_COPIES = 2
 #: Transfer buffers on a trainer GPU during a weight sync by a checkpoint engine other than ``naive``: verl's
 #: nccl engine sends from one bucket while it fills the other (``NCCLCheckpointEngine``: "the device memory
 #: overhead is 2 * bucket_size").
@@ -59,6 +74,12 @@ class TrainerSetup:
     param_offload: bool = False  # on the CPU between phases only: verl loads them back to train
     optimizer_offload: bool = False
     bucket_bytes: int = 0  # checkpoint_engine.update_weights_bucket_megabytes; 0 for naive (no buckets)
+    compute_bytes: int = 2  # fsdp_config.mixed_precision.param_dtype: bf16 or fp16 2 (verl's default), fp32 4
+    reduce_bytes: int = 4  # fsdp_config.mixed_precision.reduce_dtype: fp32 4 (verl's default), bf16 2
+
+    def __post_init__(self) -> None:
+        if self.compute_bytes not in LOGIT_BYTES:
+            raise ValueError(f"compute_bytes={self.compute_bytes}: sized are {sorted(LOGIT_BYTES)} (16- and 32-bit)")
 
 
 @dataclass(frozen=True)
@@ -92,23 +113,26 @@ class TrainerMemory:
         return max(self.update_peak, self.sync_peak)
 
 
-def layer_activation_bytes_per_token(model: ModelShape) -> int:
-    """One decoder layer's saved activations for one token (bf16; see ``ACT_*``)."""
+def layer_activation_bytes_per_token(model: ModelShape, compute_bytes: int = 2) -> int:
+    """One decoder layer's saved activations for one token, in a compute dtype of ``compute_bytes`` (see ``ACT_*``)."""
     return (
-        ACT_HIDDEN_FACTOR * model.hidden
-        + ACT_WIDTH_FACTOR * model.active_mlp_width
-        + ACT_KV_FACTOR * model.kv_heads * model.head_size
-        + ACT_HEAD_FACTOR * model.heads
+        compute_bytes
+        * (
+            ACT_HIDDEN_ELEMENTS * model.hidden
+            + ACT_WIDTH_ELEMENTS * model.active_mlp_width
+            + ACT_KV_ELEMENTS * model.kv_heads * model.head_size
+        )
+        + FP32_BYTES * (ACT_FP32_HIDDEN_ELEMENTS * model.hidden + ACT_FP32_HEAD_ELEMENTS * model.heads)
         + ACT_LAYER_CONSTANT
     )
 
 
-def activation_bytes_per_token(model: ModelShape, gradient_checkpointing: bool) -> int:
-    """Activations one token leaves for the backward, over every layer and the head (bf16; see ``ACT_*``)."""
-    one_layer = layer_activation_bytes_per_token(model)
-    final = ACT_FINAL_FACTOR * model.hidden
+def activation_bytes_per_token(model: ModelShape, gradient_checkpointing: bool, compute_bytes: int = 2) -> int:
+    """Activations one token leaves for the backward, over every layer and the head (see ``ACT_*``)."""
+    one_layer = layer_activation_bytes_per_token(model, compute_bytes)
+    final = (compute_bytes * ACT_FINAL_ELEMENTS + FP32_BYTES * ACT_FINAL_FP32_ELEMENTS) * model.hidden
     if gradient_checkpointing:
-        return model.layers * CHECKPOINT_INPUT_BYTES * model.hidden + one_layer + final
+        return model.layers * CHECKPOINT_INPUT_ELEMENTS * compute_bytes * model.hidden + one_layer + final
     return model.layers * one_layer + final
 
 
@@ -125,9 +149,9 @@ def trainer_memory(model: ModelShape, setup: TrainerSetup) -> TrainerMemory:
         parameters=parameters,
         gradients=gradients,
         optimizer=optimizer,
-        gathered_unit=unit * GATHERED_UNIT_BYTES,
-        activations=tokens * activation_bytes_per_token(model, setup.gradient_checkpointing),
-        logits=tokens * model.vocab * LOGIT_BYTES,
+        gathered_unit=unit * (GATHERED_UNIT_COPIES * setup.compute_bytes + setup.reduce_bytes),
+        activations=tokens * activation_bytes_per_token(model, setup.gradient_checkpointing, setup.compute_bytes),
+        logits=tokens * model.vocab * LOGIT_BYTES[setup.compute_bytes],
         sync_tensor=model.largest_tensor_params * setup.param_bytes,
         sync_buckets=TRAINER_BUCKETS * setup.bucket_bytes,
         resident_between_updates=(0.0 if setup.param_offload else parameters)

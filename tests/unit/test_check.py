@@ -321,3 +321,74 @@ def test_colocated_without_free_cache_engine_the_sleeping_engine_keeps_its_share
     )  # fmt: skip
     assert "+ 71.6 GiB vLLM keeps asleep (free_cache_engine=false)" in line
     assert line.endswith("or set actor_rollout_ref.rollout.free_cache_engine=true")
+
+
+def test_fp32_compute_is_sized_and_a_7b_that_fits_in_bf16_no_longer_does(caplog):
+    """mixed_precision.param_dtype=fp32 (verl computes in the parameters' fp32, no autocast) on Qwen2.5-7B over 8
+    trainer GPUs (tests/unit/test_trainer_memory.py::test_fp32_compute_by_hand counts each term): 15,230,566,400
+    of state + 44,845,498,368 logits + 21,293,236,224 activations + 6,539,968,512 gathered unit = 87,909,269,504
+    bytes = 81.9 GiB, + 2 GiB of CUDA context = 83.9 GiB, over 79.6; in bf16 (verl's default) 42.6 GiB fits."""
+    seven = ("actor_rollout_ref.model.path=Qwen/Qwen2.5-7B", "trainer.n_gpus_per_node=8",
+             "actor_rollout_ref.rollout.n_gpus_per_node=8", "--nodes", "2", "--gpus-per-node", "8")  # fmt: skip
+    fp32 = "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype: fp32, reduce_dtype: fp32}"
+    line = refused(caplog, str(SEPARATE_GPU), fp32, *seven)
+    assert line.startswith("a trainer GPU needs 83.9 GiB at the update (14.2 GiB of fp32 parameters, gradients")
+    assert "+ 41.8 GiB fp32 logits of a 24576-token micro-batch + 19.8 GiB fp32 activations" in line
+    assert "+ 6.1 GiB gathered FSDP unit = 81.9 GiB" in line
+    caplog.clear()
+    trainer = next(line for line in checked(caplog, str(SEPARATE_GPU), *seven) if line.startswith("trainer GPU:"))
+    assert "+ 13.9 GiB bf16 logits of a 24576-token micro-batch + 10.4 GiB bf16 activations" in trainer
+    # reduce_dtype=bf16 alone (param_dtype stays verl's bf16): the unsharded gradient in 2 bytes, the embedding's
+    # unit 544,997,376 x (2 + 2 + 2) = 3,269,984,256 (3.0 GiB) instead of x 8; 45,715,619,840 - 1,089,994,752 =
+    # 44,625,625,088 bytes = 41.6 GiB
+    caplog.clear()
+    reduce = "+actor_rollout_ref.actor.fsdp_config.mixed_precision={reduce_dtype: bf16}"
+    lines = checked(caplog, str(SEPARATE_GPU), reduce, *seven)
+    trainer = next(line for line in lines if line.startswith("trainer GPU:"))
+    assert "+ 3.0 GiB gathered FSDP unit = 41.6 GiB;" in trainer
+
+
+def test_an_unknown_compute_dtype_is_refused_naming_the_key(caplog):
+    line = refused(
+        caplog, str(SEPARATE_GPU), "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype: fp8}",
+        *ONE_NODE,
+    )  # fmt: skip
+    assert line.startswith("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp8: check knows bfloat16")
+
+
+@pytest.mark.parametrize(("max_model_len", "fits"), [(17000, True), (17100, False)])
+def test_an_fp32_engine_holds_fp32_weights_and_kv_cache(tmp_path, max_model_len, fits):
+    """rollout.dtype=float32: vLLM's KV cache follows the model's dtype (kv_cache_dtype auto). vLLM's share 0.25 x
+    8 GiB = 2,147,483,648 bytes less the fp32 weights 188,252,160 x 4 = 752,008,640 leaves 1,395,475,008; KV per
+    token 2 x 10 layers x 8 heads x 128 x 4 bytes = 81,920: one sequence fits up to 17,034 tokens."""
+    model = hand_counted_model(tmp_path / "model")
+    config = check_recipe(
+        SEPARATE_GPU,
+        [f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.rollout.max_model_len={max_model_len}",
+         "actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "areal.placement=colocated",
+         "actor_rollout_ref.rollout.free_cache_engine=true", "actor_rollout_ref.rollout.gpu_memory_utilization=0.25",
+         "actor_rollout_ref.rollout.dtype=float32"],
+    )  # fmt: skip
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=8.0)
+    if fits:
+        lines = fit_cluster(config, cluster)
+        assert any("weights 0.7 GiB + KV cache 1.3 GiB (1.0 sequences of 17000 tokens" in line for line in lines)
+    else:
+        with pytest.raises(RecipeRefusedError, match=r"0\.7 GiB of weights \(float32, TP 1\) \+ 1\.3 GiB of float32"):
+            fit_cluster(config, cluster)
+
+
+def test_verls_own_token_micro_batches_without_remove_padding_say_padding_is_not_counted(caplog):
+    """verl's dynamic micro-batching counts real tokens and pads each micro-batch to its longest sequence without
+    use_remove_padding; areal.micro_batch.max_tokens counts the padded tokens, so the GPU recipes need no note."""
+    padded = "actor_rollout_ref.model.use_remove_padding=false"
+    lines = checked(
+        caplog, str(SEPARATE_GPU), padded, "areal.micro_batch.max_tokens=null",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true", *ONE_NODE,
+    )  # fmt: skip
+    trainer = next(line for line in lines if line.startswith("trainer GPU:"))
+    assert "micro-batch (padding not counted: verl pads each micro-batch of up to 16384 real tokens" in trainer
+    caplog.clear()
+    lines = checked(caplog, str(SEPARATE_GPU), padded, *ONE_NODE)
+    ours = next(line for line in lines if line.startswith("trainer GPU:"))
+    assert "padding not counted" not in ours and "24576-token micro-batch" in ours

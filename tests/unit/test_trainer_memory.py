@@ -108,9 +108,11 @@ def test_a_toy_model_by_hand():
     assert (memory.state, memory.gathered_unit, memory.activations, memory.logits) == (5888, 1152, 1104, 120)
 
 
-def saved_activation_bytes(hidden: int, width: int, layers: int, heads: int, kv_heads: int, tokens: int = 256) -> int:
-    """What transformers' Qwen2 in bf16 (sdpa attention) saves for its backward on a forward of ``tokens`` tokens,
-    counted by autograd's saved-tensor hooks (each storage once, parameters left out)."""
+def saved_activation_bytes(
+    hidden: int, width: int, layers: int, heads: int, kv_heads: int, dtype: str = "bfloat16", tokens: int = 256
+) -> int:
+    """What transformers' Qwen2 in ``dtype`` (sdpa attention) saves for its backward on a forward of ``tokens``
+    tokens, counted by autograd's saved-tensor hooks (each storage once, parameters left out)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -119,7 +121,7 @@ def saved_activation_bytes(hidden: int, width: int, layers: int, heads: int, kv_
                          max_position_embeddings=4096, tie_word_embeddings=False, use_cache=False)  # fmt: skip
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16).train()
+    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype)).train()
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -134,13 +136,36 @@ def saved_activation_bytes(hidden: int, width: int, layers: int, heads: int, kv_
     return sum(saved.values())
 
 
+@pytest.mark.parametrize(("dtype", "compute_bytes"), [("bfloat16", 2), ("float32", 4)])
 @pytest.mark.parametrize(
     ("hidden", "width", "heads", "kv_heads"), [(256, 768, 4, 2), (512, 768, 8, 2), (256, 1536, 4, 4)]
 )
-def test_the_layer_formula_is_what_transformers_saves(hidden, width, heads, kv_heads):
-    """The per-layer term to the byte: the difference between 4 and 2 layers of a real Qwen2, halved. The whole
-    model (the embedding's and the head's side included) within 2%."""
+def test_the_layer_formula_is_what_transformers_saves(hidden, width, heads, kv_heads, dtype, compute_bytes):
+    """The per-layer term to the byte, in bf16 and in fp32 compute: the difference between 4 and 2 layers of a real
+    Qwen2, halved. The whole model (the embedding's and the head's side included) within 2%."""
     shape = ModelShape("m", hidden=hidden, layers=4, heads=heads, kv_heads=kv_heads, intermediate=width, vocab=1000)
-    two, four = (saved_activation_bytes(hidden, width, n, heads, kv_heads) for n in (2, 4))
-    assert (four - two) / 2 / 256 == layer_activation_bytes_per_token(shape)
-    assert four / 256 == pytest.approx(activation_bytes_per_token(shape, gradient_checkpointing=False), rel=0.02)
+    two, four = (saved_activation_bytes(hidden, width, n, heads, kv_heads, dtype) for n in (2, 4))
+    assert (four - two) / 2 / 256 == layer_activation_bytes_per_token(shape, compute_bytes)
+    whole = activation_bytes_per_token(shape, gradient_checkpointing=False, compute_bytes=compute_bytes)
+    assert four / 256 == pytest.approx(whole, rel=0.02)
+
+
+def test_fp32_compute_by_hand():
+    """mixed_precision.param_dtype=fp32 (the CPU recipes' setting) on Qwen2.5-7B over 8 GPUs. A layer's activations a
+    token: 4 x (6 x 3584 + 4 x 18,944 + 2 x 4 x 128) + 4 x (2 x 3584 + 28) + 8 = 4 x 98,304 + 28,784 + 8 = 422,008
+    (bf16: 225,400); the final norm and head (2 x 4 + 4) x 3584 = 43,008. With gradient checkpointing: 28 layer
+    inputs x 4 x 3584 = 401,408 + 422,008 + 43,008 = 866,424 bytes x 24,576 tokens = 21,293,236,224; without: 28 x
+    422,008 + 43,008 = 11,859,232 a token. Logits: 24,576 x 152,064 x 12 = 44,845,498,368 (three times bf16's 4).
+    The gathered unit: the embedding 544,997,376 x (4 + 4 + 4) = 6,539,968,512. The state is the parameters'
+    (model_dtype), not the compute dtype's: unchanged."""
+    bf16, fp32 = trainer_memory(QWEN7B, setup(8)), trainer_memory(QWEN7B, setup(8, compute_bytes=4))
+    assert layer_activation_bytes_per_token(QWEN7B, compute_bytes=4) == 422_008
+    assert fp32.activations == 21_293_236_224
+    assert activation_bytes_per_token(QWEN7B, gradient_checkpointing=False, compute_bytes=4) == 11_859_232
+    assert fp32.logits == 44_845_498_368 == 3 * bf16.logits
+    assert fp32.gathered_unit == 6_539_968_512
+    assert fp32.state == bf16.state == 2 * P7B
+    # bf16 reduce (mixed_precision.reduce_dtype=bf16): the unsharded gradient in 2 bytes, 544,997,376 x 6
+    assert trainer_memory(QWEN7B, setup(8, reduce_bytes=2)).gathered_unit == 3_269_984_256
+    with pytest.raises(ValueError, match="compute_bytes=8"):
+        setup(8, compute_bytes=8)

@@ -19,6 +19,10 @@ weight sync's terms (no sync in a training step). The CPU adds one term of its o
 collective's buffer, which NCCL does not (measured here on the head's reduce-scatter and all-gather). The state is
 resident before the measured step, so the step adds ``update_peak - parameters - optimizer`` = gradients + unit +
 activations + logits, + gloo's copy.
+
+The same step computing in fp32 (``MixedPrecisionPolicy(param_dtype=fp32)``, verl's ``mixed_precision.param_dtype:
+fp32``, as the CPU recipes run) is measured in the ``full`` tier; the logits' own bytes in both dtypes, on verl's
+``logprobs_from_logits_v2``, in the unit tier.
 """
 
 from __future__ import annotations
@@ -54,10 +58,13 @@ WARMUP_TOKENS = 32
 #: glibc's mallopt parameter numbers (malloc.h).
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 16 << 10
-#: How far above the measured peak the estimate may be. The estimate adds the logits' 4·T·V and the gathered unit's
-#: 8·V·h, which the backward holds at different moments (the logits' gradient is freed before the head's
-#: reduce-scatter): by design up to min(4·T·V, 8·V·h) = 67 MB high here, 30% of the checkpointed step's 227 MB.
-UPPER_FACTOR = 1.35
+#: How far above the measured peak the estimate may be, by compute dtype. The estimate adds the logits' peak, the
+#: gathered unit and (with gradient checkpointing) one recomputed layer, which the backward reaches apart: the logits'
+#: backward holds neither the head's gathered unit (gathered for the head's own backward, after the logits' gradient
+#: is summed) nor a recomputed layer, nor gloo's copy. By design up to min(logits, unit) + one layer + gloo's copy
+#: high: bf16 67 + 24 + 36 = 126 MB of the checkpointed step's 227 MB measured (1.27-1.28x); fp32 101 + 43 + 36 =
+#: 180 MB of 318 MB (1.53x); without checkpointing 1.07-1.12x (bf16) and 1.19x (fp32).
+UPPER_FACTOR = {"bf16": 1.35, "fp32": 1.6}
 
 
 def _kib_field(field: str) -> int:
@@ -85,7 +92,7 @@ def _max_mmapped(libc: ctypes.CDLL) -> int:
     return int(re.search(r"max mmap bytes\s*=\s*(\d+)", text).group(1))  # type: ignore[union-attr]
 
 
-def _train(rank: int, port: int, out: str, pin_mmap_threshold: bool) -> None:
+def _train(rank: int, port: int, out: str, pin_mmap_threshold: bool, compute: str) -> None:
     """One rank: build, shard, warm up, then measure a step without and a step with gradient checkpointing."""
     libc = ctypes.CDLL("libc.so.6")
     if pin_mmap_threshold:  # fixes the threshold (no dynamic raise): a freed tensor goes back to the kernel
@@ -97,6 +104,9 @@ def _train(rank: int, port: int, out: str, pin_mmap_threshold: bool) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+    from verl.utils.torch_functional import logprobs_from_logits_v2
+
+    compute_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[compute]
 
     def trim() -> int:
         gc.collect()
@@ -114,35 +124,33 @@ def _train(rank: int, port: int, out: str, pin_mmap_threshold: bool) -> None:
         config._attn_implementation = "sdpa"
         with torch.device("meta"):
             model = Qwen2ForCausalLM(config)
-        # verl's FSDPEngine: fp32 parameters (model_dtype), bf16 compute, fp32 reduce; apply_fsdp2's units
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
+        # verl's FSDPEngine: fp32 parameters (model_dtype), mixed_precision.param_dtype compute, fp32 reduce;
+        # apply_fsdp2's units
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
         shard = {"mesh": init_device_mesh("cpu", (WORLD,)), "mp_policy": policy, "reshard_after_forward": True}
         for name, module in model.named_modules():
             if isinstance(module, Qwen2DecoderLayer) or name.rsplit(".", 1)[-1] in ("embed_tokens", "lm_head"):
                 fully_shard(module, **shard)
         fully_shard(model, **shard)
-        before_parameters = trim()
+        trim()
+        before_parameters = _kib_field("RssAnon")  # anonymous pages: tensors, not the libraries' code paged in
         model.to_empty(device="cpu")  # each rank allocates its shards only
         torch.manual_seed(0)
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.to_local().normal_(0, 0.02)
         model.model.rotary_emb.__init__(config)  # its inv_freq buffer, left on the meta device
-        parameters = trim() - before_parameters
+        parameters = _kib_field("RssAnon") - before_parameters
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
         generator = torch.Generator().manual_seed(rank)
 
         def loss_of(ids: torch.Tensor) -> torch.Tensor:
             # verl's FSDPEngine with use_remove_padding at temperature 1: logits_rmpad = output.logits.squeeze(0),
-            # then logprobs_from_logits_v2 (bf16: a row's log_softmax at a time) with flash-attention absent
+            # then verl's logprobs_from_logits_v2 with flash-attention absent (bf16: a row's log_softmax at a time;
+            # fp32: the logsumexp of each row)
             logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1]).unsqueeze(0)).logits.squeeze(0)
-            labels = torch.roll(ids.squeeze(0), -1)
-            rows = [
-                torch.log_softmax(row, -1).gather(-1, label.view(1)).squeeze(-1)
-                for row, label in zip(logits, labels, strict=True)
-            ]
-            return -torch.stack(rows).float().mean()
+            return -logprobs_from_logits_v2(logits, torch.roll(ids.squeeze(0), -1)).float().mean()
 
         def step(tokens: int, micro_batches: int) -> None:
             for _ in range(micro_batches):
@@ -172,8 +180,8 @@ def _train(rank: int, port: int, out: str, pin_mmap_threshold: bool) -> None:
         result["gloo_all_gather"] = _second_call_adds(
             added,
             dist.all_gather_single,
-            torch.empty(unit, dtype=torch.bfloat16),
-            torch.zeros(unit // WORLD, dtype=torch.bfloat16),
+            torch.empty(unit, dtype=compute_dtype),
+            torch.zeros(unit // WORLD, dtype=compute_dtype),
         )
         for checkpointing in (False, True):
             if checkpointing:
@@ -205,65 +213,133 @@ def _mmapped_now(libc: ctypes.CDLL) -> int:
     return int(libc.mallinfo2().hblkhd)
 
 
-def measure(out: Path, pin_mmap_threshold: bool = True) -> list[dict]:
+def measure(out: Path, pin_mmap_threshold: bool = True, compute: str = "bf16") -> list[dict]:
     """Run the two ranks; each rank's measurements (bytes), as ``_train`` writes them. ``pin_mmap_threshold=False``:
-    glibc's default allocator, which keeps freed chunks (docs/guides/sizing.md gives both)."""
+    glibc's default allocator, which keeps freed chunks (docs/guides/sizing.md gives both). ``compute``: the
+    ``mixed_precision.param_dtype``, ``bf16`` (verl's default) or ``fp32``."""
     import torch.multiprocessing as mp
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    mp.start_processes(_train, args=(port, str(out), pin_mmap_threshold), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_train, args=(port, str(out), pin_mmap_threshold, compute), nprocs=WORLD, start_method="spawn")
     return [json.loads((out / f"{rank}.json").read_text()) for rank in range(WORLD)]
 
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> list[dict]:
-    return measure(tmp_path_factory.mktemp("trainer_memory_measured"))
+#: The compute dtypes measured: verl's default bf16 in the unit tier, fp32 (the CPU recipes') in the full tier.
+COMPUTE = [pytest.param("bf16", id="bf16"), pytest.param("fp32", id="fp32", marks=pytest.mark.full)]
+COMPUTE_BYTES = {"bf16": 2, "fp32": 4}
 
 
-def estimate(gradient_checkpointing: bool):
+@pytest.fixture(scope="module", params=COMPUTE)
+def measured(request, tmp_path_factory) -> tuple[str, list[dict]]:
+    return request.param, measure(tmp_path_factory.mktemp("trainer_memory_measured"), compute=request.param)
+
+
+def estimate(gradient_checkpointing: bool, compute: str = "bf16"):
     return trainer_memory(SHAPE, TrainerSetup(shard_gpus=WORLD, param_bytes=4, micro_batch_tokens=TOKENS,
-                                              gradient_checkpointing=gradient_checkpointing))  # fmt: skip
+                                              gradient_checkpointing=gradient_checkpointing,
+                                              compute_bytes=COMPUTE_BYTES[compute]))  # fmt: skip
 
 
 def test_the_estimate_for_this_shape_by_hand():
     """Over S = 2: gradients 4 x P / 2 = 81,788,928; the gathered unit, the head (16,384 x 512 = 8,388,608, larger
     than a layer's 3,014,656) x 8 = 67,108,864; logits 1,024 x 16,384 x 4 = 67,108,864; activations, a layer
     20·512 + 8·1536 + 4·2·64 + 4·8 + 8 = 23,080 bytes a token: without checkpointing 1,024 x (8 x 23,080 + 8·512)
-    = 193,265,664, with it 1,024 x (8 x 2·512 + 23,080 + 8·512) = 36,216,832."""
+    = 193,265,664, with it 1,024 x (8 x 2·512 + 23,080 + 8·512) = 36,216,832.
+
+    fp32 compute: the unit 8,388,608 x (4 + 4 + 4) = 100,663,296; logits 1,024 x 16,384 x 12 = 201,326,592; a layer
+    4 x (6·512 + 4·1536 + 2·2·64) + 4 x (2·512 + 8) + 8 = 42,024 bytes a token, the final norm and head 12·512 = 6,144:
+    without checkpointing 1,024 x (8 x 42,024 + 6,144) = 350,552,064, with it 1,024 x (8 x 4·512 + 42,024 + 6,144) =
+    66,101,248."""
     assert SHAPE.params == 40_894_464
-    for checkpointing, total in ((False, 409_272_320), (True, 252_223_488)):
-        memory = estimate(checkpointing)
+    for compute, checkpointing, total in (
+        ("bf16", False, 409_272_320),
+        ("bf16", True, 252_223_488),
+        ("fp32", False, 81_788_928 + 100_663_296 + 201_326_592 + 350_552_064),
+        ("fp32", True, 81_788_928 + 100_663_296 + 201_326_592 + 66_101_248),
+    ):
+        memory = estimate(checkpointing, compute)
         assert memory.update_peak - memory.parameters - memory.optimizer == total
 
 
 def test_the_model_trained_is_the_shape_sized(measured):
     """The built model has P plus its biases (8 x (512 + 128 + 128)) and norm weights (8 x 2 x 512 + 512), and
-    materialising a rank's shards adds their fp32 bytes to its RSS: 4 x P / 2 = 81.8 MB, within 4% (2.4 MB more
-    measured: the pages of 107 tensors, the rotary buffer, Python's own objects)."""
-    for rank in measured:
+    materialising a rank's shards adds their fp32 bytes to its anonymous RSS (``RssAnon``: the libraries' code that
+    the first calls page in is left out): 4 x P / 2 = 81.8 MB, within 4%."""
+    _, ranks = measured
+    for rank in ranks:
         assert rank["numel"] == 40_894_464 + 6_144 + 8_704
         assert rank["parameters_rss"] == pytest.approx(estimate(False).parameters, rel=0.04)
 
 
 def test_gloo_stages_a_copy_of_each_collective(measured):
     """The CPU's own term: gloo's reduce-scatter of the head's fp32 gradient (16,384 x 512 x 4 = 33,554,432 bytes)
-    holds a copy of its input, its all-gather of the bf16 head (16,777,216 bytes) a copy of its output (NCCL writes
-    in place: on a GPU neither is there). Each within 8% of the copy."""
-    for rank in measured:
+    holds a copy of its input, its all-gather of the head in the compute dtype (bf16 16,777,216 bytes, fp32
+    33,554,432) a copy of its output (NCCL writes in place: on a GPU neither is there). Each within 8% of the
+    copy."""
+    compute, ranks = measured
+    for rank in ranks:
         assert rank["gloo_reduce_scatter"] == pytest.approx(33_554_432, rel=0.08)
-        assert rank["gloo_all_gather"] == pytest.approx(16_777_216, rel=0.08)
+        assert rank["gloo_all_gather"] == pytest.approx(8_388_608 * COMPUTE_BYTES[compute], rel=0.08)
 
 
 @pytest.mark.parametrize("gradient_checkpointing", [False, True], ids=["no-checkpointing", "checkpointing"])
 def test_the_estimate_bounds_the_measured_peak_of_a_step(measured, gradient_checkpointing):
     """gradients + gathered unit + activations + logits, + gloo's larger staging copy (the head's reduce-scatter,
     measured on the same rank), is at least what the step added to each rank's RSS, and not more than
-    ``UPPER_FACTOR`` times it."""
-    memory = estimate(gradient_checkpointing)
-    for rank in measured:
+    ``UPPER_FACTOR`` of the compute dtype times it."""
+    compute, ranks = measured
+    memory = estimate(gradient_checkpointing, compute)
+    for rank in ranks:
         estimated = memory.update_peak - memory.parameters - memory.optimizer
         estimated += max(rank["gloo_reduce_scatter"], rank["gloo_all_gather"])
         peak = rank[f"checkpointing={gradient_checkpointing}"]["rss_added"]
-        assert peak <= estimated <= UPPER_FACTOR * peak, (peak, estimated)
+        assert peak <= estimated <= UPPER_FACTOR[compute] * peak, (compute, peak, estimated)
+
+
+#: The logits' own measurement: T tokens of hidden h through an output head of V entries, then verl's log-probs.
+LOGIT_T, LOGIT_H, LOGIT_V = 1024, 64, 32768
+
+
+def _logits_step(_rank: int, compute: str, out: str) -> None:
+    """One forward and backward of ``head(x)`` through verl's ``logprobs_from_logits_v2``; what it adds to the RSS
+    at its peak (mmap threshold pinned, measured after a warm-up run)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    import torch
+    from verl.utils.torch_functional import logprobs_from_logits_v2
+
+    torch.set_num_threads(1)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[compute]
+    torch.manual_seed(0)
+    head = torch.nn.Linear(LOGIT_H, LOGIT_V, bias=False).to(dtype)
+    hidden = torch.randn(LOGIT_T, LOGIT_H, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, LOGIT_V, (LOGIT_T,))
+
+    def run() -> None:
+        (-logprobs_from_logits_v2(head(hidden), labels).float().mean()).backward()
+        head.weight.grad = hidden.grad = None
+
+    run()
+    gc.collect()
+    libc.malloc_trim(0)
+    base = _kib_field("VmRSS")
+    _reset_peak()
+    run()
+    Path(out).write_text(str(_kib_field("VmHWM") - base))
+
+
+@pytest.mark.parametrize("compute", ["bf16", "fp32"])
+def test_the_logits_bytes_are_what_verls_log_probs_hold(tmp_path, compute):
+    """What the backward of verl's log-probs (flash-attention absent) holds at its peak, per token and vocabulary
+    entry: ``LOGIT_BYTES`` of the compute dtype (bf16 4, fp32 12), within 10%, once the head's own weight gradient
+    (h x V in the compute dtype) is taken off."""
+    import torch.multiprocessing as mp
+
+    from areal_plugins.planning.trainer_memory import LOGIT_BYTES
+
+    out = tmp_path / "peak"
+    mp.start_processes(_logits_step, args=(compute, str(out)), nprocs=1, start_method="spawn")
+    added = int(out.read_text()) - LOGIT_H * LOGIT_V * COMPUTE_BYTES[compute]
+    assert added / (LOGIT_T * LOGIT_V) == pytest.approx(LOGIT_BYTES[COMPUTE_BYTES[compute]], rel=0.10)
