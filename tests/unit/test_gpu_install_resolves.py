@@ -3,9 +3,10 @@
 Offline (the unit tier): pip resolves our project (its dependencies and ``gpu`` extra, read from pyproject.toml), the
 flash-attention pin its install line names, and ``verl[vllm,cupy-cu130,flash-attn-cu130torch211]==0.9.1`` against a
 folder of metadata-only wheels: verl's own, its installed ``METADATA`` verbatim, and, for every other project either
-side names, one stub of each version any specifier names (no dependencies of their own). No CUDA wheel is needed to
-see a conflict: a pin of ours that differs from verl's is ``ResolutionImpossible``; a second cupy build (two
-distributions installing the ``cupy`` module over each other) resolves, and the report shows it.
+side names, one stub of each version any specifier names (no dependencies of their own). Our ``gpu`` extra is verl's
+own extras (``verl[vllm,cupy-cu130]``), so ``areal-plugins[gpu]`` alone brings verl's vLLM and cupy. No CUDA wheel
+is needed to see a conflict: a pin added to the extra that differs from verl's is ``ResolutionImpossible``; a second
+cupy build (two distributions installing the ``cupy`` module over each other) resolves, and the report shows it.
 
 Online (``full`` tier): the same resolve against the real index, ``pip install '.[gpu]' ... --dry-run --report``.
 The index this project's machines reach serves no PEP 658 metadata, so pip downloads every wheel to read its
@@ -128,25 +129,34 @@ def test_the_gpu_install_resolves_beside_verls_gpu_extras(tmp_path):
     assert cupy_builds(chosen) == ["cupy-cuda13x"]
 
 
-@pytest.mark.parametrize(
-    ("changed", "to"), [("vllm", "vllm==0.23.0"), ("cupy-cuda13x", "cupy-cuda13x==14.0.0")], ids=str
-)
-def test_a_pin_that_differs_from_verls_is_a_resolution_conflict(tmp_path, changed, to):
-    gpu = [
-        to if canonicalize_name(Requirement(line).name) == changed else line
-        for line in project()["optional-dependencies"]["gpu"]
-    ]
-    result = resolve_offline(tmp_path, gpu)
+def test_the_gpu_extra_alone_brings_verls_vllm_cupy_torch_and_transformers(tmp_path):
+    """``pip install '.[gpu]'`` with nothing else asked: verl's ``vllm`` extra's vLLM, torch and transformers pins
+    and its ``cupy-cu130`` cupy, through our extra (no pin of ours)."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    wheelhouse(wheels, project()["dependencies"], project()["optional-dependencies"]["gpu"])
+    result = resolve(["areal-plugins[gpu]"], tmp_path, tmp_path / "report.json", offline_from=wheels)
+    assert result.returncode == 0, result.stderr
+    chosen = installed(tmp_path / "report.json")
+    assert (chosen["verl"], chosen["vllm"], chosen["torch"], chosen["transformers"]) == (
+        "0.9.1", "0.24.0", "2.11.0", "5.9.0"
+    )  # fmt: skip
+    assert cupy_builds(chosen) == ["cupy-cuda13x"]
+
+
+@pytest.mark.parametrize("pin", ["vllm==0.23.0", "cupy-cuda13x==14.0.0", "torch==2.10.0"], ids=str)
+def test_a_pin_that_differs_from_verls_is_a_resolution_conflict(tmp_path, pin):
+    """A pin added to the extra beside verl's (as the extra once restated them) that differs from verl's own."""
+    result = resolve_offline(tmp_path, [*project()["optional-dependencies"]["gpu"], pin])
     assert result.returncode != 0
     # pip's "The conflict is caused by:" names both sides, verl's "... depends on vllm==0.24.0" and ours
-    assert "ResolutionImpossible" in result.stderr and f"areal-plugins[gpu] 0.1.0 depends on {to}" in result.stdout
+    assert "ResolutionImpossible" in result.stderr and f"areal-plugins[gpu] 0.1.0 depends on {pin}" in result.stdout
 
 
 def test_another_cupy_build_resolves_and_is_caught(tmp_path):
-    """The extra as it stood (``cupy-cuda12x>=13``): pip installs it beside verl's cupy-cuda13x, two builds of one
-    module; only the report shows it."""
-    gpu = [line for line in project()["optional-dependencies"]["gpu"] if not line.startswith("cupy")]
-    result = resolve_offline(tmp_path, [*gpu, "cupy-cuda12x>=13"])
+    """The extra as it stood before issue 48 (``cupy-cuda12x>=13``) beside verl's cupy-cuda13x: pip installs both,
+    two builds of one module; only the report shows it."""
+    result = resolve_offline(tmp_path, [*project()["optional-dependencies"]["gpu"], "cupy-cuda12x>=13"])
     assert result.returncode == 0, result.stderr
     assert cupy_builds(installed(tmp_path / "report.json")) == ["cupy-cuda12x", "cupy-cuda13x"]
 
@@ -155,7 +165,7 @@ def test_another_cupy_build_resolves_and_is_caught(tmp_path):
 def test_the_gpu_install_resolves_against_the_real_index(tmp_path):
     """pip's resolver on the machine's index: 257 distributions, 4.1 GB downloaded to read their metadata (35-74 s
     here). flash-attention is left out: PyPI has only its source, whose metadata takes a build against CUDA torch."""
-    result = resolve([".[gpu]", "verl[vllm,cupy-cu130]==0.9.1"], ROOT, tmp_path / "report.json", offline_from=None)
+    result = resolve([".[gpu]"], ROOT, tmp_path / "report.json", offline_from=None)
     assert result.returncode == 0, result.stderr[-4000:]
     chosen = installed(tmp_path / "report.json")
     assert (chosen["verl"], chosen["vllm"]) == ("0.9.1", "0.24.0")
