@@ -87,7 +87,7 @@ def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
         "--model",
         default="1.5b",
         help="a hub model of areal_plugins' table (areal_plugins/planning/model_shapes.yaml, e.g. Qwen/Qwen2.5-7B), "
-        "or 1.5b, 7b, 14b, 32b (R1-Distill-Qwen, the paper's)",
+        "1.5b, 7b, 14b, 32b (R1-Distill-Qwen, the paper's), or a config.json or the folder holding one",
     )
     plan.add_argument(
         "--model-config", type=Path, help="the model's config.json (or its folder), for a model the table lacks"

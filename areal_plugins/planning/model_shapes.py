@@ -160,9 +160,13 @@ def resolve(model_path: str, model_config: Path | None = None) -> KnownModel:
 
 
 def resolve_for_plan(name: str, model_config: Path | None) -> ModelShape:
-    """``plan --model``: the planner's short names (its fitted shapes), any table name, or ``--model-config``."""
+    """``plan --model``: the planner's short names (its fitted shapes), any table name, a ``config.json`` or a folder
+    holding one; or ``--model-config``, which wins."""
     if model_config is not None:
         return shape_from_config(read_config(model_config), str(model_config))
+    given = Path(name).expanduser()
+    if given.is_file() or (given / "config.json").is_file():
+        return shape_from_config(read_config(given), name)
     if name.lower() in MODELS:
         return MODELS[name.lower()]
     return resolve(PLANNER_ALIASES.get(name.lower(), name)).shape

@@ -178,14 +178,19 @@ def test_plan_takes_its_aliases_any_table_name_or_a_config(tmp_path):
         resolve_for_plan("llama-9000", None)
 
 
-@pytest.mark.parametrize("how", ["table", "config"])
+@pytest.mark.parametrize("how", ["table", "config", "model-json", "model-folder"])
 def test_plan_sizes_a_table_model_or_a_config_json(capsys, tmp_path, how):
     from areal_plugins.cli import main as cli_main
 
     (tmp_path / "config.json").write_text(json.dumps(table()["Qwen/Qwen3-8B"]))
-    model = ["--model", "Qwen/Qwen3-8B"] if how == "table" else ["--model-config", str(tmp_path / "config.json")]
+    config = str(tmp_path / "config.json")
+    model, name = {
+        "table": (["--model", "Qwen/Qwen3-8B"], "Qwen/Qwen3-8B"),
+        "config": (["--model-config", config], config),
+        "model-json": (["--model", config], config),
+        "model-folder": (["--model", str(tmp_path)], str(tmp_path)),
+    }[how]
     assert cli_main(["plan", "--gpus", "8", *model, "--batch", "32", "--group", "8", "--response-mean", "1500",
                      "--max-response", "8192", "--truncated-fraction", "0.002"]) == 0  # fmt: skip
-    name = "Qwen/Qwen3-8B" if how == "table" else str(tmp_path / "config.json")
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith(f"8 x H100 SXM, {name}, 32 prompts x 8") for line in lines), lines
