@@ -392,3 +392,30 @@ def test_verls_own_token_micro_batches_without_remove_padding_say_padding_is_not
     lines = checked(caplog, str(SEPARATE_GPU), padded, *ONE_NODE)
     ours = next(line for line in lines if line.startswith("trainer GPU:"))
     assert "padding not counted" not in ours and "24576-token micro-batch" in ours
+
+
+def test_fixed_micro_batches_are_sized_padded_to_prompt_plus_response(caplog):
+    """Without token-budget micro-batches (areal.micro_batch.max_tokens=null, verl's use_dynamic_bsz false), a
+    micro-batch is ppo_micro_batch_size_per_gpu sequences padded to data.max_prompt_length + max_response_length:
+    2 x (1024 + 8192) = 18,432 tokens; logits 18,432 x 151,936 x 4 = 11,201,937,408 bytes = 10.4 GiB."""
+    lines = checked(
+        caplog, str(SEPARATE_GPU), "areal.micro_batch.max_tokens=null",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", *ONE_NODE,
+    )  # fmt: skip
+    trainer = next(line for line in lines if line.startswith("trainer GPU:"))
+    assert "+ 10.4 GiB bf16 logits of a 18432-token micro-batch +" in trainer
+
+
+def test_kv_heads_that_tensor_parallel_neither_divides_nor_multiplies(tmp_path, caplog):
+    """12 attention heads and 4 KV heads at TP 6: 6 divides the heads, but neither divides the 4 KV heads nor is a
+    multiple of them, which vLLM refuses at start."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = {"hidden_size": 768, "num_hidden_layers": 4, "num_attention_heads": 12, "num_key_value_heads": 4}
+    (folder / "config.json").write_text(json.dumps(config | {"intermediate_size": 2048, "vocab_size": 1000}))
+    line = refused(
+        caplog, str(SEPARATE_GPU), f"actor_rollout_ref.model.path={folder}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=6", "actor_rollout_ref.rollout.n_gpus_per_node=6",
+        "--nodes", "2", "--gpus-per-node", "8",
+    )  # fmt: skip
+    assert line.startswith("actor_rollout_ref.rollout.tensor_model_parallel_size=6 neither divides model's 4 KV heads")
