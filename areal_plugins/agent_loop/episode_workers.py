@@ -55,7 +55,11 @@ class EpisodeAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):  # type: ig
             account_tool_calls(tool)
 
     async def _run_agent_loop(self, *args: Any, **kwargs: Any) -> Any:
-        record = EpisodeRecord(group_uid=kwargs.get("uid"), session=kwargs.get("session_id"))
+        # verl's _validate's prompts (verl's TransferQueue worker passes the trajectory by keyword, its base class
+        # positionally)
+        trajectory = kwargs.get("trajectory", args[1] if len(args) > 1 else None) or {}
+        validation = bool(trajectory.get("validate", False))
+        record = EpisodeRecord(group_uid=kwargs.get("uid"), session=kwargs.get("session_id"), validation=validation)
         CURRENT_EPISODE.set(record)  # the task below starts from a copy of this context: same record
         episode = asyncio.create_task(super()._run_agent_loop(*args, **kwargs))
         watch = self._watch()

@@ -51,6 +51,8 @@ class EpisodeRecord:
     #: verl's prompt uid and answer index of the episode (``uid``, ``session_id``), when the worker knows them
     group_uid: str | None = None
     session: int | None = None
+    #: the episode answers a prompt of verl's validation (``trajectory["validate"]``): its requests go first
+    validation: bool = False
 
     # ------------------------------------------------------------------ written by the rollout client
 

@@ -12,6 +12,10 @@ them (:class:`SpanningFields`): ``routed_experts`` (router replay) cover the pro
 ``generate`` loop (no function to call), so ours is a copy held to verl's by tests/unit/test_client_vs_verl.py, which
 runs both clients through the same interrupted request.
 
+A request of verl's validation (its episode's record says so) is marked for the server
+(``rollout.base.VALIDATION_KWARG``) where the backend declares ``validation_first``: the server admits it ahead of
+the training backlog (docs/backends.md, Validation goes first).
+
 A request whose server died (``placement: separate`` with several replicas) continues the same way on another
 replica: the dead server leaves the load balancer, and the tokens it returned before dying are kept
 (docs/faults.md, A rollout replica dies).
@@ -32,7 +36,7 @@ from verl.workers.rollout.llm_server import LLMServerClient
 from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, version_fields
 from areal_plugins.agent_loop.partial_outputs import PartialOutput, compact, finished_output, keep, take_resumed
 from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, token_digest
-from areal_plugins.rollout.base import SEED_FIELD
+from areal_plugins.rollout.base import SEED_FIELD, VALIDATION_KWARG
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +104,16 @@ class InterruptibleLLMClient(LLMServerClient):
             ) > 0
         return bool(self.__dict__["_checkpoints_on"])
 
+    def _validation_first(self) -> bool:
+        """Whether the backend admits validation requests first (declares ``validation_first``): only then is the
+        mark sent (verl's sglang server, for one, takes no keyword it does not know)."""
+        if "_validation_first" not in self.__dict__:  # lazily: verl builds the client, and pickles it to workers
+            from areal_plugins.rollout.capabilities import provided_capabilities
+
+            backend = str(self.config.actor_rollout_ref.rollout.name)
+            self.__dict__["_validation_first"] = "validation_first" in provided_capabilities(backend)
+        return bool(self.__dict__["_validation_first"])
+
     def _routed_to(self) -> dict[str, str]:
         return self.__dict__.setdefault("_routed", {})  # lazily: verl builds the client, and pickles it to workers
 
@@ -124,6 +138,8 @@ class InterruptibleLLMClient(LLMServerClient):
         budget = params.get(limit_key) or self.config.actor_rollout_ref.rollout.response_length
         if episode is not None:
             episode.enter_engine()
+            if episode.validation and self._validation_first():  # ahead of the training backlog, never held
+                kwargs[VALIDATION_KWARG] = True
         # A resumed run continues the output its checkpoint kept for this answer.
         partial = await take_resumed(*answer, prompt_ids) if answer is not None else None
         if answer is not None and self._checkpoints():  # what a checkpoint keeps, until the group settles

@@ -416,8 +416,9 @@ class PacedRolloutServer(RolloutServer):
         )
 
     async def _generate(
-        self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any], request_id: str
+        self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any], request_id: str, validation: bool = False
     ) -> Generated:
+        # No validation_first: every request is paced alike (the capability is not declared, no mark arrives).
         tokens = self.pacer.length(request_id, max_tokens)
         count, aborted = await self.pacer.run(request_id, len(prompt_ids), tokens)
         self._generated_tokens += count

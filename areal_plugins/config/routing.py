@@ -31,6 +31,7 @@ ROUTED_VERL_KEYS: dict[str, str] = {
     "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is_threshold": "actor_rollout_is_threshold",
     "actor_rollout_ref.rollout.calculate_log_probs": "calculate_log_probs",
     "actor_rollout_ref.rollout.agent.agent_loop_manager_class": "agent_loop_manager_class",
+    "actor_rollout_ref.rollout.scheduling_policy": "scheduling_policy",
     "algorithm.rollout_correction.rollout_is": "rollout_is",
     "algorithm.rollout_correction.rollout_is_threshold": "rollout_is_threshold",
     "algorithm.rollout_correction.bypass_mode": "bypass_mode",
@@ -51,6 +52,10 @@ def routed_settings(config: ArealConfig) -> dict[str, tuple[bool, Any, Any]]:
         "calculate_log_probs": (on, True, False),  # the engine's per-token behaviour log-probs
         # verl's TransferQueue agent-loop workers, recording each episode's versions across turns.
         "agent_loop_manager_class": (on and config.mode == "async", EPISODE_MANAGER_CLASS, None),
+        # vLLM's scheduler orders its waiting queue by each request's priority, so validation requests (which our
+        # server gives the lowest value) go ahead of the training backlog; training requests all have priority 0,
+        # so among them it is first come, first served, as verl's fcfs (docs/backends.md, Validation goes first).
+        "scheduling_policy": (on and config.mode == "async", "priority", "fcfs"),
         "rollout_is": (recompute, "token", None),
         # verl truncates the behaviour weight before the loss sees it: that is our cap (docs/design.md).
         "rollout_is_threshold": (recompute, cap_threshold(config.loss), 2.0),

@@ -21,6 +21,14 @@ from typing import Any, ClassVar
 
 from areal_plugins.records.writer import append_record
 
+#: ``generate`` keyword marking a request of verl's periodic validation (``trainer.test_freq``): a server that declares
+#: the ``validation_first`` capability admits it ahead of every waiting training request and never holds it
+#: (rollout/holds.py). Our rollout client sets it (agent_loop/llm_client.py) only for a backend that declares it.
+VALIDATION_KWARG = "areal_validation"
+#: vLLM's request priority of a validation request (``scheduling_policy: priority``: lower is scheduled first, ties in
+#: arrival order): below any a training request carries (verl's agent loop passes 0, or a dataset's own small index).
+VALIDATION_PRIORITY = -(2**31)
+
 
 class RolloutServer(abc.ABC):
     """Base class of an areal rollout server actor (verl's server contract).
@@ -78,10 +86,12 @@ class RolloutServer(abc.ABC):
         """Token-in/token-out generation with per-token log-probs and versions (verl's ``TokenOutput``).
 
         verl's stop reasons: ``completed``, or ``aborted`` for a request cut short (verl's client
-        re-submits it as prompt + partial output).
+        re-submits it as prompt + partial output). ``kwargs[VALIDATION_KWARG]``: a validation request, which a
+        backend declaring ``validation_first`` admits ahead of the training backlog.
         """
         from verl.workers.rollout.replica import TokenOutput
 
+        validation = bool(kwargs.pop(VALIDATION_KWARG, False))
         params = dict(sampling_params)
         params.setdefault("ignore_eos", self.ignore_eos)  # as verl's vLLM server does
         media = bool(image_data or video_data or audio_data)
@@ -91,7 +101,7 @@ class RolloutServer(abc.ABC):
         if not await self._wait_for_gate():
             out = Generated([], [], [], "aborted")
         else:
-            out = await self._generate(prompt_ids, max_tokens, params, request_id)
+            out = await self._generate(prompt_ids, max_tokens, params, request_id, validation=validation)
         return TokenOutput(
             token_ids=out.token_ids,
             log_probs=out.logprobs if params.get("logprobs") else None,
@@ -101,8 +111,11 @@ class RolloutServer(abc.ABC):
         )
 
     @abc.abstractmethod
-    async def _generate(self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any], request_id: str):
-        """Generate up to ``max_tokens``; a :class:`Generated` (stop reason ``completed`` or ``aborted``)."""
+    async def _generate(
+        self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any], request_id: str, validation: bool = False
+    ):
+        """Generate up to ``max_tokens``; a :class:`Generated` (stop reason ``completed`` or ``aborted``).
+        ``validation``: a request of verl's validation (what ``validation_first`` admits first)."""
 
     @property
     @abc.abstractmethod

@@ -40,7 +40,15 @@ CONTRACT_METHODS = {
 #: checksum or counts tokens.
 VERL_BACKENDS = {
     "vllm": frozenset(
-        {"abort_keeps_partial", "resume", "weight_update", "version_stamps", "weight_checksum", "progress_stats"}
+        {
+            "abort_keeps_partial",
+            "resume",
+            "weight_update",
+            "version_stamps",
+            "weight_checksum",
+            "progress_stats",
+            "validation_first",  # ours: validation requests at vLLM's lowest priority (rollout/verl_vllm/server.py)
+        }
     ),
     "sglang": frozenset({"resume", "weight_update", "version_stamps"}),
 }
@@ -55,6 +63,13 @@ FEATURE_CAPABILITIES = {
     "moe_weight_check": "compares every expert tensor of a mixture-of-experts model after each weight update",
     "lora_adapter_check": "compares every LoRA adapter tensor each engine rank holds after each update",
     "multimodal": "serves image, video or audio inputs",
+}
+
+
+#: What the trainer uses where a backend declares it, and goes without where it does not (nothing is refused).
+OPTIONAL_CAPABILITIES = {
+    "validation_first": "admits verl's validation requests ahead of the waiting training requests and never holds "
+    "them (without it a validation queues behind the whole training backlog)",
 }
 
 

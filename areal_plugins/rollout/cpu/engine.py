@@ -5,8 +5,10 @@ default for tests and laptops: requests join and leave the running batch at ever
 each request keeps its own KV cache, every generated token carries its log-prob under the
 temperature-scaled distribution (what verl's trainer recomputes) and the policy version that
 produced it, and ``abort_all`` returns in-flight requests with their partial output (AReaL's
-interruptible generation). Under LoRA it serves the base model with the trainer's adapter in peft's LoRA layers
-(:meth:`ContinuousBatchingEngine.load_adapter`, rollout/cpu/lora.py). It imports neither Ray nor verl.
+interruptible generation). Requests of verl's validation go first: each is admitted at the next free slot, ahead of
+every waiting training request, and is never held (``generate(validation=True)``). Under LoRA it serves the base
+model with the trainer's adapter in peft's LoRA layers (:meth:`ContinuousBatchingEngine.load_adapter`,
+rollout/cpu/lora.py). It imports neither Ray nor verl.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class _Request:
     cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     aborted: bool = False
     hold: bool = False  # stop after the hold policy's tokens until aborted or new weights load (holds.py)
+    validation: bool = False  # verl's validation: admitted ahead of waiting training requests, never held
 
     @property
     def cache_length(self) -> int:
@@ -143,10 +146,19 @@ class ContinuousBatchingEngine:
         request_id: str = "",
         ignore_eos: bool = False,
         seed: int | None = None,
+        validation: bool = False,
     ) -> Generated:
         """Generate up to ``max_tokens`` tokens after ``prompt_ids`` (past end-of-sequence tokens with
         ``ignore_eos``, as vLLM does); return when done or aborted. ``seed``: sample with this seed instead of the
-        one derived from the prompt (a replay passes the recorded one)."""
+        one derived from the prompt (a replay passes the recorded one).
+
+        ``validation``: a request of verl's periodic validation. It waits behind the other validation requests only:
+        the next slot that frees in the running batch is its, before any waiting training request's (at 7B scale
+        tens of thousands of training requests are in flight, and a validation queued behind them lasted as long as
+        draining them). The running batch is not preempted: its requests keep their slots, and their KV caches, to
+        their end, so a validation request waits at most until the first of them ends (vLLM's ``priority`` policy
+        does the same; docs/backends.md). It is never held (:mod:`~areal_plugins.rollout.holds`), and takes no
+        group among the ones that finish; an abort cuts it like any request, and its tokens carry their versions."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if not prompt_ids:
@@ -166,10 +178,15 @@ class ContinuousBatchingEngine:
             future=loop.create_future(),
             seed=seed,
             generator=torch.Generator().manual_seed(seed),
-            hold=self.holds is not None and self.holds.holds(prompt_ids),
+            hold=not validation and self.holds is not None and self.holds.holds(prompt_ids),
             routed=[] if self.experts_per_token else None,
+            validation=validation,
         )
-        self._waiting.append(request)
+        if validation:  # behind the validation requests waiting (all at the head of the queue), before the rest
+            first_training = next((i for i, r in enumerate(self._waiting) if not r.validation), len(self._waiting))
+            self._waiting.insert(first_training, request)
+        else:
+            self._waiting.append(request)
         self._ensure_loop()
         assert self._wakeup is not None
         self._wakeup.set()

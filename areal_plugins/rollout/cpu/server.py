@@ -99,9 +99,15 @@ class CPURolloutServer(RolloutServer):
     backend_name = "areal_cpu"
     releases_memory_on_sleep = True
     #: Beside the contract's: router replay (the engine records each token's experts), every tensor, expert
-    #: tensors included, in the checksum that answers each update, and every LoRA adapter tensor's checksum after
-    #: loading in the reply to each adapter update (:meth:`update_adapter`).
-    capabilities = RolloutServer.capabilities | {"routed_experts", "moe_weight_check", "lora_adapter_check"}
+    #: tensors included, in the checksum that answers each update, every LoRA adapter tensor's checksum after
+    #: loading in the reply to each adapter update (:meth:`update_adapter`), and validation requests admitted ahead of
+    #: the training backlog, never held (:meth:`ContinuousBatchingEngine.generate`'s ``validation``).
+    capabilities = RolloutServer.capabilities | {
+        "routed_experts",
+        "moe_weight_check",
+        "lora_adapter_check",
+        "validation_first",
+    }
     #: ``engine_kwargs.areal_cpu`` keys (verl_registration.ENGINE_OPTIONS and this backend's own).
     engine_options = (
         "num_threads",
@@ -162,7 +168,9 @@ class CPURolloutServer(RolloutServer):
 
     # ------------------------------------------------------------------ generation
 
-    async def _generate(self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any], request_id: str):
+    async def _generate(
+        self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any], request_id: str, validation: bool = False
+    ):
         return await self.engine.generate(
             prompt_ids,
             max_tokens=max_tokens,
@@ -172,6 +180,7 @@ class CPURolloutServer(RolloutServer):
             ignore_eos=bool(params.get("ignore_eos", False)),
             request_id=request_id,
             seed=params.get("seed"),
+            validation=validation,
         )
 
     @property

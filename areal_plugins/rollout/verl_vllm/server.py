@@ -14,7 +14,7 @@ from typing import Any
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
 from areal_plugins.rollout.activity import RequestActivity
-from areal_plugins.rollout.base import SEED_FIELD
+from areal_plugins.rollout.base import SEED_FIELD, VALIDATION_KWARG, VALIDATION_PRIORITY
 from areal_plugins.rollout.holds import FinishFirstGroups
 from areal_plugins.rollout.prompt_seeds import PromptSeeds
 
@@ -42,6 +42,13 @@ class ArealVLLMHttpServer(vLLMHttpServer):
     gate to reach the engine, but counts a request as arriving only at its first output, so requests queued in
     the engine behind ``max_num_seqs`` held every abort (and every weight update) until they had started, up to
     verl's 60 s barrier timeout: the engine drained instead of being interrupted.
+
+    A validation request (``VALIDATION_KWARG``, set by our client) goes to vLLM with priority
+    :data:`~areal_plugins.rollout.base.VALIDATION_PRIORITY`: under ``rollout.scheduling_policy: priority`` (which
+    ``areal.enable`` routes in async mode) vLLM's scheduler admits it ahead of every waiting training request
+    (vLLM 0.30.0, ``v1/core/sched/request_queue.py``, ``PriorityRequestQueue``: (priority, arrival) order). Running
+    requests are not preempted for it (the scheduler's waiting loop stops at ``max_num_seqs``); when KV blocks run
+    out, the victim is the running request of the highest (priority, arrival), a training request. It is never held.
     """
 
     #: The test-only holds (FINISH_GROUPS_KEY); None: every request runs to its end. Set in ``__init__``.
@@ -70,7 +77,10 @@ class ArealVLLMHttpServer(vLLMHttpServer):
     ) -> Any:
         if self.prompt_seeds is not None and "seed" not in sampling_params:
             sampling_params = {**sampling_params, "seed": self.prompt_seeds.next(prompt_ids)}
-        held = self.holds is not None and self.holds.holds(list(prompt_ids))
+        validation = bool(kwargs.pop(VALIDATION_KWARG, False))
+        if validation:  # first in vLLM's waiting queue (scheduling_policy: priority), whatever verl's client passed
+            kwargs["priority"] = min(int(kwargs.get("priority") or 0), VALIDATION_PRIORITY)
+        held = not validation and self.holds is not None and self.holds.holds(list(prompt_ids))
         if held:  # a few tokens of this version, then wait for the abort that cuts it (tests only)
             assert self.holds is not None
             limit = min(int(sampling_params.get("max_tokens") or self.holds.hold_at_token), self.holds.hold_at_token)
