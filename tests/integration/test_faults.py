@@ -276,18 +276,18 @@ def test_a_step_longer_than_the_watchdog_trains_and_a_hung_worker_is_stopped_wit
     while len(read_jsonl(run_dir / "areal_steps.jsonl")) < 1:
         assert process.poll() is None and time.monotonic() < deadline, f"no step 1:\n{cli_output(process)}"
         time.sleep(0.2)
-    step_1_done = time.monotonic()
-    while "restart 1/1" not in cli_output(process, last=20000):
-        assert process.poll() is None and time.monotonic() < deadline, f"no restart:\n{cli_output(process)}"
+    while "TrainerStalledError" not in (run_dir / "train.log").read_text():
+        assert process.poll() is None and time.monotonic() < deadline, f"no stall:\n{cli_output(process)}"
         time.sleep(0.2)
-    # From step 1's end: step 2's batch (generated while step 1 trained), its old log-probs, one delay before the
-    # hang, then at most watchdog_s without progress; a guard that judged the step's length would not get here.
-    stopped_after = time.monotonic() - step_1_done
+    # The hang began when the plugin's loss made its marker file; the guard's report must follow within the
+    # watchdog (its limit after the last micro-batch began, plus one look). The teardown after it (the interrupt's
+    # grace, Ray's shutdown) is not the guard's and is not timed: over a minute on a busy box.
+    fired_after_hang = time.time() - (tmp_path / "hung_once").stat().st_mtime
     failed_attempt, code, output = restart_then_finish(process, run_dir, deadline)
     assert code == 0, output[-3000:]
     (restart_line,) = [line for line in output.splitlines() if "restart 1/1" in line]
     assert "TrainerStalledError" in restart_line and "is stuck" in restart_line, restart_line
-    assert stopped_after < watchdog_s + 60, f"the hung attempt took {stopped_after:.0f} s to stop"
+    assert fired_after_hang < watchdog_s, f"the guard fired {fired_after_hang:.0f} s into the hang"
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     # Each step's update took longer than the watchdog, by verl's own timer: the guard let both run.
