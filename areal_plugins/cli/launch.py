@@ -31,9 +31,9 @@ from areal_plugins.cli.control import (
     new_group_dying_with_parent,
 )
 from areal_plugins.cli.progress import (
-    ERROR_LINE,
     MILESTONES,
     STEP_LINE,
+    error_in,
     format_progress,
     recipe_files,
     total_steps,
@@ -361,7 +361,7 @@ def follow_output(process: subprocess.Popen, log_file: BoundedLog, total: str, s
     for line in process.stdout:
         log_file.write(line)
         match = STEP_LINE.search(line)
-        error = ERROR_LINE.match(line.strip())
+        error = error_in(line)
         if match:
             for message in format_progress(int(match.group(1)), total, match.group(2)).splitlines():
                 logger.info(message)

@@ -15,6 +15,16 @@ STEP_LINE = re.compile(r"step:(\d+) - (.*)")
 #: The last line of a Python traceback (``module.SomeError: message``), behind Ray's ``(Actor pid=1)`` prefix.
 ERROR_LINE = re.compile(r"^(?:\(.*?\)\s*)?((?:[\w.]+\.)?\w+(?:Error|Exception|Exit|Interrupt)\b:?.*)$")
 
+#: The terminal colour codes Ray wraps its ``(Actor pid=1)`` prefix in (``\x1b[36m(...)\x1b[0m``).
+_ANSI_CODE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def error_in(line: str) -> re.Match[str] | None:
+    """:data:`ERROR_LINE`'s match on ``line`` with Ray's colour codes taken out (None: not an error line). Ray
+    colours the prefix in some setups and not others; a coloured watchdog stop was named as the ActorDiedError
+    that followed it."""
+    return ERROR_LINE.match(_ANSI_CODE.sub("", line).strip())
+
 
 #: verl's own milestones worth a progress line while the (slow, ~1.5 min) startup runs.
 MILESTONES = {

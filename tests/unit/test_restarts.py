@@ -113,3 +113,21 @@ def test_the_cause_named_is_our_error_not_what_ray_printed_while_tearing_down(tm
     with BoundedLog(tmp_path / "other.log") as log:  # none of ours: the last error line, as before
         cause = follow_output(SimpleNamespace(stdout=iter(lines[2:])), log, "4", 0.0)
     assert cause.startswith("vllm.v1.engine.exceptions.EngineDeadError")
+
+
+def test_our_error_behind_rays_coloured_prefix_is_named_not_the_actor_death_after_it(tmp_path):
+    """Ray colours its ``(Actor pid=N)`` prefix in some setups: the CI stall-guard run printed the guard's stop as
+    below, then the ActorDiedError of the teardown, and the restart line named the latter."""
+    from types import SimpleNamespace
+
+    from areal_plugins.cli.bounded_log import BoundedLog
+    from areal_plugins.cli.launch import follow_output
+
+    stall = "areal_plugins.driver.watchdog.TrainerStalledError: areal watchdog: a trainer worker (update) is stuck"
+    lines = [
+        f"\x1b[36m(TaskRunnerV1 pid=1595)\x1b[0m {stall}\n",
+        "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.\n",
+    ]
+    with BoundedLog(tmp_path / "train.log") as log:
+        cause = follow_output(SimpleNamespace(stdout=iter(lines)), log, "2", 0.0)
+    assert cause is not None and cause.startswith(stall), cause
