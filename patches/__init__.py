@@ -15,6 +15,10 @@ progress (selected by ``areal.enable`` with ``areal.mode: async``); the trainer 
 processes with :func:`areal_plugins.driver.worker_calls.apply_patches_in_workers`, since only the driver sees the
 recipe. With ``areal.enable: false`` on a GPU machine only the routing wrapper is installed, in the driver, and it
 passes verl's config through unchanged.
+
+One more is not in :data:`PATCHES`: ``vllm_lora_mapper`` (verl's LoRA loader on vLLM 0.30's renamed mapper method)
+is applied by our vLLM worker extension in vLLM's worker processes when the engine serves LoRA, the only processes
+where verl loads an adapter; applying it at plugin load would import vLLM's model code in every process.
 """
 
 from __future__ import annotations

@@ -134,9 +134,11 @@ def check_verl_vllm_settings(config: Any) -> None:
     """Refuse what the weight check of verl's vllm rollout (rollout/verl_vllm/) does not cover yet."""
     rollout = config.actor_rollout_ref.rollout
     uncovered = {
-        "LoRA adapter updates": (
-            int(config.actor_rollout_ref.model.get("lora_rank", 0) or 0) > 0,
-            "actor_rollout_ref.model.lora_rank=0",
+        "LoRA adapters sharded in rank over tensor parallelism (lora.fully_sharded_loras: each rank's slot holds "
+        "part of lora_A's rank, which the adapter check does not read back)": (
+            lora_rank(config) > 0
+            and bool((config.actor_rollout_ref.model.get("lora") or {}).get("fully_sharded_loras")),
+            "actor_rollout_ref.model.lora.fully_sharded_loras=false",
         ),
         "prefill/decode disaggregation (a replica split in two)": (
             bool((rollout.get("disaggregation") or {}).get("enabled", False)),

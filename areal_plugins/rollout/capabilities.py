@@ -47,6 +47,7 @@ VERL_BACKENDS = {
             "version_stamps",
             "weight_checksum",
             "progress_stats",
+            "lora_adapter_check",  # ours: each worker's LoRA slots read back (rollout/verl_vllm/loaded_adapter.py)
             "validation_first",  # ours: validation requests at vLLM's lowest priority (rollout/verl_vllm/server.py)
         }
     ),

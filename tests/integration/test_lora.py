@@ -1,6 +1,7 @@
-"""LoRA under ``areal_async`` on ``areal_cpu``, colocated: the tiny model trains an adapter through verl 0.9.1's FSDP2
-engine (peft's ``get_peft_model``), and every weight update after the first carries the adapter alone, loaded into
-the engine's LoRA layers and checked tensor by tensor (docs/design.md, LoRA). Full tier (two verl starts).
+"""LoRA under ``areal_async``, colocated, on ``areal_cpu`` and (the last test) verl's ``vllm``: the tiny model trains
+an adapter through verl 0.9.1's FSDP2 engine (peft's ``get_peft_model``), and every weight update after the first
+carries the adapter alone, loaded into the engine's LoRA layers and checked tensor by tensor (docs/design.md, LoRA).
+Full tier (three verl starts).
 
 What the records say, derived from verl's ``engine_workers.update_weights``: with ``rollout.load_format: dummy``
 (verl's default) the trainer's ``base_sync_done`` starts false, so the first update (version 0, before step 1) sends
@@ -89,3 +90,49 @@ def test_an_adapter_tensor_corrupted_on_arrival_stops_the_run_naming_it(tiny_dir
     assert [r["version"] for r in syncs if r["event"] == "update_adapter"] == [0, 1, 2], syncs  # 2: loaded, refused
     lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
     assert [json.loads(line)["data"]["training/global_step"] for line in lines if line.strip()] == [1]
+
+
+#: The tensor whose LoRA slot is changed after loading in the verl-vLLM run (a value the forward pass reads).
+CORRUPTED_IN_SLOT = "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
+
+
+def test_lora_on_verls_vllm_checks_every_adapter_update_and_stops_on_a_bad_slot(tiny_dir, tmp_path):
+    """verl's ``vllm`` rollout (CPU build, ``.venv-verl-vllm``), colocated: verl's vLLM server loads the adapter with
+    ``add_lora``, our worker extension reads every adapter tensor back from the LoRA slots the forward pass uses,
+    and our server adapter compares them with what the trainer sent (rollout/verl_vllm/loaded_adapter.py,
+    weight_sync/adapter_check.py). vLLM starts from dummy weights (verl's ``load_format: dummy``), so the worker's
+    updates are 1: the base weights under peft's ``.base_layer`` names (version 0, checked as full weights), 2:
+    version 0's adapter, 3: version 1's, 4: version 2's, after step 2. From the fourth on one value of
+    ``CORRUPTED_IN_SLOT``'s slot changes after loading (fault injection in the worker): the run must stop at that
+    update naming the replica, the engine rank and the tensor."""
+    from tests.integration.test_verl_vllm import assert_loaded_check_covers_the_tiny_model, train_with_verl_vllm
+
+    run_dir = tmp_path / "run"
+    result = train_with_verl_vllm(
+        run_dir,
+        tiny_dir,
+        STEPS,
+        *LORA,
+        f"++ray_kwargs.ray_init.runtime_env.env_vars.AREAL_CORRUPT_LOADED_WEIGHT='{CORRUPTED_IN_SLOT}@4'",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert (
+        f"rollout replica 0, engine rank 0, update 2: adapter tensor {CORRUPTED_IN_SLOT} is held as other values "
+        "than it arrived as" in output
+    ), output[-3000:]
+    checked = [r for r in read_jsonl(run_dir / "weight_syncs.jsonl") if r["event"] == "update_checked"]
+    base = [r for r in checked if not r["checksum"].get("adapter_only")]
+    adapters = [r for r in checked if r["checksum"].get("adapter_only")]
+    # The base weights once, before the first adapter, and checked as full weights.
+    assert [r["version"] for r in base] == [0], checked
+    assert_loaded_check_covers_the_tiny_model(base[0]["checksum"])
+    # Every adapter update before the corrupted one: all 28 tensors compared on the replica's one vLLM worker.
+    assert [r["version"] for r in adapters] == [0, 1], checked
+    expected = {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1, "workers": [0], "adapter_only": True}
+    assert all(r["checksum"] == expected for r in adapters), adapters
+    actors = {record["class_name"] for record in read_jsonl(run_dir / "ray_actors.jsonl")}
+    assert "ArealVLLMHttpServer" in actors, actors
+    steps = [json.loads(line)["data"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    assert [s["training/global_step"] for s in steps] in ([1], [1, 2])  # step 2's line may race the failing sync
+    assert all(s["areal/gen_tokens_per_s"] > 0 for s in steps)

@@ -95,12 +95,15 @@ def test_the_startup_validation_applies_the_contract_to_the_composed_recipe():
 @pytest.mark.parametrize(
     ("override", "fix"),
     [
-        ("actor_rollout_ref.model.lora_rank=8", r"set actor_rollout_ref\.model\.lora_rank=0"),
+        (
+            "actor_rollout_ref.model.lora_rank=8 ++actor_rollout_ref.model.lora.fully_sharded_loras=true",
+            r"set actor_rollout_ref\.model\.lora\.fully_sharded_loras=false",
+        ),
         ("actor_rollout_ref.rollout.disaggregation.enabled=true", r"set actor_rollout_ref\.rollout\.disaggregation"),
         ("actor_rollout_ref.rollout.data_parallel_size=2", r"set actor_rollout_ref\.rollout\.data_parallel_size=1"),
         ("actor_rollout_ref.rollout.checkpoint_engine.backend=delta_sharded", r"checkpoint_engine\.backend=nccl"),
     ],
-    ids=["lora", "disaggregation", "data-parallel", "delta"],
+    ids=["lora-fully-sharded", "disaggregation", "data-parallel", "delta"],
 )
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_what_the_vllm_weight_check_does_not_cover_is_refused_at_startup_in_both_modes(override, fix, mode):
@@ -108,5 +111,5 @@ def test_what_the_vllm_weight_check_does_not_cover_is_refused_at_startup_in_both
 
     with pytest.raises(ArealConfigError, match=fix):
         areal_validate_config(
-            compose("grpo_cpu_async", ["actor_rollout_ref.rollout.name=vllm", f"areal.mode={mode}", override])
+            compose("grpo_cpu_async", ["actor_rollout_ref.rollout.name=vllm", f"areal.mode={mode}", *override.split()])
         )

@@ -200,3 +200,19 @@ def test_every_shipped_recipe_passes_the_matrix():
     for recipe in sorted((REPO / "recipes").glob("*.yaml")):
         if not recipe.name.startswith("_"):
             check_support_matrix(compose(recipe.stem))
+
+
+def test_lora_runs_colocated_on_verls_vllm_and_fully_sharded_adapters_are_refused():
+    vllm_lora = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.lora_rank=8"]
+    areal_validate_config(compose(RECIPE, vllm_lora))
+    line = refusal([*vllm_lora, "++actor_rollout_ref.model.lora.fully_sharded_loras=true"])
+    assert "set actor_rollout_ref.model.lora.fully_sharded_loras=false" in line
+    assert "set areal.placement=colocated" in refusal(
+        [
+            *vllm_lora,
+            "areal.placement=separate",
+            "actor_rollout_ref.rollout.nnodes=1",
+            "actor_rollout_ref.rollout.n_gpus_per_node=1",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=areal_gloo",
+        ]
+    )

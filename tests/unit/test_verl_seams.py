@@ -120,6 +120,7 @@ SEAMS: dict[str, tuple[str, ...] | None] = {
 
 #: verl's vLLM modules import only where vLLM does (.venv-verl-vllm); checked there, skipped elsewhere.
 VLLM_SEAMS: dict[str, tuple[str, ...] | None] = {
+    "verl.utils.vllm:resolve_weight_name": ("model", "name", "model_weight_names"),
     "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer:BucketedWeightReceiver": None,
     "verl.workers.rollout.vllm_rollout.utils:vLLMColocateWorkerExtension": None,
     "verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMHttpServer": None,

@@ -9,6 +9,10 @@ delivers them, or any where the transport is shared memory) goes as pieces that 
 loading (weight_sync/split_tensors.py), on every rank of a replica whose workers run our extension
 (``rollout.custom.areal_joins_pieces``, which our trainers set: :func:`~areal_plugins.rollout.verl_vllm.server.
 use_checked_vllm_replicas`).
+
+Under LoRA (verl's adapter-only update: ``peft_config`` with ``base_sync_done``) the comparison is the adapter's:
+every adapter tensor each worker holds in the slots its forward pass reads, against what the trainer sent
+(weight_sync/adapter_check.py); the base weights, sent once before the first adapter, are checked as full weights.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from verl.workers.rollout.utils import ensure_async_iterator
 from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
 from areal_plugins.rollout.base import record_weight_sync
+from areal_plugins.weight_sync.adapter_check import check_adapter_reports
 from areal_plugins.weight_sync.checksums import check_loaded_reports, check_weight_reports, tensor_checksum
 from areal_plugins.weight_sync.split_tensors import JOINS_PIECES_KEY, cut_large
 
@@ -56,6 +61,9 @@ class ArealServerAdapter(ServerAdapter):
         result = await super().update_weights(self._cut(checksummed()), global_steps, wire_format, **kwargs)
         if self._has_server:  # every worker has received by now: verl awaits their collective_rpc
             reports = await self.server_handle.areal_weight_reports.remote()
+            if kwargs.get("peft_config") and kwargs.get("base_sync_done"):  # verl's adapter-only update (LoRA)
+                self._check_adapter(reports, sent, int(global_steps or 0))
+                return result
             where = f"rollout replica {self.replica_rank}"
             check_weight_reports(reports, sent, where, self._workers_per_replica())
             loaded = check_loaded_reports(reports, where)
@@ -65,6 +73,16 @@ class ArealServerAdapter(ServerAdapter):
                 checked["joined"] = joined
             record_weight_sync(self.replica_rank, int(global_steps or 0), checked, "update_checked")
         return result
+
+    def _check_adapter(self, reports: list[dict[str, Any]], sent: dict[str, list[float]], version: int) -> None:
+        """Every worker of this replica holds, in the slots its forward pass reads, the adapter the trainer sent
+        (weight_sync/adapter_check.py; each worker's report: rollout/verl_vllm/loaded_adapter.py)."""
+        replica = [{**report, "replica": self.replica_rank} for report in reports]
+        checked = check_adapter_reports(sent, replica, version, self._workers_per_replica())
+        workers = sorted(int(report["rank"]) for report in reports)
+        record_weight_sync(
+            self.replica_rank, version, {**checked, "workers": workers, "adapter_only": True}, "update_checked"
+        )
 
     def _cut(self, weights: Any) -> Any:
         """``weights`` with each tensor that verl's sender could not send whole given as pieces, where this replica's

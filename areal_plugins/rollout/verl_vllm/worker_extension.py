@@ -15,6 +15,12 @@ shared memory elsewhere) and loads each bucket with the model's ``load_weights``
 * on the CPU platform only: vLLM's CPU build repacks linear layers after the first load, so the model's
   ``load_weights`` fails on a second load (its parameters lose ``weight_loader``). There the buckets are
   gathered and loaded once with the model runner's ``reload_weights``, which restores the layers first.
+* LoRA (verl's adapter-only update, ``peft_config`` with ``base_sync_done``): verl's own loading (``add_lora`` with
+  a ``TensorLoRARequest``, on every platform: the base layers are not touched), then a report of every adapter
+  tensor this worker holds in the slots its forward pass reads, beside what it received and what it should hold
+  (rollout/verl_vllm/loaded_adapter.py; compared by weight_sync/adapter_check.py). A module of which only one of
+  ``lora_A``/``lora_B`` arrived stops the update here, naming the missing tensor: vLLM would fail inside
+  ``add_lora`` without naming it.
 """
 
 from __future__ import annotations
@@ -31,8 +37,15 @@ from areal_plugins.weight_sync.split_tensors import Joiner
 #: Fault injection for tests: ``NAME`` or ``NAME@K``: from this worker's K-th update on (default 1), the first
 #: received value of tensor NAME is changed by +1, as a bad transport would.
 CORRUPT_VARIABLE = "AREAL_CORRUPT_RECEIVED_WEIGHT"
-#: The same for the engine's parameter NAME after loading, as a bad load would.
+#: The same for the engine's parameter NAME after loading, as a bad load would (for a LoRA adapter: the trainer's
+#: tensor name, in the slot the forward pass reads).
 CORRUPT_LOADED_VARIABLE = "AREAL_CORRUPT_LOADED_WEIGHT"
+#: ``NAME[,NAME...]`` or ``...@K``: from this worker's K-th update on, the named tensors are dropped on arrival, as a
+#: lossy transport would.
+DROP_VARIABLE = "AREAL_DROP_RECEIVED_WEIGHT"
+#: ``NAME=OTHER[,NAME=OTHER...]`` or ``...@K``: tensor NAME arrives as OTHER, as a transport that mixes up names
+#: would.
+RENAME_VARIABLE = "AREAL_RENAME_RECEIVED_WEIGHT"
 
 
 def corruption_target(setting: str, update: int) -> str:
@@ -47,6 +60,14 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
     model_runner: Any
     rank: int
 
+    def __new__(cls, **kwargs: Any) -> Any:
+        # verl's LoRA loader calls a WeightsMapper method that vLLM 0.30 renamed (patches/vllm_lora_mapper.py).
+        if getattr(kwargs.get("vllm_config"), "lora_config", None) is not None:
+            from areal_plugins.patches import vllm_lora_mapper
+
+            vllm_lora_mapper.apply()
+        return super().__new__(cls, **kwargs)
+
     def update_weights_from_ipc(
         self, peft_config: Any = None, base_sync_done: bool = False, use_shm: bool = False
     ) -> Any:
@@ -55,19 +76,41 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
         self.areal_loaded: dict[str, Any] | None = None
         self.areal_updates = getattr(self, "areal_updates", 0) + 1
         self.areal_joiner = Joiner()
-        if peft_config:
-            raise NotImplementedError("areal_async with verl's vllm rollout does not support LoRA adapters yet")
+        self.areal_adapter: dict[str, Any] | None = None
+        self.areal_adapter_received: dict[str, torch.Tensor] = {}
+        self.areal_unpaired: list[tuple[str, str]] = []
         from vllm.platforms import current_platform
 
+        adapter_only = bool(peft_config) and bool(base_sync_done)
         model = self.model_runner.model
         result = None
-        if not current_platform.is_cpu():
+        if adapter_only or not current_platform.is_cpu():  # verl's loading (an adapter leaves the base layers be)
             result = super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
         else:
-            self._update_weights_on_cpu(use_shm)
+            self._update_weights_on_cpu(use_shm, peft_config)
         self.areal_joiner.finish()
-        self._report_loaded(model)
+        if adapter_only:
+            self._require_pairs()
+            self._report_adapter(peft_config)
+        else:
+            self._report_loaded(model)
         return result
+
+    def _report_adapter(self, peft_config: Any) -> None:
+        from vllm.lora.peft_helper import PEFTHelper
+
+        from areal_plugins.rollout.verl_vllm.loaded_adapter import adapter_report, corrupt_slot, held_adapter
+
+        manager = self.model_runner.lora_manager._adapter_manager
+        corrupt = corruption_target(os.environ.get(CORRUPT_LOADED_VARIABLE, ""), self.areal_updates)
+        if corrupt:  # fault injection (tests): one value the forward pass reads
+            corrupt_slot(manager, corrupt)
+        held = held_adapter(manager, list(self.areal_adapter_received))
+        scaling = float(PEFTHelper.from_dict(dict(peft_config)).vllm_lora_scaling_factor)
+        self.areal_adapter = (
+            None if held is None else adapter_report(held, self.areal_adapter_received, self.areal_received, scaling)
+        )
+        self.areal_adapter_received = {}
 
     def _report_loaded(self, model: Any) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
@@ -108,22 +151,55 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
         weights = self.areal_joiner.take(weights)
         if not weights:  # the bucket held only pieces of a tensor still arriving
             return None
-        self._record(weights)
+        weights = self._record(weights)
+        if peft_config and base_sync_done:  # verl hands over the whole adapter at once
+            from areal_plugins.rollout.verl_vllm.loaded_adapter import rename_mapper, unpaired
+
+            self.areal_adapter_received.update(weights)
+            self.areal_unpaired = unpaired([name for name, _ in weights], rename_mapper(self.model_runner.model))
+            if self.areal_unpaired:  # not loaded; raised once the transfer has ended (_require_pairs)
+                return None
         return super()._update_weights(weights, peft_config, base_sync_done)
 
-    def _record(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    def _require_pairs(self) -> None:
+        """Raise where only one of a module's ``lora_A``/``lora_B`` arrived (vLLM would fail inside ``add_lora``
+        without naming it). Raised after verl's receiver has ended: from inside its loop the error would be masked
+        by the receiver's own failure to close the shared memory the bucket's tensors still point into."""
+        from areal_plugins.weight_sync.errors import WeightSyncError
+
+        halves = getattr(self, "areal_unpaired", [])
+        if halves:
+            missing, present = halves[0]
+            replica = os.environ.get("VERL_REPLICA_RANK", "?")
+            raise WeightSyncError(
+                f"rollout replica {replica}, engine rank {int(getattr(self, 'rank', 0))}, this worker's update "
+                f"{self.areal_updates}: adapter tensor {missing} never arrived, though {present} did "
+                f"({len(halves)} such module(s)): the engine cannot load half an adapter; stopping"
+            )
+
+    def _record(self, weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Checksum what arrived (after the tests' fault injection); what arrived, to load."""
         corrupt = corruption_target(os.environ.get(CORRUPT_VARIABLE, ""), self.areal_updates)
+        drop = set(corruption_target(os.environ.get(DROP_VARIABLE, ""), self.areal_updates).split(","))
+        renames = corruption_target(os.environ.get(RENAME_VARIABLE, ""), self.areal_updates)
+        renamed = dict(pair.partition("=")[::2] for pair in renames.split(",") if pair)
+        arrived = []
         for name, tensor in weights:
+            if name in drop:  # fault injection (tests): lost on the way
+                continue
+            name = renamed.get(name, name)  # fault injection (tests): arrives under another name
             if name == corrupt:  # fault injection (tests): one received value changed, as a bad transport would
                 tensor.view(-1)[0] += 1.0
             received = ReceivedTensor.of(tensor, self._engine_dtype())
             self.areal_received_tensors[name] = received
             self.areal_received[name] = received.checksum
+            arrived.append((name, tensor))
+        return arrived
 
     def _engine_dtype(self) -> torch.dtype:
         return self.model_runner.vllm_config.model_config.dtype
 
-    def _update_weights_on_cpu(self, use_shm: bool) -> None:
+    def _update_weights_on_cpu(self, use_shm: bool, peft_config: Any = None) -> None:
         from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
 
         received: list[tuple[str, torch.Tensor]] = []
@@ -132,22 +208,34 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
             # The receiver reuses its buffer for the next bucket: copy out what this one holds (a joined tensor is
             # a copy already).
             bucket = self.areal_joiner.take(bucket, copy_others=True)
-            self._record(bucket)
-            received.extend(bucket)
+            received.extend(self._record(bucket))
 
         receiver = BucketedWeightReceiver(
             zmq_handle=self._get_zmq_handle(), device=torch.device("cpu"), use_shm=use_shm
         )
         receiver.receive_weights(on_bucket_received=keep)
+        if peft_config:  # LoRA's base weights (``.base_layer`` names): verl's name reconciliation, as on a GPU
+            from verl.utils.vllm import resolve_weight_name
+
+            model = self.model_runner.model
+            names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+            names.update(n for n, _ in model.named_buffers())
+            received = [(resolve_weight_name(model, name, names), tensor) for name, tensor in received]
         self.model_runner.reload_weights(weights_iterator=iter(received))
 
     def areal_weight_report(self) -> dict[str, Any]:
         """What this worker received in the last update (its rank, a checksum per tensor name), what it holds
-        after loading it (``loaded``: rollout/verl_vllm/loaded_weights.py) and which tensors arrived in pieces."""
+        after loading it (``loaded``: rollout/verl_vllm/loaded_weights.py; ``adapter`` for a LoRA adapter:
+        rollout/verl_vllm/loaded_adapter.py, None where it holds none) and which tensors arrived in pieces."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
         joiner = getattr(self, "areal_joiner", None)
         return {
             "rank": int(getattr(self, "rank", 0)),
             "checksums": dict(getattr(self, "areal_received", {})),
             "loaded": getattr(self, "areal_loaded", None),
+            "adapter": getattr(self, "areal_adapter", None),
+            "tensor_parallel_size": get_tensor_model_parallel_world_size(),
+            "shard_group": list(self._shard_group()),
             "joined": list(joiner.joined) if joiner is not None else [],
         }
