@@ -106,6 +106,7 @@ def engine():
     patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     patch.setenv("VERL_RAY_JOB_ID", f"lora-check-{os.getpid()}")  # this test's own socket
+    engine = None
     try:
         engine = Engine()
         peft_model, _, peft_config = peft_adapter(LINEAR, seed=0)
@@ -116,6 +117,8 @@ def engine():
         yield engine
     finally:
         patch.undo()
+        if engine is not None:  # the sender's ipc socket file stays behind otherwise
+            Path(engine.handle.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 def checked(report: dict, tensors: dict[str, torch.Tensor], version: int = 1) -> dict[str, int]:
