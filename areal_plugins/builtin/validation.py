@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,8 @@ def areal_validate_config(config: Any) -> None:
         check_backend_capabilities(str(rollout.name), list(areal.get("waive_capabilities") or []))
     if rollout.name == "vllm":  # both modes build our checked vLLM server (rollout/verl_vllm/)
         check_verl_vllm_settings(config)
+        if areal.mode == "async":
+            _warn_unless_validation_goes_first(rollout)
     if areal.mode == "async" and areal.placement == "separate":
         if rollout.checkpoint_engine.backend == "naive":
             raise ArealConfigError(
@@ -79,6 +82,26 @@ def areal_validate_config(config: Any) -> None:
     if areal.mode == "async":
         _check_agent_loop_manager(rollout.get("agent", {}).get("agent_loop_manager_class"))
     check_support_matrix(config)
+
+
+def vllm_scheduling_policy(rollout: Any) -> str:
+    """The policy vLLM is built with: ``engine_kwargs.vllm.scheduling_policy`` if set (verl passes the engine
+    kwargs after its own arguments, so they win), else ``rollout.scheduling_policy`` (verl's default ``fcfs``)."""
+    engine = (rollout.get("engine_kwargs") or {}).get("vllm") or {}
+    return str(engine.get("scheduling_policy") or rollout.get("scheduling_policy") or "fcfs")
+
+
+def _warn_unless_validation_goes_first(rollout: Any) -> None:
+    """Validation requests carry vLLM's highest priority, which only the ``priority`` policy reads (docs/backends.md,
+    Validation goes first); under another one they queue behind the whole training backlog, as before."""
+    policy = vllm_scheduling_policy(rollout)
+    if policy != "priority":
+        logging.getLogger(__name__).warning(
+            "areal: vLLM's scheduling_policy is %r, so validation queues behind every training request in flight "
+            "(at scale it lasts as long as draining them); remove the override (areal.enable sets "
+            "actor_rollout_ref.rollout.scheduling_policy=priority) or accept slow validation",
+            policy,
+        )
 
 
 def _check_agent_loop_manager(class_path: str | None) -> None:

@@ -23,7 +23,8 @@ def error_in(line: str) -> re.Match[str] | None:
     """:data:`ERROR_LINE`'s match on ``line`` with Ray's colour codes taken out (None: not an error line). Ray
     colours the prefix in some setups and not others; a coloured watchdog stop was named as the ActorDiedError
     that followed it."""
-    return ERROR_LINE.match(_ANSI_CODE.sub("", line).strip())
+    last = line.rstrip("\r\n").rsplit("\r", 1)[-1]  # a progress bar redrawn with \r before it on the same line
+    return ERROR_LINE.match(_ANSI_CODE.sub("", last).strip())
 
 
 #: verl's own milestones worth a progress line while the (slow, ~1.5 min) startup runs.

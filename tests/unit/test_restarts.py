@@ -125,7 +125,7 @@ def test_our_error_behind_rays_coloured_prefix_is_named_not_the_actor_death_afte
 
     stall = "areal_plugins.driver.watchdog.TrainerStalledError: areal watchdog: a trainer worker (update) is stuck"
     lines = [
-        f"\x1b[36m(TaskRunnerV1 pid=1595)\x1b[0m {stall}\n",
+        f"Training:  40%|####      | 2/5\r\x1b[36m(TaskRunnerV1 pid=1595)\x1b[0m {stall}\n",  # after a redrawn bar
         "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.\n",
     ]
     with BoundedLog(tmp_path / "train.log") as log:
