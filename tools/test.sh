@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: set up .venv, lint, build the docs site, then the unit and integration suites.
-# CI runs it as is: 10 verl starts that cover each layer once, 50-57 min on 2 cores. `tools/test.sh --full` also
-# runs the tests marked `full` (CONTRIBUTING.md lists them: about 20 more verl starts, 1 h more).
+# CI runs it as is: 12 verl starts that cover each layer once, 23-37 min on 2 cores (CONTRIBUTING.md).
+# `tools/test.sh --full` also runs the tests marked `full` (CONTRIBUTING.md lists them: about 20 more verl starts,
+# 1 h more).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 UNIT="not integration and not full"
