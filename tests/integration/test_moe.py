@@ -33,7 +33,8 @@ def test_a_moe_model_trains_asynchronously_with_router_replay_and_every_update_c
         "++actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
     )
     assert [s["training/global_step"] for s in steps] == list(range(1, STEPS + 1))
-    assert all(s["areal/gen_tokens_per_s"] > 0 for s in steps)
+    # The engine generated (a step whose batch was all admitted ahead, η = 2, may see no tokens in its own window).
+    assert any(s["areal/gen_tokens_per_s"] > 0 for s in steps)
     assert max(s["areal/staleness_max"] for s in steps) <= 2
     # Every version reached the engine and was checked there (that the check covers the expert tensors is
     # test_tiny_moe.py's).
