@@ -62,6 +62,13 @@ def test_lora_trains_with_every_update_after_the_first_adapter_only_and_checked(
         assert slept["released"] is True and slept["weight_bytes"] > 0, slept
 
 
+def assert_stopped_at_update_2_naming(result, fault: str) -> None:
+    """The run failed, naming replica 0, engine rank 0, the server's second adapter update and ``fault``."""
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert f"rollout replica 0, engine rank 0, update 2: {fault}" in output, output[-3000:]
+
+
 def test_an_adapter_tensor_corrupted_on_arrival_stops_the_run_naming_it(tiny_dir, tmp_path):
     """The server's updates count 1 (the base weights, version 0), 2 (version 0's adapter), 3 (version 1's), 4
     (version 2's, after step 2): from the fourth on, one value of ``CORRUPTED`` changes on arrival (fault injection
@@ -79,12 +86,9 @@ def test_an_adapter_tensor_corrupted_on_arrival_stops_the_run_naming_it(tiny_dir
         ),
         check=False,
     )
-    output = result.stdout + result.stderr
-    assert result.returncode != 0, output[-3000:]
-    assert (
-        f"rollout replica 0, engine rank 0, update 2: adapter tensor {CORRUPTED} arrived different from what the "
-        "trainer sent" in output
-    ), output[-3000:]
+    assert_stopped_at_update_2_naming(
+        result, f"adapter tensor {CORRUPTED} arrived different from what the trainer sent"
+    )
     syncs = read_jsonl(run_dir / "weight_syncs.jsonl")
     assert [r["version"] for r in syncs if r["event"] == "update_checked"] == [0, 1], syncs
     assert [r["version"] for r in syncs if r["event"] == "update_adapter"] == [0, 1, 2], syncs  # 2: loaded, refused
@@ -115,12 +119,9 @@ def test_lora_on_verls_vllm_checks_every_adapter_update_and_stops_on_a_bad_slot(
         *LORA,
         f"++ray_kwargs.ray_init.runtime_env.env_vars.AREAL_CORRUPT_LOADED_WEIGHT='{CORRUPTED_IN_SLOT}@4'",
     )
-    output = result.stdout + result.stderr
-    assert result.returncode != 0, output[-3000:]
-    assert (
-        f"rollout replica 0, engine rank 0, update 2: adapter tensor {CORRUPTED_IN_SLOT} is held as other values "
-        "than it arrived as" in output
-    ), output[-3000:]
+    assert_stopped_at_update_2_naming(
+        result, f"adapter tensor {CORRUPTED_IN_SLOT} is held as other values than it arrived as"
+    )
     checked = [r for r in read_jsonl(run_dir / "weight_syncs.jsonl") if r["event"] == "update_checked"]
     base = [r for r in checked if not r["checksum"].get("adapter_only")]
     adapters = [r for r in checked if r["checksum"].get("adapter_only")]
