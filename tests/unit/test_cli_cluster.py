@@ -58,6 +58,8 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
         "RUN_DIR_ENV": "AREAL_RUN_DIR",
         "CORRUPT_VARIABLE": "AREAL_CORRUPT_RECEIVED_WEIGHT",
         "CORRUPT_LOADED_VARIABLE": "AREAL_CORRUPT_LOADED_WEIGHT",
+        "DROP_VARIABLE": "AREAL_DROP_RECEIVED_WEIGHT",
+        "RENAME_VARIABLE": "AREAL_RENAME_RECEIVED_WEIGHT",
         "STEP_DELAY_ENV": "AREAL_TEST_ENGINE_STEP_DELAY_S",
         "MICRO_BATCH_DELAY_ENV": "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
         "BENCH_ENV": "AREAL_BENCH_BACKENDS",
@@ -79,12 +81,15 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
             readers.add(relative)
     assert readers == helpers, f"environment read through a parameter in {sorted(readers - helpers)}: scan its calls"
     # RANK: verl's worker sets it in every worker process itself (our rollout adapter reads it, as verl's does).
-    set_by_verl = {"RANK"}
+    # VERL_REPLICA_RANK: verl's vLLM server sets it in its own process (vllm_async_server.py) before the workers start.
+    set_by_verl = {"RANK", "VERL_REPLICA_RANK"}
     # Fault injection: a test sets it in the job's runtime_env itself (++ray_kwargs.ray_init.runtime_env...).
     # The speed knobs of a test run (CONTRIBUTING.md): a local run's workers inherit them from the test's environment.
     set_by_tests = {
         "AREAL_CORRUPT_RECEIVED_WEIGHT",
         "AREAL_CORRUPT_LOADED_WEIGHT",
+        "AREAL_DROP_RECEIVED_WEIGHT",
+        "AREAL_RENAME_RECEIVED_WEIGHT",
         "AREAL_TEST_ENGINE_STEP_DELAY_S",
         "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
         # The benchmarks' opt-in to their engine stand-in: tools/ set it before the run's local Ray starts.
@@ -94,8 +99,11 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
         "AREAL_RUN_DIR",
         "VERL_PLATFORM",
         "RANK",
+        "VERL_REPLICA_RANK",
         "AREAL_CORRUPT_RECEIVED_WEIGHT",
         "AREAL_CORRUPT_LOADED_WEIGHT",
+        "AREAL_DROP_RECEIVED_WEIGHT",
+        "AREAL_RENAME_RECEIVED_WEIGHT",
         "AREAL_TEST_ENGINE_STEP_DELAY_S",
         "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
         "AREAL_BENCH_BACKENDS",
