@@ -21,6 +21,7 @@ import heapq
 import math
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from areal_plugins.planning.hardware import (
@@ -102,8 +103,10 @@ class _Sequence:
 class _EngineState:
     """One engine's running sequences, advanced lazily to the time of the next event."""
 
-    def __init__(self, engine: Engine, expected_tokens: float) -> None:
+    def __init__(self, engine: Engine, expected_tokens: float, weight_load_s: float | None = None) -> None:
         self.engine = engine
+        #: an update's pause to load weights (default: the engine's; a stand-in that loads none: 0)
+        self.weight_load_s = engine.weight_load_time() if weight_load_s is None else weight_load_s
         self.capacity_tokens = engine.kv_capacity_tokens
         #: sequences of the mean length the cache holds: the default concurrency of the submitter, not a bound on
         #: what runs (:meth:`DecodeCost.kv_admits` bounds that by tokens)
@@ -176,7 +179,7 @@ class _EngineState:
         """Load new weights, then recompute the KV cache of every running sequence (partial output kept)."""
         self.advance(now)
         squared = sum((s.prompt + s.length - (s.finish_at - self.steps)) ** 2 for _, _, s in self.finishing)
-        pause = self.engine.weight_load_time() + self.engine.prefill_time(self.context, squared)
+        pause = self.weight_load_s + self.engine.prefill_time(self.context, squared)
         self.busy_until = max(self.busy_until, now) + pause
         self.epoch += 1
 
@@ -208,13 +211,28 @@ def _group_tokens(lengths: list[int], prompt: int) -> list[float]:
     return [float(prompt + n) for n in lengths]
 
 
+#: Seconds to train one step given its sequences' tokens (prompt + response each).
+TrainTime = Callable[[list[float]], float]
+
+
 def simulate_sync(
-    cluster: Cluster, work: Workload, steps: int, seed: int = 0, generating_gpus: int | None = None
+    cluster: Cluster,
+    work: Workload,
+    steps: int,
+    seed: int = 0,
+    generating_gpus: int | None = None,
+    train_time: TrainTime | None = None,
+    weight_load_s: float | None = None,
 ) -> Result:
     """Generate, then train. ``generating_gpus``: None colocates (every GPU does both, as verl does);
-    a count gives generation that many GPUs and training the rest, one after the other (synchronous AReaL)."""
+    a count gives generation that many GPUs and training the rest, one after the other (synchronous AReaL).
+    ``train_time``: a step's training seconds (default: the cluster's model on its training GPUs,
+    :func:`~areal_plugins.planning.hardware.train_seconds`); ``weight_load_s``: the engines' pause to load an
+    update's weights (default: the engine's :meth:`~areal_plugins.planning.hardware.Engine.weight_load_time`) —
+    both given where a system's trainer was measured rather than modelled (the bench's stand-in)."""
     rng = random.Random(seed)
     engine = cluster.engine()
+    load_s = engine.weight_load_time() if weight_load_s is None else weight_load_s
     if generating_gpus is None:
         generating_gpus = train_gpus = cluster.gpus
     else:
@@ -244,10 +262,13 @@ def simulate_sync(
                 state.pop_finished(now)
                 gen_end = max(gen_end, now)
         lengths_with_prompt = _group_tokens(lengths, work.prompt)
-        train = train_seconds(cluster.model, cluster.gpu, cluster.efficiency, train_gpus, lengths_with_prompt)
+        if train_time is None:
+            train = train_seconds(cluster.model, cluster.gpu, cluster.efficiency, train_gpus, lengths_with_prompt)
+        else:
+            train = train_time(lengths_with_prompt)
         generate_s.append(gen_end - clock)
         train_s.append(train)
-        clock = gen_end + train + engine.weight_load_time()
+        clock = gen_end + train + load_s
         ends.append(clock)
         tokens.append(int(sum(lengths_with_prompt)))
     return Result(
@@ -263,16 +284,22 @@ def simulate_async(
     seed: int = 0,
     interruptible: bool = True,
     max_concurrent_groups: int | None = None,
+    train_time: TrainTime | None = None,
+    weight_load_s: float | None = None,
+    colocated: bool = False,
 ) -> Result:
-    """AReaL's pipeline; ``eta`` = math.inf for no staleness bound."""
+    """AReaL's pipeline; ``eta`` = math.inf for no staleness bound. ``train_time``, ``weight_load_s``: as
+    :func:`simulate_sync`'s. ``colocated``: every GPU both generates and trains (``rollout_gpus`` ignored): the
+    engines stop while the trainer computes, and the update wakes them (weights loaded, KV caches recomputed)."""
     rng = random.Random(seed)
     engine = cluster.engine()
-    train_gpus = cluster.gpus - cluster.rollout_gpus
-    if cluster.rollout_gpus < engine.tensor_parallel or train_gpus < 1:
+    generating = cluster.gpus if colocated else cluster.rollout_gpus
+    train_gpus = cluster.gpus if colocated else cluster.gpus - cluster.rollout_gpus
+    if generating < engine.tensor_parallel or train_gpus < 1:
         raise ValueError(f"{cluster.gpus} GPUs cannot split into {cluster.rollout_gpus} generating + the rest training")
     engines = [
-        _EngineState(engine, work.prompt + work.response_mean)
-        for _ in range(cluster.rollout_gpus // engine.tensor_parallel)
+        _EngineState(engine, work.prompt + work.response_mean, weight_load_s)
+        for _ in range(generating // engine.tensor_parallel)
     ]
     # AReaL's max_concurrent_rollouts; by default what the engines' KV caches hold plus one group each
     # waiting, so that an unbounded η does not queue the whole dataset.
@@ -331,11 +358,20 @@ def simulate_async(
             return
         batch = [finished.popleft() for _ in range(work.batch)]
         lengths = [group_tokens[g] / work.group for g in batch for _ in range(work.group)]
-        seconds = train_seconds(cluster.model, cluster.gpu, cluster.efficiency, train_gpus, lengths)
+        if train_time is None:
+            seconds = train_seconds(cluster.model, cluster.gpu, cluster.efficiency, train_gpus, lengths)
+        else:
+            seconds = train_time(lengths)
         trainer_free_at = max(now, trainer_free_at) + seconds
         staleness.extend(version - group_version[g] for g in batch)
         tokens.append(int(sum(group_tokens[g] for g in batch)))
         training = True
+        if colocated:  # the engines sleep while the trainer has the GPUs (decoded tokens kept)
+            for index, state in enumerate(engines):
+                state.advance(now)
+                state.busy_until = max(state.busy_until, trainer_free_at)
+                state.epoch += 1
+                schedule(index)
 
     submit(0.0)
     while len(ends) < steps:
@@ -384,5 +420,5 @@ def simulate_async(
 def _apply_drained_update(engines: list[_EngineState], now: float) -> None:
     for state in engines:
         state.clock = max(state.clock, now)
-        state.busy_until = max(state.busy_until, now) + state.engine.weight_load_time()
+        state.busy_until = max(state.busy_until, now) + state.weight_load_s
         state.epoch += 1
