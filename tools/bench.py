@@ -121,25 +121,47 @@ def configs(
     verl_async: list[str] = (),
     max_concurrent: list[int | None] = (None,),
     micro_batch_tokens: list[int | None] = (None,),
+    verl_tuned_batches: float | None = None,
+    split_engines: list[int] = (),
+    split_eta: int = 2,
 ) -> list[Config]:
     """sync, verl's async modes, then ours per placement x η x proximal log-prob mode (the first mode's names
     carry no suffix). verl's rows poll their replay buffer as the sync baseline does.
 
     ``micro_batch_tokens``: None keeps the recipes' fixed micro-batches; N gives verl's async rows verl's own
-    token-budget micro-batching (``use_dynamic_bsz``) at N tokens and ours ``areal.micro_batch.max_tokens=N``.
+    token-budget micro-batching (``use_dynamic_bsz``) at N tokens and ours ``areal.micro_batch.max_tokens=N``;
+    with one budget only, the synchronous row gets it too (every row then trains with the same micro-batches).
+    ``verl_tuned_batches``: each verl mode also runs ``-tuned``, with that many batches of prompts kept in flight
+    ahead of the trainer (``num_warmup_batches``; verl's default 1). ``split_engines``: our separate placement
+    also runs at ``split_eta`` with that many engines (``-engines{k}``), for other rollout:trainer splits.
     """
-    out = [Config("sync", "grpo_cpu_sync.yaml", sync_poll_overrides(sync_poll_s))]
+
+    def budget_keys(tokens: int | None) -> list[str]:
+        if tokens is None:
+            return []
+        return [
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={tokens}",
+        ]
+
+    one_budget = micro_batch_tokens[0] if len(micro_batch_tokens) == 1 else None
+    out = [
+        Config(
+            "sync",
+            "grpo_cpu_sync.yaml",
+            [*sync_poll_overrides(sync_poll_s), *budget_keys(one_budget)],
+            micro_batching="fixed" if one_budget is None else f"budget {one_budget}",
+        )
+    ]
     for mode in verl_async:
         for tokens in micro_batch_tokens:
-            overrides = [*sync_poll_overrides(sync_poll_s), *VERL_ASYNC[mode]]
-            if tokens is not None:
-                overrides += [
-                    "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                    f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={tokens}",
-                ]
-            suffix = "" if tokens is None else f"-mb{tokens}"
+            overrides = [*sync_poll_overrides(sync_poll_s), *VERL_ASYNC[mode], *budget_keys(tokens)]
+            suffix = "" if tokens is None or tokens == one_budget else f"-mb{tokens}"
             batching = "fixed" if tokens is None else f"budget {tokens}"
             out.append(Config(f"verl-{mode}{suffix}", "grpo_cpu_sync.yaml", overrides, micro_batching=batching))
+            if verl_tuned_batches is not None:
+                tuned = [*overrides, f"trainer.v1.{mode}.num_warmup_batches={verl_tuned_batches}"]
+                out.append(Config(f"verl-{mode}{suffix}-tuned", "grpo_cpu_sync.yaml", tuned, micro_batching=batching))
     for placement in placements:
         recipe = "grpo_cpu_async_separate.yaml" if placement == "separate" else "grpo_cpu_async.yaml"
         for eta in etas:
@@ -152,11 +174,21 @@ def configs(
                         suffix += f"-mcr{limit}"
                     # The async recipes ship a token budget: "fixed" must turn it off to mean what it says.
                     overrides.append(f"areal.micro_batch.max_tokens={'null' if tokens is None else tokens}")
-                    if tokens is not None:
+                    if tokens is not None and tokens != one_budget:
                         suffix += f"-mb{tokens}"
                     batching = "fixed" if tokens is None else f"budget {tokens}"
                     name = f"async-{placement}-eta{eta}{suffix}"
                     out.append(Config(name, recipe, overrides, eta, placement, micro_batching=batching))
+                    if placement == "separate" and eta == split_eta:
+                        for engines in split_engines:
+                            more = [
+                                f"actor_rollout_ref.rollout.n_gpus_per_node={engines}",
+                                f"ray_kwargs.ray_init.num_gpus={engines + 1}",
+                            ]
+                            out.append(
+                                Config(f"{name}-engines{engines}", recipe, [*overrides, *more], eta, placement,
+                                       micro_batching=batching)
+                            )  # fmt: skip
     return out
 
 
@@ -655,6 +687,20 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list of verl's own async modes to run beside ours: colocate_async, separate_async",
     )
     parser.add_argument(
+        "--verl-tuned-batches",
+        type=float,
+        default=None,
+        help="each --verl-async mode also runs '-tuned' with this many batches of prompts in flight ahead of its "
+        "trainer (trainer.v1.<mode>.num_warmup_batches; verl's default 1)",
+    )
+    parser.add_argument(
+        "--split-engines",
+        default="",
+        help="comma list of engine counts our separate placement also runs with (at --split-eta): other "
+        "rollout:trainer splits (default: none; the recipe's 1 engine)",
+    )
+    parser.add_argument("--split-eta", type=int, default=2, help="the η of the --split-engines rows (default 2)")
+    parser.add_argument(
         "--max-concurrent",
         default="default",
         help="comma list of areal.max_concurrent_rollouts for our rows; 'default' = (η+1) x train batch",
@@ -742,7 +788,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--verl-async takes {', '.join(VERL_ASYNC)}, got {args.verl_async!r}")
     limits = [None if x == "default" else int(x) for x in args.max_concurrent.split(",") if x]
     budgets = [None if x == "fixed" else int(x) for x in args.micro_batch_tokens.split(",") if x]
-    plan = configs(etas, placements, prox_logps, args.sync_poll_s, verl_async, limits, budgets)
+    split_engines = [int(x) for x in args.split_engines.split(",") if x]
+    plan = configs(
+        etas, placements, prox_logps, args.sync_poll_s, verl_async, limits, budgets,
+        args.verl_tuned_batches, split_engines, args.split_eta,
+    )  # fmt: skip
     results: dict[str, list[dict]] = {c.name: [] for c in plan}
     total = len(plan) * args.repeats
     done = 0
@@ -761,13 +811,21 @@ def main(argv: list[str] | None = None) -> int:
             )
     sync_runs = results["sync"]
     rows = [summarise(name, runs, sync_runs) for name, runs in results.items()]
-    batching = {config.name: config.micro_batching for config in plan}
+    by_name = {config.name: config for config in plan}
     for row in rows:  # what each row's runs used, set by its overrides (the recipes' own default is a budget)
-        row["micro_batching"] = batching[row["config"]]
+        row["micro_batching"] = by_name[row["config"]].micro_batching
+        row["recipe"] = by_name[row["config"]].recipe
+        row["overrides"] = by_name[row["config"]].overrides
     bench = {
         "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, no GPU",
         "workload": args.workload,
         **({"time_scale": {**dataclasses.asdict(time_scale), "stated": time_scale.describe()}} if time_scale else {}),
+        "length_scale": args.length_scale,
+        "batch": {
+            "prompts": args.prompts_per_step or (QUICK_BATCH_PROMPTS if args.quick else RECIPE_PROMPTS),
+            "answers": args.answers_per_prompt or RECIPE_ANSWERS,
+            "prompt_tokens": statistics.median(r["prompt_len_mean"] for r in sync_runs),
+        },
         "workload_overrides": workload_overrides,
         "steps_per_run": args.steps,
         "counted_steps": args.steps - args.warmup_steps,
@@ -790,6 +848,11 @@ def main(argv: list[str] | None = None) -> int:
     bench["speedup"] = best["speedup"]
     bench["best_async_config"] = best["config"]
     bench["bound_reached"] = best["speedup"]["median"] / bench["sync_overlap_bound"]["median"]
+    if args.workload == "gpu-shaped":  # the planner's prediction of each row, and the physical limit
+        from bench_vs_planner import compare, format_table
+
+        bench["planner"] = compare(bench)
+        print(format_table(bench["planner"]))
     (args.out / "bench.json").write_text(json.dumps(bench, indent=2))
     plot(bench, args.out / "bench.png")
     print(

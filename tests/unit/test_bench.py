@@ -243,3 +243,58 @@ def test_a_given_trainer_step_skips_the_measurement(tmp_path, monkeypatch):
     assert result["time_scale"]["trainer_step_s"] == 4.0
     with pytest.raises(SystemExit):
         bench.main(["--workload", "addition", "--trainer-step-s", "4.0"])
+
+
+def test_tuned_verl_rows_and_other_splits_and_one_budget_for_every_row():
+    plan = bench.configs([2], ["separate"], ["recompute"], 0.05, ["separate_async"], [None], [512], 2.0, [3])
+    assert [c.name for c in plan] == [
+        "sync",
+        "verl-separate_async",
+        "verl-separate_async-tuned",
+        "async-separate-eta2",
+        "async-separate-eta2-engines3",
+    ]
+    for config in plan[:3]:  # one budget: the synchronous row and verl's train with the same micro-batches
+        assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512" in config.overrides
+        assert config.micro_batching == "budget 512"
+    assert "trainer.v1.separate_async.num_warmup_batches=2.0" in plan[2].overrides
+    assert not [o for o in plan[1].overrides if "num_warmup_batches" in o]
+    split = plan[4].overrides
+    assert "actor_rollout_ref.rollout.n_gpus_per_node=3" in split and "ray_kwargs.ray_init.num_gpus=4" in split
+    assert "areal.max_staleness=2" in split
+
+
+def test_each_bench_row_maps_to_the_simulator_mode_it_is_predicted_with():
+    import bench_vs_planner as planner
+
+    assert planner.row_mode("sync", []) is None
+    assert planner.row_mode("async-separate-eta4", []) == ("separate", 4.0, 1)
+    assert planner.row_mode("async-separate-eta2-engines3", []) == ("separate", 2.0, 3)
+    assert planner.row_mode("async-colocated-eta1", []) == ("colocated", 1.0, 1)
+    tuned = ["trainer.v1.colocate_async.num_warmup_batches=2.0"]
+    assert planner.row_mode("verl-colocate_async-tuned", tuned) == ("colocated", 2.0, 1)
+    assert planner.row_mode("verl-separate_async", []) == ("separate", 1.0, 1)  # verl's default: 1 batch ahead
+    with pytest.raises(ValueError, match="no simulator mode"):
+        planner.row_mode("async-separate-eta2-mb512", [])
+
+
+def test_the_physical_limit_is_the_slower_side_separate_and_the_sum_colocated(monkeypatch):
+    """Hand count: sync steps 6 s of which the trainer 3 s; the engines alone need 2 s a step. Separate, a step
+    cannot beat max(3, 2) = 3 s (2x sync); colocated, 3 + 2 = 5 s (1.2x)."""
+    import bench_vs_planner as planner
+
+    monkeypatch.setattr(planner, "generation_bound_step_s", lambda bench_json, engines=1: 2.0)
+    monkeypatch.setattr(planner, "simulated_step_s", lambda bench_json, mode, train: 6.0 if mode is None else 4.0)
+
+    def row(name, speedup):
+        return {"config": name, "step_s_median": {"median": 6.0 / speedup}, "train_s_median": {"median": 3.0},
+                "speedup": {"median": speedup, "min": speedup, "max": speedup}}  # fmt: skip
+
+    result = planner.compare({"rows": [row("sync", 1.0) | {"speedup": None}, row("async-separate-eta2", 1.5),
+                                       row("async-colocated-eta2", 1.1)]})  # fmt: skip
+    by = {r["config"]: r for r in result["rows"]}
+    assert by["async-separate-eta2"]["limit_speedup"] == pytest.approx(2.0)
+    assert by["async-separate-eta2"]["of_limit"] == pytest.approx(0.75)
+    assert by["async-colocated-eta2"]["limit_speedup"] == pytest.approx(1.2)
+    assert by["async-separate-eta2"]["predicted_speedup"] == pytest.approx(1.5)  # 6 s / 4 s
+    assert by["async-separate-eta2"]["within_tolerance"] and not by["async-colocated-eta2"]["within_tolerance"]
