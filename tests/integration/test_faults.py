@@ -349,9 +349,13 @@ def test_a_dead_replica_of_two_costs_capacity_not_the_run(tiny_dir, tmp_path):
             kill_tree(process)
     output = cli_output(process, last=20000)
     log = (run_dir / "train.log").read_text()
+    # The stop lands at a phase boundary: in the batch wait (the last finished step is the last verl logged) or
+    # after a step's update or weight sync (that step is trained and in our step record, areal_steps.jsonl; verl
+    # logs its metrics line only at the step's end, which the stop skips). Either way our record names it.
+    steps = len(read_jsonl(run_dir / "areal_steps.jsonl"))
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    steps = len(metrics)
-    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
+    assert len(metrics) in (steps - 1, steps), (len(metrics), steps)
     assert steps < most_steps and code != 0, output[-3000:]  # stopped by the request, not by the step count
     assert f"stopped on request (Ctrl-C or SIGTERM) after step {steps}" in log, output[-3000:]
     assert "its requests continue on another replica" in log  # some were in flight
