@@ -368,9 +368,11 @@ WORKLOADS = {
     # weights: our rows waive the two weight capabilities (named in their startup warning).
     # A GPU case's engines (areal_paced with engine_kwargs.areal_paced.case) and the recipes' tiny trainer: the case
     # name, its length and time scales are added by gpu_shaped_overrides (the time scale is measured per run).
+    # Its trainer packs sequences (use_remove_padding), as GPU runs do: a step costs its tokens, not their padding.
     "gpu-shaped": (
         REPO / ".areal" / "tiny",
         [
+            "actor_rollout_ref.model.use_remove_padding=true",
             "actor_rollout_ref.rollout.name=areal_paced",
             "actor_rollout_ref.rollout.free_cache_engine=false",
             "areal.waive_capabilities=[weight_update,weight_checksum]",
@@ -620,15 +622,16 @@ def plot(bench: dict, out: Path) -> None:
 
 
 def calibrated_gpu_shaped(
-    args: argparse.Namespace, tiny_dir: Path, overrides: list[str]
+    args: argparse.Namespace, tiny_dir: Path, overrides: list[str], sync: Config
 ) -> tuple[list[str], TimeScale]:
     """The gpu-shaped overrides at the time scale for this box: from ``--trainer-step-s``, or measured by a short
-    synchronous run (at time scale 1: the trainer's step does not depend on it)."""
+    run of the bench's synchronous row ``sync`` (its micro-batching too; at time scale 1: the trainer's step does
+    not depend on it)."""
     prompts = args.prompts_per_step or (QUICK_BATCH_PROMPTS if args.quick else RECIPE_PROMPTS)
     answers = args.answers_per_prompt or RECIPE_ANSWERS
     trainer_step_s, prompt_tokens = args.trainer_step_s, None
     if trainer_step_s is None:
-        calibration = Config("sync", "grpo_cpu_sync.yaml", sync_poll_overrides(args.sync_poll_s))
+        calibration = sync
         print(f"gpu-shaped: measuring the trainer's step ({CALIBRATION_STEPS} synchronous steps)...", flush=True)
         provisional = [*overrides, *gpu_shaped_overrides(args.case, args.length_scale, 1.0)]
         figures = run_one(calibration, CALIBRATION_STEPS, 0, 0, args.out / "calibrate", tiny_dir, provisional, 1)
@@ -774,9 +777,6 @@ def main(argv: list[str] | None = None) -> int:
         workload_overrides = [*workload_overrides, *FROZEN_POLICY]
     workload_overrides = [*workload_overrides, *batch_overrides(args.prompts_per_step, args.answers_per_prompt)]
     tiny_dir = ensure_tiny_assets(args.tiny_dir or default_dir, workload=TINY_ASSETS.get(args.workload, args.workload))
-    time_scale = None
-    if args.workload == "gpu-shaped":
-        workload_overrides, time_scale = calibrated_gpu_shaped(args, tiny_dir, workload_overrides)
     etas = [int(x) for x in args.etas.split(",") if x]
     placements = [p for p in args.placements.split(",") if p]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -793,6 +793,9 @@ def main(argv: list[str] | None = None) -> int:
         etas, placements, prox_logps, args.sync_poll_s, verl_async, limits, budgets,
         args.verl_tuned_batches, split_engines, args.split_eta,
     )  # fmt: skip
+    time_scale = None
+    if args.workload == "gpu-shaped":
+        workload_overrides, time_scale = calibrated_gpu_shaped(args, tiny_dir, workload_overrides, plan[0])
     results: dict[str, list[dict]] = {c.name: [] for c in plan}
     total = len(plan) * args.repeats
     done = 0
