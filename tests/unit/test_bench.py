@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -298,3 +299,11 @@ def test_the_physical_limit_is_the_slower_side_separate_and_the_sum_colocated(mo
     assert by["async-colocated-eta2"]["limit_speedup"] == pytest.approx(1.2)
     assert by["async-separate-eta2"]["predicted_speedup"] == pytest.approx(1.5)  # 6 s / 4 s
     assert by["async-separate-eta2"]["within_tolerance"] and not by["async-colocated-eta2"]["within_tolerance"]
+
+
+def test_the_gpu_shaped_trainer_gets_every_core_in_every_placement():
+    plan = bench.configs([2], ["separate"], ["recompute"], 0.05, ["separate_async"])
+    threads = f"++ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS='{os.cpu_count()}'"
+    for config in map(bench.trainer_owns_the_cores, plan):
+        assert config.overrides[-1] == threads
+        assert sum("OMP_NUM_THREADS" in o for o in config.overrides) == 1, config.overrides
