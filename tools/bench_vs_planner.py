@@ -173,6 +173,33 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def rows_table(bench: dict, result: dict) -> str:
+    """The bench's rows for the results page: trained tokens per second, speedup over sync, staleness, where the
+    trainer waited, and the fraction of the physical limit (medians, min-max over the repeats)."""
+    limits = {r["config"]: r for r in result["rows"]}
+    lines = [
+        "| row | trained tokens/s | speedup over sync | staleness (mean) | trainer waiting | of the physical limit |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in bench["rows"]:
+        cost = row["s_per_1k_tokens"]
+        rate = f"{1000 / cost['median']:.0f} ({1000 / cost['max']:.0f}-{1000 / cost['min']:.0f})"
+        speedup = row.get("speedup")
+        gain = "1" if speedup is None else f"{speedup['median']:.2f}x ({speedup['min']:.2f}-{speedup['max']:.2f})"
+        stale = row.get("staleness_mean") or row.get("verl_trajectory_staleness")
+        staleness = "0" if stale is None else f"{stale['median']:.2f}"
+        # Ours report the wait for samples; verl's trainers time it as their step's "gen" phase.
+        idle = row.get("trainer_idle_ratio")
+        wait = idle["median"] if idle else row["gen_s_median"]["median"] / row["step_s_median"]["median"]
+        waiting = f"{wait:.0%}"
+        of_limit = limits[row["config"]].get("of_limit")
+        lines.append(
+            f"| {row['config']} | {rate} | {gain} | {staleness} | {waiting} | "
+            f"{'-' if of_limit is None else f'{of_limit:.0%}'} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/bench_vs_planner.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("bench", type=Path, help="a bench.json written by tools/bench.py --workload gpu-shaped")
@@ -182,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.bench}: workload {bench.get('workload')!r}; the planner models only gpu-shaped runs")
     result = compare(bench)
     (args.bench.parent / "planner.json").write_text(json.dumps(result, indent=2))
+    print(rows_table(bench, result))
+    print()
     print(format_table(result))
     return 0
 
