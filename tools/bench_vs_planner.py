@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import statistics
 import sys
@@ -88,29 +87,27 @@ def simulated_step_s(bench: dict, mode: tuple[str, float, int] | None, train_box
 
 
 def generation_bound_step_s(bench: dict, engines: int = 1) -> float:
-    """The engines' step with nothing else in the way: one step's batch kept in flight (each finished answer's
-    group refilled at once), no training, no weight load, in this box's seconds."""
-    from areal_plugins.planning.cluster_sim import simulate_async
-
+    """The engines' step with nothing in the way, in this box's seconds: a step's answers decoded at the rate of a
+    full KV cache (as many mean-length answers running as the cache holds, each half done on average), plus their
+    prompts' prefill; ``engines`` share the work."""
     time_scale = bench["time_scale"]["time_scale"]
     cluster, work = _stand_in(bench, engines)
-    steps = [
-        simulate_async(
-            cluster, work, math.inf, STEPS, seed=seed, max_concurrent_groups=work.batch,
-            train_time=lambda lengths: 0.0, weight_load_s=0.0,
-        ).step_s(WARMUP)
-        * time_scale
-        for seed in SEEDS
-    ]  # fmt: skip
-    return statistics.fmean(steps)
+    engine = cluster.engine()
+    running = max(1, int(engine.kv_capacity_tokens // (work.prompt + work.response_mean)))
+    context = running * (work.prompt + work.response_mean / 2)
+    tokens_per_s = engines * running / engine.decode.step_s(running, context)
+    answers = work.batch * work.group
+    decode = answers * work.response_mean / tokens_per_s
+    prefill = engine.prefill_time(answers * work.prompt, answers * work.prompt**2) / engines
+    return (decode + prefill) * time_scale
 
 
-def trainer_busy_s(row: dict, sync_train_s: float) -> float:
+def trainer_busy_s(row: dict) -> float:
     """A row's trainer seconds per step, measured: its step less the time it waited for samples (our rows'
-    ``trainer_idle_ratio``); verl's rows, which do not report that wait, train what sync trains."""
+    ``trainer_idle_ratio``; verl's trainers time that wait as the step's ``gen`` phase)."""
     if "trainer_idle_ratio" in row:
         return row["step_s_median"]["median"] * (1 - row["trainer_idle_ratio"]["median"])
-    return sync_train_s
+    return row["train_s_median"]["median"]
 
 
 def compare(bench: dict) -> dict:
@@ -135,7 +132,7 @@ def compare(bench: dict) -> dict:
         if mode is None:
             entry |= {"predicted_step_s": predicted_sync, "measured_step_s": measured_sync}
         else:
-            train = trainer_busy_s(row, sync_train)
+            train = trainer_busy_s(row)
             predicted = predicted_sync / simulated_step_s(bench, mode, train)
             measured = row["speedup"]["median"]
             entry |= {
