@@ -861,10 +861,12 @@ def main(argv: list[str] | None = None) -> int:
     bench["best_async_config"] = best["config"]
     bench["bound_reached"] = best["speedup"]["median"] / bench["sync_overlap_bound"]["median"]
     if args.workload == "gpu-shaped":  # the planner's prediction of each row, and the physical limit
-        from bench_vs_planner import compare, format_table
+        from bench_vs_planner import compare, format_table, rows_table
+        from bench_vs_planner import plot as plot_planner
 
         bench["planner"] = compare(bench)
-        print(format_table(bench["planner"]))
+        print(rows_table(bench, bench["planner"]), format_table(bench["planner"]), sep="\n\n")
+        plot_planner(bench, bench["planner"], args.out / "bench_vs_planner.png")
     (args.out / "bench.json").write_text(json.dumps(bench, indent=2))
     plot(bench, args.out / "bench.png")
     print(

@@ -187,14 +187,56 @@ def rows_table(bench: dict, result: dict) -> str:
         staleness = "0" if stale is None else f"{stale['median']:.2f}"
         # Ours report the wait for samples; verl's trainers time it as their step's "gen" phase.
         idle = row.get("trainer_idle_ratio")
-        wait = idle["median"] if idle else row["gen_s_median"]["median"] / row["step_s_median"]["median"]
-        waiting = f"{wait:.0%}"
+        if idle:
+            waiting = f"{idle['median']:.0%}"
+        elif "gen_s_median" in row:
+            waiting = f"{row['gen_s_median']['median'] / row['step_s_median']['median']:.0%}"
+        else:
+            waiting = "-"
         of_limit = limits[row["config"]].get("of_limit")
         lines.append(
             f"| {row['config']} | {rate} | {gain} | {staleness} | {waiting} | "
             f"{'-' if of_limit is None else f'{of_limit:.0%}'} |"
         )
     return "\n".join(lines)
+
+
+def plot(bench: dict, result: dict, out: Path) -> None:
+    """Measured speedup over sync per row (median, min-max), the planner's prediction, the physical limits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if "measured_speedup" in r]
+    names = [r["config"] for r in rows]
+    medians = [r["measured_speedup"] for r in rows]
+    errors = [
+        [m - r["measured_speedup_min"] for m, r in zip(medians, rows, strict=True)],
+        [r["measured_speedup_max"] - m for m, r in zip(medians, rows, strict=True)],
+    ]
+    figure, axes = plt.subplots(figsize=(11, 4.8))
+    colors = ["#dd8452" if n.startswith("verl-") else "#4c72b0" for n in names]  # orange: verl's, blue: ours
+    axes.bar(range(len(rows)), medians, yerr=errors, capsize=4, color=colors, label="measured (median, min-max)")
+    axes.scatter(range(len(rows)), [r["predicted_speedup"] for r in rows], marker="D", color="black", zorder=3,
+                 label="planner (from each row's measured trainer)")  # fmt: skip
+    for i, r in enumerate(rows):  # each row's physical limit: its placement's
+        axes.hlines(
+            r["limit_speedup"], i - 0.4, i + 0.4, color="#c44e52", ls="--", label="physical limit" if i == 0 else None
+        )
+    axes.axhline(1.0, color="grey", lw=0.8)
+    axes.set_ylim(0, 1.25 * max(r["limit_speedup"] for r in rows))  # room for the legend above the limits
+    axes.set_xticks(range(len(rows)), names, rotation=30, ha="right")
+    axes.set_ylabel("trained tokens/s over synchronous verl")
+    scale = bench["time_scale"]
+    axes.set_title(
+        f"GPU-shaped engines ({scale['case']}, time scale {scale['time_scale']:.2f}), tiny trainer on 2 CPU cores; "
+        f"{bench['repeats']} repeats"
+    )
+    axes.legend(loc="upper left", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.bench}: workload {bench.get('workload')!r}; the planner models only gpu-shaped runs")
     result = compare(bench)
     (args.bench.parent / "planner.json").write_text(json.dumps(result, indent=2))
+    plot(bench, result, args.bench.parent / "planner.png")
     print(rows_table(bench, result))
     print()
     print(format_table(result))
