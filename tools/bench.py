@@ -440,8 +440,11 @@ RECIPE_PROMPTS, RECIPE_ANSWERS = 16, 8
 CALIBRATION_STEPS = 3
 
 
-def gpu_shaped_overrides(case: str, length_scale: float, time_scale: float) -> list[str]:
-    """The gpu-shaped workload's engine keys: the case, its scales, and answers capped at the case's cap x scale."""
+def gpu_shaped_overrides(
+    case: str, length_scale: float, time_scale: float, kv_capacity_tokens: float | None = None
+) -> list[str]:
+    """The gpu-shaped workload's engine keys: the case, its scales, answers capped at the case's cap x scale, and
+    the engines' KV cache where one is given (a smaller engine than the case's)."""
     from areal_plugins.bench.gpu_shaped import case as find_case
     from areal_plugins.bench.gpu_shaped import scaled_lengths
 
@@ -452,18 +455,25 @@ def gpu_shaped_overrides(case: str, length_scale: float, time_scale: float) -> l
         f"{key}.length_scale={length_scale!r}",
         f"{key}.time_scale={time_scale!r}",
         f"data.max_response_length={cap}",
+        *([] if kv_capacity_tokens is None else [f"{key}.kv_capacity_tokens={kv_capacity_tokens!r}"]),
     ]
 
 
 def gpu_shaped_time_scale(
-    case: str, length_scale: float, trainer_step_s: float, prompts: int, answers: int, prompt_tokens: float
+    case: str,
+    length_scale: float,
+    trainer_step_s: float,
+    prompts: int,
+    answers: int,
+    prompt_tokens: float,
+    kv_capacity_tokens: float | None = None,
 ) -> TimeScale:
     """:func:`areal_plugins.bench.gpu_shaped.time_scale_for` for the bench's batch on one stand-in engine (every
     row's rollout pool: the colocated replica, or the separate pool's one slot)."""
     from areal_plugins.bench.gpu_shaped import StandInShape, time_scale_for
     from areal_plugins.bench.gpu_shaped import case as find_case
 
-    shape = StandInShape(prompts, answers, round(prompt_tokens), length_scale, engines=1)
+    shape = StandInShape(prompts, answers, round(prompt_tokens), length_scale, 1, kv_capacity_tokens)
     return time_scale_for(find_case(case, "--case"), trainer_step_s, shape)
 
 
@@ -641,14 +651,16 @@ def calibrated_gpu_shaped(
     if trainer_step_s is None:
         calibration = sync
         print(f"gpu-shaped: measuring the trainer's step ({CALIBRATION_STEPS} synchronous steps)...", flush=True)
-        provisional = [*overrides, *gpu_shaped_overrides(args.case, args.length_scale, 1.0)]
+        provisional = [*overrides, *gpu_shaped_overrides(args.case, args.length_scale, 1.0, args.kv_capacity_tokens)]
         figures = run_one(calibration, CALIBRATION_STEPS, 0, 0, args.out / "calibrate", tiny_dir, provisional, 1)
         trainer_step_s, prompt_tokens = figures["train_s_median"], figures["prompt_len_mean"]
     scale = gpu_shaped_time_scale(
-        args.case, args.length_scale, trainer_step_s, prompts, answers, prompt_tokens or GPU_SHAPED_PROMPT_TOKENS
-    )
+        args.case, args.length_scale, trainer_step_s, prompts, answers, prompt_tokens or GPU_SHAPED_PROMPT_TOKENS,
+        args.kv_capacity_tokens,
+    )  # fmt: skip
     print(f"gpu-shaped: {scale.describe()}", flush=True)
-    return [*overrides, *gpu_shaped_overrides(args.case, args.length_scale, scale.time_scale)], scale
+    keys = gpu_shaped_overrides(args.case, args.length_scale, scale.time_scale, args.kv_capacity_tokens)
+    return [*overrides, *keys], scale
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -754,6 +766,13 @@ def main(argv: list[str] | None = None) -> int:
         "tokens, its cap 27,648 -> 432)",
     )
     parser.add_argument(
+        "--kv-capacity-tokens",
+        type=float,
+        default=None,
+        help="gpu-shaped: each engine's KV cache in tokens (default: the case engine's): a smaller engine, so that "
+        "generation, not the trainer, can be the slower side (for --split-engines)",
+    )
+    parser.add_argument(
         "--trainer-step-s",
         type=float,
         default=None,
@@ -833,6 +852,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": args.workload,
         **({"time_scale": {**dataclasses.asdict(time_scale), "stated": time_scale.describe()}} if time_scale else {}),
         "length_scale": args.length_scale,
+        "kv_capacity_tokens": args.kv_capacity_tokens,
         "batch": {
             "prompts": args.prompts_per_step or (QUICK_BATCH_PROMPTS if args.quick else RECIPE_PROMPTS),
             "answers": args.answers_per_prompt or RECIPE_ANSWERS,

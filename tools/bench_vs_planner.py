@@ -59,7 +59,10 @@ def _stand_in(bench: dict, engines: int):
 
     scale = bench["time_scale"]
     prompts, answers = bench["batch"]["prompts"], bench["batch"]["answers"]
-    shape = StandInShape(prompts, answers, round(bench["batch"]["prompt_tokens"]), bench["length_scale"], engines)
+    shape = StandInShape(
+        prompts, answers, round(bench["batch"]["prompt_tokens"]), bench["length_scale"], engines,
+        bench.get("kv_capacity_tokens"),
+    )  # fmt: skip
     cluster, work = stand_in_cluster(case(scale["case"], "--case"), shape)
     tp = cluster.engine().tensor_parallel
     # One more device trains beside the engines (separate); the train time is given, so its GPU does not matter.

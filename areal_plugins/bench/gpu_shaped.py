@@ -90,6 +90,7 @@ class StandInShape:
     prompt: int  # prompt tokens of an answer (their mean)
     length_scale: float
     engines: int = 1
+    kv_capacity_tokens: float | None = None  # the stand-in's KV cache (engine_kwargs.areal_paced); None: the case's
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,12 @@ def stand_in_cluster(gpu_case: GpuCase, shape: StandInShape) -> tuple[Cluster, W
     lengths scaled (colocated sync: every engine generates)."""
     mu, sigma, cap = scaled_lengths(gpu_case.workload, shape.length_scale)
     engine = gpu_case.cluster.engine()
-    cluster = replace(gpu_case.cluster, gpus=shape.engines * engine.tensor_parallel, rollout_gpus=0)
+    cluster = replace(
+        gpu_case.cluster,
+        gpus=shape.engines * engine.tensor_parallel,
+        rollout_gpus=0,
+        kv_capacity_tokens=shape.kv_capacity_tokens,
+    )
     work = Workload(
         batch=shape.batch,
         group=shape.group,

@@ -86,10 +86,12 @@ class Cluster:
     efficiency: Efficiency
     gpus: int
     rollout_gpus: int = 0  # async only; the rest train
+    kv_capacity_tokens: float | None = None  # each engine's KV cache; None: what its memory holds
 
     def engine(self) -> Engine:
         tp = smallest_tensor_parallel(self.gpu, self.model)
-        return Engine(self.gpu, self.model, self.efficiency, tensor_parallel=tp)
+        return Engine(self.gpu, self.model, self.efficiency, tensor_parallel=tp,
+                      kv_capacity_override=self.kv_capacity_tokens)  # fmt: skip
 
 
 @dataclass

@@ -212,6 +212,8 @@ class Engine:
     efficiency: Efficiency
     tensor_parallel: int = 1
     kv_memory_fraction: float = 0.7  # SGLang's mem_fraction_static in the paper's runs
+    #: a KV cache of this many tokens instead of what the memory holds (a smaller engine: the bench's stand-in)
+    kv_capacity_override: float | None = None
 
     @property
     def bandwidth(self) -> float:
@@ -223,6 +225,8 @@ class Engine:
 
     @property
     def kv_capacity_tokens(self) -> float:
+        if self.kv_capacity_override is not None:
+            return self.kv_capacity_override
         free = self.gpu.memory * self.tensor_parallel * self.kv_memory_fraction - self.model.weight_bytes
         if free <= 0:
             raise ValueError(

@@ -307,3 +307,19 @@ def test_the_gpu_shaped_trainer_gets_every_core_in_every_placement():
     for config in map(bench.trainer_owns_the_cores, plan):
         assert config.overrides[-1] == threads
         assert sum("OMP_NUM_THREADS" in o for o in config.overrides) == 1, config.overrides
+
+
+def test_a_smaller_engine_reaches_the_stand_in_the_time_scale_and_the_planner(tmp_path, monkeypatch):
+    from areal_plugins.bench.gpu_shaped import StandInShape, case, time_scale_for
+
+    key = "++actor_rollout_ref.rollout.engine_kwargs.areal_paced"
+    assert f"{key}.kv_capacity_tokens=1500.0" in bench.gpu_shaped_overrides("paper-1.5b", 1 / 64, 2.0, 1500.0)
+    assert not any("kv_capacity" in o for o in bench.gpu_shaped_overrides("paper-1.5b", 1 / 64, 2.0))
+    runs, result = gpu_shaped_bench(tmp_path, monkeypatch, "--kv-capacity-tokens", "1500")
+    # A smaller cache generates a step more slowly at time scale 1: the scale that keeps the case's ratio is smaller.
+    expected = time_scale_for(case("paper-1.5b"), 2.5, StandInShape(16, 8, 20, 1 / 64, 1, 1500.0))
+    full = time_scale_for(case("paper-1.5b"), 2.5, StandInShape(16, 8, 20, 1 / 64))
+    assert result["time_scale"]["time_scale"] == pytest.approx(expected.time_scale)
+    assert expected.time_scale < full.time_scale
+    assert result["kv_capacity_tokens"] == 1500.0
+    assert all(f"{key}.kv_capacity_tokens=1500.0" in overrides for _, _, overrides in runs)

@@ -77,3 +77,20 @@ def test_colocated_async_engines_sleep_while_the_trainer_computes():
     # two answers' prefills start apart by one admission, which the hand count merges).
     colocated = simulate_async(cluster, fixed_lengths(), eta=1, colocated=True, **kwargs)
     assert colocated.step_s(warmup=2) == pytest.approx((decode_s(cluster, running=2) + 2 * train) / 2, rel=1e-3)
+
+
+def test_a_smaller_kv_cache_bounds_what_runs_and_slows_generation():
+    """Capacity for two answers (prompt + answer each 1,100 tokens): four answers decode two at a time, so the
+    step's generation is two rounds of two, where the full cache runs all four in one."""
+    from dataclasses import replace
+
+    cluster = one_engine_cluster()
+    cluster = replace(cluster, gpus=cluster.rollout_gpus, rollout_gpus=0)  # sync: every GPU generates; one engine
+    small = replace(cluster, kv_capacity_tokens=2 * (PROMPT + LENGTH))
+    assert small.engine().kv_capacity_tokens == 2 * (PROMPT + LENGTH)
+    assert cluster.engine().kv_capacity_tokens > 1e5  # the H800's cache: everything fits
+    work = fixed_lengths(batch=4)
+    full = simulate_sync(cluster, work, steps=1, train_time=lambda x: 1.0, weight_load_s=0.0).generate_s[0]
+    bounded = simulate_sync(small, work, steps=1, train_time=lambda x: 1.0, weight_load_s=0.0).generate_s[0]
+    assert full == pytest.approx(decode_s(cluster, running=4), rel=1e-6)
+    assert bounded == pytest.approx(2 * decode_s(cluster, running=2), rel=1e-6)
