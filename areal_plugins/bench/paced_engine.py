@@ -200,6 +200,7 @@ class GpuShapedDecode:
         self._wake: asyncio.Event | None = None
         self._pump: asyncio.Task[None] | None = None
         self.busy = _Busy()
+        self.wakeups = 0  # turns of the batch loop: one per event, never one per token
 
     @property
     def in_flight(self) -> int:
@@ -325,6 +326,7 @@ class GpuShapedDecode:
         wake = self._wake
         assert wake is not None
         while self.running or self.queue:
+            self.wakeups += 1
             now = loop.time()
             self._advance(now)
             self._finish_due()

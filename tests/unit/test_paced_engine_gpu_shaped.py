@@ -223,30 +223,24 @@ def test_an_abort_of_every_request_returns_each_ones_partial_output():
 # ---------------------------------------------------------------------- CPU
 
 
-#: CPU seconds the stand-in may spend per answer token at a real pace. Measured on the 2-core box over this test's
-#: run (~100k tokens in ~0.8 s): ours 0.2-0.5 µs (one timer per event, nothing per token); the same answers paced
-#: by a timer per token per answer 4.8 µs; a busy-wait to the longest answer's end 7.9 µs (on a loaded box, where
-#: it got less than half a core); a CPU engine decoding the tiny 2.4M-parameter model spends ~1 ms a token.
-CPU_S_PER_TOKEN = 2e-6
-
-
-def test_the_stand_in_spends_almost_no_cpu_per_token():
+def test_the_stand_in_does_no_work_per_token():
     """400 answers of the paper's lengths at 1/8 (mean 265 tokens: ~100k tokens) on the 1.5B's decode model at
-    time scale 1/20 (a 400-answer step is 10 ms on the H800, 0.5 ms here; the run lasts ~0.8 s of wall time): the
-    process's CPU time over the run, per generated token."""
+    time scale 1/20: the batch loop turns once per event (an arrival, a finish; a late timer may add a turn),
+    never once per token. Counted, not timed: a CPU-time bound decided by the machine's load failed CI once
+    (4 µs a token on a busy box against 0.2-0.5 µs on a quiet one). A pacer with a timer per token turns ~100k
+    times here."""
 
-    async def scenario() -> int:
+    async def scenario() -> tuple[int, int]:
         pacer = gpu_shaped_pacer("paper-1.5b", time_scale=5e-2, length_scale=1 / 8, seed=3)
         server = PacedRolloutServer(pacer=pacer, response_length=3_456)
         outs = await asyncio.gather(*(server.generate([i % 500], {}, f"r{i}") for i in range(400)))
-        return sum(len(out.token_ids) for out in outs)
+        return sum(len(out.token_ids) for out in outs), pacer.wakeups
 
-    gpu_shaped.case("paper-1.5b")  # the planner's modules, imported before the clock starts
-    started, wall = time.process_time(), time.monotonic()
-    tokens = asyncio.run(scenario())
-    cpu, wall = time.process_time() - started, time.monotonic() - wall
-    assert tokens > 50_000 and wall > 0.3  # paced, not instant
-    assert cpu / tokens < CPU_S_PER_TOKEN, f"{cpu / tokens * 1e6:.2f} µs of CPU per token over {wall:.2f} s"
+    started = time.monotonic()
+    tokens, wakeups = asyncio.run(scenario())
+    assert tokens > 50_000 and time.monotonic() - started > 0.3  # paced, not instant
+    # Events: 400 arrivals and 400 finishes (admissions ride on them), with a margin for late timers' extra turns.
+    assert wakeups <= 4 * 800, f"{wakeups} turns of the batch loop for {tokens} tokens"
 
 
 # ---------------------------------------------------------------------- as verl builds it
