@@ -84,7 +84,13 @@ def simulated_step_s(bench: dict, mode: tuple[str, float, int] | None, train_box
             steps.append(run.step_s(WARMUP) * time_scale)
         else:
             placement, eta, _ = mode
-            run = simulate_async(cluster, work, eta, STEPS, seed=seed, colocated=placement == "colocated", **kwargs)
+            # In flight: what the staleness bound admits, (η + 1) batches, as areal.max_concurrent_rollouts' default
+            # is (and verl's prefetch window); the simulator's own default holds back all but what the KV cache
+            # holds, which a run does not: its requests queue in the engine.
+            run = simulate_async(
+                cluster, work, eta, STEPS, seed=seed, colocated=placement == "colocated",
+                max_concurrent_groups=int((eta + 1) * work.batch), **kwargs,
+            )  # fmt: skip
             steps.append(run.step_s(WARMUP) * time_scale)
     return statistics.fmean(steps)
 
