@@ -54,7 +54,7 @@ def row_mode(name: str, overrides: list[str]) -> tuple[str, float, int] | None:
     return match["placement"], float(match["eta"]), int(match["engines"] or 1)
 
 
-def _stand_in(bench: dict, engines: int):
+def _stand_in(bench: dict, engines: int, separate: bool):
     from areal_plugins.bench.gpu_shaped import StandInShape, case, stand_in_cluster
 
     scale = bench["time_scale"]
@@ -64,8 +64,10 @@ def _stand_in(bench: dict, engines: int):
         bench.get("kv_capacity_tokens"),
     )  # fmt: skip
     cluster, work = stand_in_cluster(case(scale["case"], "--case"), shape)
+    if not separate:  # every GPU generates (and trains): the engines alone
+        return cluster, work
     tp = cluster.engine().tensor_parallel
-    # One more device trains beside the engines (separate); the train time is given, so its GPU does not matter.
+    # One more device trains beside the engines; the train time is given, so its GPU does not matter.
     return replace(cluster, gpus=(engines + 1) * tp, rollout_gpus=engines * tp), work
 
 
@@ -75,7 +77,7 @@ def simulated_step_s(bench: dict, mode: tuple[str, float, int] | None, train_box
 
     time_scale = bench["time_scale"]["time_scale"]
     engines = 1 if mode is None else mode[2]
-    cluster, work = _stand_in(bench, engines)
+    cluster, work = _stand_in(bench, engines, separate=mode is not None and mode[0] == "separate")
     kwargs = {"train_time": lambda lengths: train_box_s / time_scale, "weight_load_s": 0.0}
     steps = []
     for seed in SEEDS:
@@ -100,7 +102,7 @@ def generation_bound_step_s(bench: dict, engines: int = 1) -> float:
     full KV cache (as many mean-length answers running as the cache holds, each half done on average), plus their
     prompts' prefill; ``engines`` share the work."""
     time_scale = bench["time_scale"]["time_scale"]
-    cluster, work = _stand_in(bench, engines)
+    cluster, work = _stand_in(bench, engines, separate=False)
     engine = cluster.engine()
     running = max(1, int(engine.kv_capacity_tokens // (work.prompt + work.response_mean)))
     context = running * (work.prompt + work.response_mean / 2)
