@@ -2,23 +2,22 @@
 
 Under LoRA verl sends the adapter only (peft's ``lora_A``/``lora_B`` tensors; docs/design.md, LoRA). An engine
 that loads it keeps its own copies: vLLM registers the adapter (``lora_B`` multiplied by ``lora_alpha / r`` in the
-engine's dtype, ``LoRALayerWeights.optimize``) and writes each tensor-parallel rank's slice of it into its LoRA
+engine's dtype, ``LoRALayerWeights.optimize``) and writes each tensor-parallel rank's part of it into its LoRA
 layers. Each rank reports, under the trainer's tensor names, three checksums per tensor (``[elements, Σx, Σx²,
-(Σ wᵢxᵢ)]``, weight_sync/checksums.py):
+Σ wᵢxᵢ]``, weight_sync/checksums.py), each compared position by position:
 
-* ``received``: the tensor as it arrived, compared with what the trainer sent (position-weighted: a transposed or
-  shuffled tensor is named);
-* ``expected``: what the engine should hold of it, computed on the rank from what it received by the engine's own
-  operation (the scaling, the cast), so no tolerance has to guess the rounding; absent where the engine holds the
-  tensor as received;
-* ``held``: what the engine holds; a slice (``sharded``) is compared summed over the ranks of its tensor-parallel
-  group, since Σx and Σx² add up over a split.
+* ``received``: the tensor as it arrived, compared with what the trainer sent (a transposed or shuffled tensor is
+  named);
+* ``expected``: what the rank should hold of it, computed on the rank from what it received by the engine's own
+  operations (the scaling, the cast, and under tensor parallelism the layer's own cut of this rank's part), so no
+  tolerance has to guess the rounding; absent where the engine holds the tensor as received;
+* ``held``: what the rank holds, compared with ``expected`` (each rank on its own: no sum over ranks).
 
 Each way an adapter goes wrong stops the run naming the replica, the rank and the tensor:
 
 * it never arrives: a rank holds no adapter at all, or lacks some of its tensors (verl issue #7495: in
   disaggregated mode the engines sampled from the initial policy for the whole run);
-* it arrives partly: a tensor, or the slices of it a replica's ranks hold, has fewer values than were sent;
+* it arrives partly: a rank holds fewer values of a tensor than it should;
 * it is loaded under the wrong name: a rank holds a tensor the trainer did not send; when its values are those of a
   sent tensor that is missing, the error names both (an adapter for one module applied to another);
 * it arrives or is loaded different: its values differ from what was sent, or from what the engine should hold.
@@ -30,11 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_plugins.weight_sync.checksums import same_checksum, same_sums
+from areal_plugins.weight_sync.checksums import same_checksum
 from areal_plugins.weight_sync.errors import WeightSyncError
-
-#: A replica's tensor-parallel group: the ranks whose slices of one tensor add up to it.
-Group = tuple[int, ...]
 
 
 def check_adapter_reports(
@@ -45,10 +41,8 @@ def check_adapter_reports(
 
     Args:
         sent: the trainer's checksum of every adapter tensor of update ``version``, by name.
-        reports: one per engine rank: ``replica``, ``rank`` (within its replica), ``tensor_parallel_size``,
-            ``shard_group`` (its data-parallel and pipeline ranks, default none) and ``adapter``: trainer tensor name
-            -> ``{"received", "held", "expected" (optional), "sharded" (optional)}``, or None when the rank holds no
-            adapter.
+        reports: one per engine rank: ``replica``, ``rank`` (within its replica) and ``adapter``: trainer tensor
+            name -> ``{"received", "held", "expected" (optional)}``, or None when the rank holds no adapter.
         version: the policy version of the update (named in the errors).
         ranks_per_replica: the engine ranks of each replica; a replica with fewer reports cannot be checked.
     """
@@ -82,10 +76,6 @@ def _check_replica(
             f"{where}: the replica has {ranks_per_replica} engine ranks, but adapter reports came from ranks {ranks}: "
             "a rank that does not report cannot be checked"
         )
-    slices: dict[tuple[str, Group], list[float]] = {}
-    holders: dict[tuple[str, Group], list[int]] = {}
-    expected_whole: dict[tuple[str, Group], list[float]] = {}
-    group_size: dict[tuple[str, Group], int] = {}
     for report in reports:
         rank_where = f"rollout replica {replica}, engine rank {_rank(report)}, update {version}"
         adapter = report.get("adapter")
@@ -95,8 +85,6 @@ def _check_replica(
                 f"e.g. {min(sent)}): the engine would sample from the base model, not the policy"
             )
         _check_names(sent, adapter, rank_where)
-        tensor_parallel = int(report.get("tensor_parallel_size", 1))
-        group = tuple(int(g) for g in report.get("shard_group", ()))
         for name, entry in sorted(adapter.items()):
             if not same_checksum(sent[name], entry["received"]):
                 raise WeightSyncError(
@@ -106,41 +94,16 @@ def _check_replica(
                 )
             expected = entry.get("expected") or entry["received"]
             held = entry["held"]
-            if entry.get("sharded") and tensor_parallel > 1:
-                key = (name, group)
-                slices[key] = [a + b for a, b in zip(slices.get(key, [0.0, 0.0, 0.0]), held[:3], strict=True)]
-                holders.setdefault(key, []).append(_rank(report))
-                expected_whole[key] = expected
-                group_size[key] = tensor_parallel
-                continue
             if held[0] < expected[0]:
                 raise WeightSyncError(
-                    f"{rank_where}: adapter tensor {name} arrived partly: the engine holds {int(held[0])} of its "
-                    f"{int(expected[0])} values"
+                    f"{rank_where}: adapter tensor {name} arrived partly: the engine holds {int(held[0])} of the "
+                    f"{int(expected[0])} values it should hold"
                 )
-            if not _same_values(expected, held):
+            if not same_checksum(expected, held):
                 raise WeightSyncError(
                     f"{rank_where}: adapter tensor {name} is held as other values than it arrived as (should hold "
                     f"{expected}, holds {held}): the engine would sample with an adapter the trainer never had"
                 )
-    for key, total in sorted(slices.items()):
-        name, _ = key
-        shard_ranks = sorted(holders[key])
-        if len(shard_ranks) != group_size[key]:
-            raise WeightSyncError(
-                f"{where}: adapter tensor {name} arrived partly: only engine ranks {shard_ranks} of a tensor-parallel "
-                f"group of {group_size[key]} hold a slice of it"
-            )
-        if total[0] < expected_whole[key][0]:
-            raise WeightSyncError(
-                f"{where}: adapter tensor {name} arrived partly: its slices on engine ranks {shard_ranks} hold "
-                f"{int(total[0])} of its {int(expected_whole[key][0])} values"
-            )
-        if not same_sums(expected_whole[key][:3], total):
-            raise WeightSyncError(
-                f"{where}: adapter tensor {name}, summed over the slices of engine ranks {shard_ranks}, is held as "
-                f"other values than it arrived as (should hold {expected_whole[key][:3]}, holds {total})"
-            )
 
 
 def _check_names(sent: dict[str, list[float]], adapter: dict[str, Any], where: str) -> None:
@@ -160,10 +123,3 @@ def _check_names(sent: dict[str, list[float]], adapter: dict[str, Any], where: s
         raise WeightSyncError(
             f"{where}: {len(missing)} of {len(sent)} adapter tensors never arrived, e.g. {missing[0]}"
         )
-
-
-def _same_values(expected: list[float], held: list[float]) -> bool:
-    """Same values: position-weighted where both checksums have it (a whole tensor), else Σx and Σx²."""
-    if len(expected) == len(held):
-        return same_checksum(expected, held)
-    return same_sums(expected[:3], held[:3])

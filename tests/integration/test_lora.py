@@ -32,7 +32,8 @@ def test_lora_trains_with_every_update_after_the_first_adapter_only_and_checked(
     run_dir = tmp_path / "run"
     steps = train_tiny(RECIPE, run_dir, tiny_dir, STEPS, *LORA)
     assert [s["training/global_step"] for s in steps] == list(range(1, STEPS + 1))
-    assert all(s["areal/gen_tokens_per_s"] > 0 for s in steps)
+    # The engine generated (a step whose batch was all admitted ahead, η = 2, may see no tokens in its own window).
+    assert any(s["areal/gen_tokens_per_s"] > 0 for s in steps)
     assert max(s["areal/staleness_max"] for s in steps) <= 2
 
     syncs = read_jsonl(run_dir / "weight_syncs.jsonl")
@@ -136,4 +137,4 @@ def test_lora_on_verls_vllm_checks_every_adapter_update_and_stops_on_a_bad_slot(
     assert "ArealVLLMHttpServer" in actors, actors
     steps = [json.loads(line)["data"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     assert [s["training/global_step"] for s in steps] in ([1], [1, 2])  # step 2's line may race the failing sync
-    assert all(s["areal/gen_tokens_per_s"] > 0 for s in steps)
+    assert any(s["areal/gen_tokens_per_s"] > 0 for s in steps)

@@ -1,9 +1,9 @@
 """The per-update LoRA adapter check (weight_sync/adapter_check.py): what each engine rank holds against what the
 trainer sent. The ranks' holdings are built here the way vLLM builds them, independently of the code under test:
 the registered adapter whole, with ``lora_B`` multiplied by ``lora_alpha / r`` (``LoRALayerWeights.optimize``),
-and under tensor parallelism each rank a slice of it (``lora_B`` of a column-parallel layer by output rows, its
-``lora_A`` whole). Each test changes one thing on the receiving side, as a fault would, and the error must name the
-replica, the rank and the tensor."""
+and under tensor parallelism each rank its part of it (``lora_B`` of a column-parallel layer by output rows, its
+``lora_A`` whole), which the rank compares with the same cut of what it received. Each test changes one thing on the
+receiving side, as a fault would, and the error must name the replica, the rank and the tensor."""
 
 from __future__ import annotations
 
@@ -54,18 +54,19 @@ def whole(received: dict[str, torch.Tensor], replica: int = 0, held: dict | None
     return {"replica": replica, "rank": 0, "tensor_parallel_size": 1, "adapter": entries}
 
 
+def rank_part(name: str, tensor: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+    """What ``rank`` of ``ranks`` holds of a column-parallel layer's tensor: ``lora_B``'s rows, ``lora_A`` whole."""
+    return tensor.chunk(ranks, dim=0)[rank] if ".lora_B." in name else tensor
+
+
 def sliced(received: dict[str, torch.Tensor], ranks: int, replica: int = 0) -> list[dict]:
+    """Each rank: what arrived (whole), its part of what the engine should hold, and that part held."""
     reports = []
     for rank in range(ranks):
         entries = {}
         for name, tensor in received.items():
-            entry = {"received": tensor_checksum(tensor), "expected": tensor_checksum(engine_copy(name, tensor))}
-            if ".lora_B." in name:
-                part = engine_copy(name, tensor).chunk(ranks, dim=0)[rank]
-                entry |= {"held": tensor_checksum(part, positions=False), "sharded": True}
-            else:
-                entry["held"] = tensor_checksum(tensor)
-            entries[name] = entry
+            part = tensor_checksum(rank_part(name, engine_copy(name, tensor), rank, ranks))
+            entries[name] = {"received": tensor_checksum(tensor), "expected": part, "held": part}
         reports.append({"replica": replica, "rank": rank, "tensor_parallel_size": ranks, "adapter": entries})
     return reports
 
@@ -108,8 +109,10 @@ def test_a_slice_held_short_on_one_rank_is_a_partial_arrival():
     tensors = adapter()
     reports = sliced(tensors, ranks=2)
     short = engine_copy(Q_B, tensors[Q_B]).chunk(2, dim=0)[1][:4]  # rank 1 holds half of its slice of q's lora_B
-    reports[1]["adapter"][Q_B]["held"] = tensor_checksum(short, positions=False)
-    with pytest.raises(WeightSyncError, match=rf"replica 0, update 1: adapter tensor {Q_B} arrived partly: .* 72 of"):
+    reports[1]["adapter"][Q_B]["held"] = tensor_checksum(short)
+    with pytest.raises(
+        WeightSyncError, match=rf"engine rank 1, update 1: adapter tensor {Q_B} arrived partly: .* 24 of the 48"
+    ):
         check_adapter_reports(sent_of(tensors), reports, version=1)
 
 
@@ -171,15 +174,13 @@ def test_an_unscaled_lora_b_is_not_what_the_engine_should_hold():
         check_adapter_reports(sent_of(tensors), [whole(tensors, held=held)], version=1)
 
 
-def test_a_slice_changed_on_one_rank_is_named_with_the_ranks_of_its_group():
+def test_a_slice_changed_on_one_rank_is_named_with_its_rank():
     tensors = adapter()
     reports = sliced(tensors, ranks=2)
     part = engine_copy(V_B, tensors[V_B]).chunk(2, dim=0)[1].clone()
     part[0, 0] += 0.5
-    reports[1]["adapter"][V_B]["held"] = tensor_checksum(part, positions=False)
-    with pytest.raises(
-        WeightSyncError, match=rf"adapter tensor {V_B}, summed over the slices of engine ranks \[0, 1\]"
-    ):
+    reports[1]["adapter"][V_B]["held"] = tensor_checksum(part)
+    with pytest.raises(WeightSyncError, match=rf"engine rank 1, update 1: adapter tensor {V_B} is held as other"):
         check_adapter_reports(sent_of(tensors), reports, version=1)
 
 
@@ -188,10 +189,11 @@ def test_an_update_without_adapter_tensors_is_refused():
         check_adapter_reports({}, [], version=4)
 
 
-def test_a_slice_whose_group_has_no_other_slice_is_a_partial_arrival():
-    """Slices add up within one tensor-parallel group: a rank that reports another group leaves both incomplete."""
+def test_two_rows_of_a_slice_trading_places_on_one_rank_are_named():
+    """Each rank's part is compared position by position: values in other places are not the same part."""
     tensors = adapter()
     reports = sliced(tensors, ranks=2)
-    reports[1]["shard_group"] = [0, 1]  # another pipeline stage's group
-    with pytest.raises(WeightSyncError, match=rf"adapter tensor {Q_B} arrived partly: only engine ranks \[0\] of a"):
+    part = engine_copy(Q_B, tensors[Q_B]).chunk(2, dim=0)[0]
+    reports[0]["adapter"][Q_B]["held"] = tensor_checksum(part[[1, 0, *range(2, 8)]])
+    with pytest.raises(WeightSyncError, match=rf"engine rank 0, update 1: adapter tensor {Q_B} is held as other"):
         check_adapter_reports(sent_of(tensors), reports, version=1)

@@ -5,15 +5,18 @@ verl loads the trainer's adapter (peft's ``base_model.model.<module>.lora_A.weig
 twice: a registered ``LoRAModel`` (``q_proj``/``k_proj``/``v_proj`` packed into one ``qkv_proj`` entry, ``lora_B``
 multiplied by ``lora_alpha / r`` in the adapter's dtype: ``LoRALayerWeights.optimize``), and the copy the forward pass
 reads: each LoRA layer's slot of ``lora_a_stacked`` / ``lora_b_stacked`` (``set_lora``; under tensor parallelism
-this rank's slice). The report reads the slots, so what is compared is what the engine samples with.
+this rank's part, cut by the layer's own ``slice_lora_a`` / ``slice_lora_b``). The report reads the slots, so what
+is compared is what the engine samples with.
 
 Per trainer tensor name (weight_sync/adapter_check.py compares them with what the trainer sent):
 
 * ``received``: the tensor as it arrived (position-weighted checksum);
 * ``expected``: what the slot should hold, computed here from the received tensor by vLLM's own operations (the cast
-  to the adapter's dtype, then for ``lora_B`` the scaling), so the comparison needs no tolerance;
+  to the adapter's dtype, for ``lora_B`` the scaling, under tensor parallelism the layer's cut of this rank's part:
+  rows of ``lora_B`` on column-parallel layers, columns of ``lora_A`` on row-parallel ones, a replicated KV head's
+  rows on each of its ranks), so the comparison is position by position and needs no tolerance;
 * ``held``: the slot's values, ``[:r]`` rows of ``lora_a`` and ``[:, :r]`` columns of ``lora_b`` (the slot is padded
-  to ``max_lora_rank``); ``sharded`` where this rank holds a slice (fewer values than expected, tensor parallelism).
+  to ``max_lora_rank``).
 
 A slot whose module vLLM holds an adapter for but whose name no received tensor maps to is reported under the
 trainer's naming (``base_model.model.<module>.lora_A.weight``), so a tensor loaded under the wrong name is named.
@@ -21,6 +24,7 @@ trainer's naming (``base_model.model.<module>.lora_A.weight``), so a tensor load
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +35,12 @@ from areal_plugins.weight_sync.checksums import tensor_checksum
 VERL_LORA_INT_ID = 123
 #: The prefix of peft's adapter tensor names (what verl's trainer sends).
 PEFT_PREFIX = "base_model.model."
+
+#: This rank's part of a whole adapter tensor (:func:`rank_part`).
+Cut = Callable[[torch.Tensor], torch.Tensor]
+#: What :func:`held_adapter` gives per trainer tensor name: the slot's values (a view), the adapter's dtype, whether
+#: it is lora_A, and the cut of this rank's part.
+Held = tuple[torch.Tensor, torch.dtype, bool, Cut]
 
 
 def trainer_name(module: str, is_lora_a: bool, peft_prefix: bool = True) -> str:
@@ -56,11 +66,9 @@ def rename_mapper(model: Any) -> Any:
     return mapper
 
 
-def held_adapter(
-    manager: Any, received_names: list[str], lora_id: int = VERL_LORA_INT_ID
-) -> dict[str, tuple[torch.Tensor, torch.dtype, bool]] | None:
-    """What the forward pass reads of adapter ``lora_id``, by trainer tensor name: ``(the slot's values (a view),
-    the adapter's dtype, is lora_A)``; None where the engine holds no such adapter in a slot.
+def held_adapter(manager: Any, received_names: list[str], lora_id: int = VERL_LORA_INT_ID) -> dict[str, Held] | None:
+    """What the forward pass reads of adapter ``lora_id``, by trainer tensor name (:data:`Held`); None where the
+    engine holds no such adapter in a slot.
 
     Args:
         manager: vLLM's LoRA model manager (``model_runner.lora_manager._adapter_manager``).
@@ -75,13 +83,14 @@ def held_adapter(
     by_module = {module_of(name, mapper): name for name in received_names}
     peft_prefix = not received_names or any(name.startswith(PEFT_PREFIX) for name in received_names)
     packed = dict(manager.packed_modules_mapping)
-    held: dict[str, tuple[torch.Tensor, torch.dtype, bool]] = {}
+    held: dict[str, Held] = {}
     for module_name, layer in manager.modules.items():
         weights = lora_model.get_lora(module_name)
         if weights is None or not hasattr(layer, "lora_a_stacked"):
             continue
         prefix, _, leaf = module_name.rpartition(".")
         subs = [f"{prefix}.{sub}" if prefix else sub for sub in packed.get(leaf, [leaf])]
+        parts = len(weights.lora_a) if isinstance(weights.lora_a, list) else None  # a packed layer's sub-modules
         lora_as = weights.lora_a if isinstance(weights.lora_a, list) else [weights.lora_a]
         lora_bs = weights.lora_b if isinstance(weights.lora_b, list) else [weights.lora_b]
         for index, (sub, lora_a, lora_b) in enumerate(zip(subs, lora_as, lora_bs, strict=False)):
@@ -93,12 +102,30 @@ def held_adapter(
                 (False, layer.lora_b_stacked[index][slot, 0, :, :rank], lora_b.dtype),
             ):
                 name = by_module.get((sub, is_a)) or trainer_name(sub, is_a, peft_prefix)
-                held[name] = (values, dtype, is_a)
+                held[name] = (values, dtype, is_a, rank_part(layer, is_a, index, parts))
     return held
 
 
+def rank_part(layer: Any, is_lora_a: bool, index: int = 0, parts: int | None = None) -> Cut:
+    """This rank's part of a whole ``lora_A`` (``is_lora_a``) or ``lora_B`` tensor of vLLM LoRA ``layer``, cut as its
+    ``set_lora`` cuts it: by the layer's own ``slice_lora_a`` / ``slice_lora_b``, under tensor parallelism only. A
+    packed layer's (``parts`` sub-modules) take a list, one entry per sub-module: the tensor at ``index``."""
+    if getattr(layer, "tp_size", 1) <= 1:
+        return lambda tensor: tensor
+    cut = layer.slice_lora_a if is_lora_a else layer.slice_lora_b
+    if parts is None:
+        return cut
+
+    def packed_cut(tensor: torch.Tensor) -> torch.Tensor:
+        entries: list[torch.Tensor | None] = [None] * parts
+        entries[index] = tensor
+        return cut(entries)[index]
+
+    return packed_cut
+
+
 def adapter_report(
-    held: dict[str, tuple[torch.Tensor, torch.dtype, bool]],
+    held: dict[str, Held],
     received: dict[str, torch.Tensor],
     received_checksums: dict[str, list[float]],
     scaling: float,
@@ -112,8 +139,8 @@ def adapter_report(
         scaling: what vLLM multiplies ``lora_B`` by (``PEFTHelper.vllm_lora_scaling_factor``).
     """
     return {
-        name: _entry(values, received.get(name), received_checksums.get(name), dtype, is_a, scaling)
-        for name, (values, dtype, is_a) in held.items()
+        name: _entry(values, received.get(name), received_checksums.get(name), dtype, is_a, scaling, cut)
+        for name, (values, dtype, is_a, cut) in held.items()
     }
 
 
@@ -154,6 +181,7 @@ def _entry(
     dtype: torch.dtype,
     is_lora_a: bool,
     scaling: float,
+    cut: Cut,
 ) -> dict[str, Any]:
     if received is None:  # held without having arrived under this name (a stale or misnamed adapter)
         checksum = tensor_checksum(held)
@@ -161,11 +189,8 @@ def _entry(
     expected_tensor = received.to(dtype=dtype)
     if not is_lora_a and scaling != 1:
         expected_tensor = expected_tensor * scaling  # LoRALayerWeights.optimize: lora_b *= scaling, in its dtype
-    expected = tensor_checksum(expected_tensor)
-    sharded = held.numel() < expected_tensor.numel()  # this rank's slice (tensor parallelism)
     return {
         "received": received_checksum if received_checksum is not None else tensor_checksum(received),
-        "expected": expected,
-        "held": tensor_checksum(held, positions=not sharded),
-        "sharded": sharded,
+        "expected": tensor_checksum(cut(expected_tensor)),  # set_lora: this rank's part of the registered tensor
+        "held": tensor_checksum(held),
     }
