@@ -24,6 +24,7 @@ replica: the dead server leaves the load balancer, and the tokens it returned be
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ from verl.workers.rollout.llm_server import LLMServerClient
 
 from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, version_fields
 from areal_plugins.agent_loop.partial_outputs import PartialOutput, compact, finished_output, keep, take_resumed
-from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, token_digest
+from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, ROUTED_EXPERTS_FIELD, token_digest
 from areal_plugins.rollout.base import SEED_FIELD, VALIDATION_KWARG
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,17 @@ class SpanningFields:
             self.num_preempted += output.num_preempted
         if self.num_cached_tokens is None:
             self.num_cached_tokens = output.extra_fields.get("num_cached_tokens")
+
+
+def routed_experts_fields(routed: Any) -> dict[str, Any]:
+    """For the run's records (what the trainer's batch carries), none without router replay: ``[rows, digest]`` of a
+    trajectory's merged routed experts, how many token positions they cover (prompt + response - 1: the last token
+    is never fed through the model) and 16 hex digits of the SHA-256 of the ids as little-endian int32, exact
+    across runs (a replay's must match its record's)."""
+    if routed is None:
+        return {}
+    array = np.ascontiguousarray(np.asarray(routed), dtype="<i4")
+    return {ROUTED_EXPERTS_FIELD: [int(array.shape[0]), hashlib.sha256(array.tobytes()).hexdigest()[:16]]}
 
 
 class InterruptibleLLMClient(LLMServerClient):
@@ -150,7 +162,7 @@ class InterruptibleLLMClient(LLMServerClient):
         partial = partial or PartialOutput("")
         # The lists are extended in place: the checkpoint's copy sees every finished request.
         token_ids, log_probs, versions, chunks = partial.tokens, partial.log_probs, partial.versions, partial.chunks
-        spanning = SpanningFields()
+        spanning = SpanningFields(routed_experts=partial.routed_experts)  # a resumed answer's rows so far
         failovers = 0
         while True:
             params[limit_key] = budget - len(token_ids)
@@ -167,6 +179,7 @@ class InterruptibleLLMClient(LLMServerClient):
             finally:
                 self._routed_to().pop(request_id, None)
             spanning.add(output)
+            partial.routed_experts = spanning.routed_experts  # what a checkpoint keeps with the tokens
             chunk_versions = output.extra_fields.get("token_versions")
             if chunk_versions is None:  # a backend without per-token versions: stamp the served version
                 chunk_versions = [output.extra_fields.get("global_steps", 0)] * len(output.token_ids)
@@ -187,6 +200,7 @@ class InterruptibleLLMClient(LLMServerClient):
         extra = {**output.extra_fields, **version_fields(versions), "num_interrupts": interrupts}
         extra[CHUNKS_FIELD] = [list(chunk) for chunk in chunks]
         extra["num_cached_tokens"] = spanning.num_cached_tokens
+        extra.update(routed_experts_fields(spanning.routed_experts))
         extra.pop(SEED_FIELD, None)  # the last request's: each request's seed is in its chunk
         stop_reason = "length" if output.stop_reason in ABORTED else output.stop_reason
         partial.stop_reason = stop_reason

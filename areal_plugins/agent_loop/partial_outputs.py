@@ -10,7 +10,8 @@ answer's line starts (``worker_<i>.index``); nothing passes through the driver (
 When a run resumes, the trainer tells every agent-loop worker which checkpoint it resumed (before any request is
 made). Each worker reads the indexes it can see from its node (a few numbers per answer, not the outputs) and, when
 a request of a kept uid, answer index and prompt arrives, reads that one answer's line from disk: its tokens keep
-the versions they were generated under, and the resume counts as one more interruption (docs/faults.md, Requests
+the versions they were generated under (and, under router replay, the experts that routed them), and the resume
+counts as one more interruption (docs/faults.md, Requests
 in flight at a checkpoint). No process ever holds every worker's outputs at once: a worker holds the outputs of the
 requests it continues, which it held before the checkpoint too. Measured at 41k requests x 2k tokens:
 docs/results/resume_partials.md.
@@ -24,6 +25,7 @@ Without this, verl regenerates every in-flight prompt from scratch on resume (as
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import os
@@ -59,6 +61,8 @@ class PartialOutput:
     chunks: list[list[Any]] = field(default_factory=list)  # [first token, version, seed] per request
     interrupts: int = 0
     stop_reason: str | None = None  # set once the answer finished (its group may still be generating)
+    #: router replay: the experts that routed each position so far (rows, layers, top-k), merged as the client does
+    routed_experts: Any = None
 
 
 #: This worker process's answers of groups not settled yet: prompt uid -> answer index -> output so far.
@@ -99,7 +103,28 @@ def _snapshot_one(uid: str, session: int, partial: PartialOutput) -> dict[str, A
         "chunks": [list(chunk) for chunk in partial.chunks],
         "interrupts": partial.interrupts,
         "stop_reason": partial.stop_reason,
+        "routed_experts": encode_experts(partial.routed_experts),
     }
+
+
+def encode_experts(routed: Any) -> dict[str, Any] | None:
+    """Routed experts as a checkpoint line holds them: int16 ids (as verl's batch keeps them), little-endian, in
+    base64 with their shape; None without router replay. A copy: the client may replace the array meanwhile."""
+    if routed is None:
+        return None
+    import numpy as np
+
+    values = np.ascontiguousarray(routed, dtype="<i2")
+    return {"shape": list(values.shape), "int16": base64.b64encode(values.tobytes()).decode()}
+
+
+def decode_experts(kept: dict[str, Any] | None) -> Any:
+    """:func:`encode_experts` undone: the ids as an int16 array of their shape, or None."""
+    if not kept:
+        return None
+    import numpy as np
+
+    return np.frombuffer(base64.b64decode(kept["int16"]), dtype="<i2").reshape(kept["shape"]).copy()
 
 
 async def snapshot_in_flight(batch: int = SNAPSHOT_BATCH) -> list[dict[str, Any]]:
@@ -290,6 +315,7 @@ async def take_resumed(uid: str, session: int, prompt_ids: list[int]) -> Partial
         # A request still generating was cut once more by the resume; a finished one is taken as it was.
         interrupts=int(found["interrupts"]) + (found.get("stop_reason") is None),
         stop_reason=found.get("stop_reason"),
+        routed_experts=decode_experts(found.get("routed_experts")),
     )
 
 
@@ -299,14 +325,17 @@ def finished_output(partial: PartialOutput, episode: Any) -> Any:
     from verl.workers.rollout.replica import TokenOutput
 
     from areal_plugins.agent_loop.episodes import CHUNKS_FIELD, version_fields
+    from areal_plugins.agent_loop.llm_client import routed_experts_fields
 
     if episode is not None:
         episode.add_turn(partial.versions, partial.interrupts, partial.chunks)
     extra = version_fields(partial.versions) | {"num_interrupts": partial.interrupts}
     extra[CHUNKS_FIELD] = [list(chunk) for chunk in partial.chunks]
+    extra.update(routed_experts_fields(partial.routed_experts))
     return TokenOutput(
         token_ids=list(partial.tokens),
         log_probs=list(partial.log_probs) if partial.log_probs else None,
+        routed_experts=partial.routed_experts,  # verl's batch needs every answer's, or none
         stop_reason=partial.stop_reason,
         extra_fields=extra,
     )

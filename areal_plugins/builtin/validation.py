@@ -253,7 +253,8 @@ def check_support_matrix(config: Any) -> None:
                 f"with areal_plugins' loss: set actor_rollout_ref.actor.fsdp_config.{key}=bf16 or fp32, {own}"
             )
     rank = lora_rank(config)
-    if rank > 0:
+    # Merged (lora.merge: true), every update carries full weights, checked as a dense model's are.
+    if rank > 0 and not bool((config.actor_rollout_ref.model.get("lora") or {}).get("merge", False)):
         require_feature(
             backend,
             "lora_adapter_check",
@@ -264,14 +265,9 @@ def check_support_matrix(config: Any) -> None:
             raise ArealConfigError(
                 f"LoRA (actor_rollout_ref.model.lora_rank={rank}) with areal.placement=separate: verl 0.9.1's "
                 "checkpoint-engine path sends the engines the base weights without the adapter (verl issue #7495), so "
-                "they would sample from the base model: set areal.placement=colocated "
+                "they would sample from the base model: set actor_rollout_ref.model.lora.merge=true (each update "
+                "then carries the merged full weights, checked as a dense model's) or areal.placement=colocated "
                 f"(checkpoint_engine.backend=naive), {own}"
-            )
-        if bool((config.actor_rollout_ref.model.get("lora") or {}).get("merge", False)):
-            raise ArealConfigError(
-                f"LoRA merged into full-weight updates (actor_rollout_ref.model.lora.merge=true) has not run under "
-                "areal_async: set actor_rollout_ref.model.lora.merge=false (the adapter alone, checked on every "
-                f"update), {own}"
             )
     hf_config = model_config_json(config) or {}
     experts = next((key for key in EXPERT_COUNT_KEYS if int(hf_config.get(key) or 0) > 0), None)

@@ -19,6 +19,9 @@ from areal_plugins.core.trajectory import Trajectory
 #: ``extra_fields`` key of a trajectory's requests: ``[first generated token, version, seed]`` for each request that
 #: produced tokens, in order (a request continued after an interruption starts a new one).
 CHUNKS_FIELD = "areal_chunks"
+#: ``extra_fields`` key of a trajectory's routed experts (router replay), merged across its requests: ``[rows,
+#: digest]`` (agent_loop/llm_client.py), recorded as ``routed_experts_rows`` / ``routed_experts_digest``.
+ROUTED_EXPERTS_FIELD = "areal_routed_experts"
 #: The sample field naming the recorded trajectory a replayed one follows (``group/key``).
 REPLAY_OF = "replay_of"
 
@@ -34,11 +37,23 @@ def trajectory_info(trajectory: Trajectory) -> dict[str, Any]:
         "tail_version": max(trajectory.versions, default=trajectory.head_version),
         "num_interrupts": int(trajectory.extra.get("num_interrupts", 0)),
         **schedule_fields(trajectory),
+        "prompt_tokens": len(trajectory.prompt_ids),
         "response_tokens": len(trajectory.response_ids),
         "reward": trajectory.reward,
         "reward_report": reward_report(trajectory.extra),
         **episode_report(trajectory.extra),
+        **routed_experts_report(trajectory.extra),
     }
+
+
+def routed_experts_report(extra: dict[str, Any]) -> dict[str, Any]:
+    """How many token positions the trajectory's routed experts cover, and their digest (empty without router
+    replay)."""
+    summary = extra.get(ROUTED_EXPERTS_FIELD)
+    if not summary:
+        return {}
+    rows, digest = summary
+    return {"routed_experts_rows": int(rows), "routed_experts_digest": str(digest)}
 
 
 def schedule_fields(trajectory: Trajectory) -> dict[str, Any]:

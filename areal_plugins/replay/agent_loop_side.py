@@ -15,7 +15,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, version_fields
-from areal_plugins.agent_loop.llm_client import InterruptibleLLMClient, current_answer
+from areal_plugins.agent_loop.llm_client import (
+    InterruptibleLLMClient,
+    SpanningFields,
+    current_answer,
+    routed_experts_fields,
+)
 from areal_plugins.agent_loop.partial_outputs import PartialOutput, take_resumed
 from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, REPLAY_OF, token_digest
 from areal_plugins.replay.conductor import find_conductor
@@ -80,6 +85,7 @@ async def follow_record(
     resumed = resumed or PartialOutput("")
     tokens, log_probs = list(resumed.tokens), list(resumed.log_probs)
     versions, chunks = list(resumed.versions), [list(chunk) for chunk in resumed.chunks]
+    spanning = SpanningFields(routed_experts=resumed.routed_experts)  # merged as a live run merges them
     output = None
     stop_reason = resumed.stop_reason or "aborted"
     plan = recorded["plan"]
@@ -98,6 +104,7 @@ async def follow_record(
                 chunk_versions = output.extra_fields.get("token_versions") or [version] * len(output.token_ids)
                 if output.token_ids:
                     chunks.append([len(tokens), chunk_versions[0], output.extra_fields.get(SEED_FIELD)])
+                spanning.add(output)
                 tokens.extend(output.token_ids)
                 log_probs.extend(output.log_probs or [])
                 versions.extend(chunk_versions)
@@ -120,9 +127,13 @@ async def follow_record(
     extra.pop(SEED_FIELD, None)
     extra |= version_fields(versions) | {"num_interrupts": max(len(chunks) - 1, 0), CHUNKS_FIELD: chunks}
     extra[REPLAY_OF] = recorded["name"]
+    extra["num_cached_tokens"] = spanning.num_cached_tokens
+    extra.update(routed_experts_fields(spanning.routed_experts))
     return TokenOutput(
         token_ids=tokens,
         log_probs=log_probs,
+        routed_experts=spanning.routed_experts,
         stop_reason="length" if stop_reason in ("aborted", "abort") else stop_reason,
+        num_preempted=spanning.num_preempted,
         extra_fields=extra,
     )

@@ -13,6 +13,7 @@ from areal_plugins.records.writer import read_jsonl  # the tests import it from 
 REPO = Path(__file__).resolve().parents[2]
 TINY_DIR = REPO / ".areal" / "tiny"  # shared with the demo: built once per machine
 CALCULATOR_DIR = REPO / ".areal" / "tiny_calculator"  # likewise, for the multi-turn recipe
+MOE_DIR = REPO / ".areal" / "tiny_moe"  # likewise: the tiny Qwen2-MoE (4 experts, 2 per token, a shared expert)
 #: A folder holding an example plugin and its .dist-info: on PYTHONPATH, it is an installed plugin.
 EXAMPLE_PLUGIN_DIR = REPO / "tests" / "example_plugin"
 
@@ -123,6 +124,12 @@ def tiny_dir() -> Path:
 def calculator_dir() -> Path:
     run_cli("build-tiny", "--workload", "calculator", "--out", str(CALCULATOR_DIR))
     return CALCULATOR_DIR
+
+
+@pytest.fixture(scope="session")
+def moe_dir() -> Path:
+    run_cli("build-tiny", "--workload", "moe", "--out", str(MOE_DIR), timeout=1800)
+    return MOE_DIR
 
 
 def train_args(recipe: str, run_dir: Path, tiny_dir: Path, steps: int, *overrides: str) -> list[str]:

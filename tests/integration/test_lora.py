@@ -1,7 +1,7 @@
 """LoRA under ``areal_async``, colocated, on ``areal_cpu`` and (the last test) verl's ``vllm``: the tiny model trains
 an adapter through verl 0.9.1's FSDP2 engine (peft's ``get_peft_model``), and every weight update after the first
 carries the adapter alone, loaded into the engine's LoRA layers and checked tensor by tensor (docs/design.md, LoRA).
-Full tier (three verl starts).
+Three verl starts, two of them in CI (below).
 
 What the records say, derived from verl's ``engine_workers.update_weights``: with ``rollout.load_format: dummy``
 (verl's default) the trainer's ``base_sync_done`` starts false, so the first update (version 0, before step 1) sends
@@ -9,6 +9,9 @@ the base weights once (the server's ``update`` record) and then the adapter; eve
 only. Each adapter update gives the server's ``update_adapter`` record and our trainer-side adapter's
 ``update_checked`` record once the check passed. The tiny Qwen2 under ``target_modules: all-linear`` has 28 adapter
 tensors: 2 layers x 7 linear modules (q, k, v, o, gate, up, down) x 2 (``lora_A``, ``lora_B``).
+
+In CI: the run with a tensor corrupted on arrival (``areal_cpu``; before the corruption it checks what a clean run's
+first two updates must show) and the verl-vLLM run; the clean 3-step run is in the ``full`` tier.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pytest
 
 from tests.integration.conftest import read_jsonl, run_cli, train_args, train_tiny
 
-pytestmark = [pytest.mark.integration, pytest.mark.full]
+pytestmark = pytest.mark.integration
 
 STEPS = 3
 RECIPE = "grpo_cpu_async.yaml"
@@ -28,6 +31,7 @@ ADAPTER_TENSORS = 2 * 7 * 2
 CORRUPTED = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
 
 
+@pytest.mark.full
 def test_lora_trains_with_every_update_after_the_first_adapter_only_and_checked(tiny_dir, tmp_path):
     run_dir = tmp_path / "run"
     steps = train_tiny(RECIPE, run_dir, tiny_dir, STEPS, *LORA)
@@ -48,14 +52,19 @@ def test_lora_trains_with_every_update_after_the_first_adapter_only_and_checked(
     assert [r["version"] for r in checked] == versions, checked
     expected = {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1, "adapter_only": True}
     assert all(r["checksum"] == expected for r in checked), checked
-    # The adapter trained: each step's differs from the one before (peft starts lora_B at zero, so version 0's
-    # adapter changes nothing; the optimizer moves it from step 1 on).
-    digests = [r["checksum"]["adapter"] for r in loaded]
-    assert len(set(digests)) == len(digests), digests
-    # The engines slept before each later update (colocated, rollout.free_cache_engine: true) and kept the base
-    # weights through it: verl sends them once (the full-weight runs free them: test_placements.py).
+    assert_the_adapter_trained_and_the_base_stayed(run_dir, versions)
+
+
+def assert_the_adapter_trained_and_the_base_stayed(run_dir, versions: list[int]) -> None:
+    """Each version's adapter differs from the one before (peft starts ``lora_B`` at zero, so version 0's adapter
+    changes nothing; the optimizer moves it from step 1 on), and the engines slept before each later update
+    (colocated, ``rollout.free_cache_engine: true``) keeping the base weights through it: verl sends them once (the
+    full-weight runs free them: test_placements.py)."""
+    loaded = [r for r in read_jsonl(run_dir / "weight_syncs.jsonl") if r["event"] == "update_adapter"]
+    digests = [r["checksum"]["adapter"] for r in loaded if r["version"] in versions]
+    assert len(digests) == len(versions) and len(set(digests)) == len(digests), loaded
     events = [e for e in read_jsonl(run_dir / "replica_events.jsonl") if e["replica"] == 0]
-    updates = [i for i, e in enumerate(events) if e["event"] == "update" and e["version"] >= 1]
+    updates = [i for i, e in enumerate(events) if e["event"] == "update" and 1 <= e["version"] <= versions[-1]]
     assert [events[i]["version"] for i in updates] == versions[1:], events
     for i in updates:
         assert events[i]["adapter"] is True
@@ -74,7 +83,8 @@ def test_an_adapter_tensor_corrupted_on_arrival_stops_the_run_naming_it(tiny_dir
     """The server's updates count 1 (the base weights, version 0), 2 (version 0's adapter), 3 (version 1's), 4
     (version 2's, after step 2): from the fourth on, one value of ``CORRUPTED`` changes on arrival (fault injection
     on the receiving side, rollout/cpu/server.py), and the run must stop at that update naming the replica, the
-    engine rank and the tensor, before step 2's metrics are written."""
+    engine rank and the tensor, before step 2's metrics are written. Before it, the run is a clean LoRA run's first
+    two updates: the base weights once, then adapters alone, each checked, the adapter moved by step 1."""
     run_dir = tmp_path / "run"
     result = run_cli(
         *train_args(
@@ -91,8 +101,13 @@ def test_an_adapter_tensor_corrupted_on_arrival_stops_the_run_naming_it(tiny_dir
         result, f"adapter tensor {CORRUPTED} arrived different from what the trainer sent"
     )
     syncs = read_jsonl(run_dir / "weight_syncs.jsonl")
-    assert [r["version"] for r in syncs if r["event"] == "update_checked"] == [0, 1], syncs
+    checked = [r for r in syncs if r["event"] == "update_checked"]
+    assert [r["version"] for r in checked] == [0, 1], syncs
+    expected = {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1, "adapter_only": True}
+    assert all(r["checksum"] == expected for r in checked), checked
     assert [r["version"] for r in syncs if r["event"] == "update_adapter"] == [0, 1, 2], syncs  # 2: loaded, refused
+    assert [r["version"] for r in syncs if r["event"] == "update"] == [0], syncs  # the base weights, once
+    assert_the_adapter_trained_and_the_base_stayed(run_dir, [0, 1])
     lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
     assert [json.loads(line)["data"]["training/global_step"] for line in lines if line.strip()] == [1]
 
@@ -138,3 +153,76 @@ def test_lora_on_verls_vllm_checks_every_adapter_update_and_stops_on_a_bad_slot(
     steps = [json.loads(line)["data"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     assert [s["training/global_step"] for s in steps] in ([1], [1, 2])  # step 2's line may race the failing sync
     assert any(s["areal/gen_tokens_per_s"] > 0 for s in steps)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("recipe", ["grpo_cpu_async.yaml", "grpo_cpu_async_separate.yaml"])
+def test_lora_merged_sends_full_weights_each_update_in_either_placement(recipe, tiny_dir, tmp_path):
+    """``lora.merge: true``: verl merges the adapter into the base weights for each update (its FSDP engine's
+    ``_merged_lora_per_tensor_param``, in bf16) and sends full weights, colocated through verl's direct sync and in
+    the engines' own pool through the checkpoint engine (``areal_gloo``): the way LoRA reaches engines in their own
+    pool, since verl 0.9.1's checkpoint-engine path sends no adapter alone (verl issue #7495). Every update is a
+    full-weight one, checked as a dense model's, and the weights the engine holds move from version 1 on (the
+    adapter trained: merged into the same base, equal adapters would give equal weights)."""
+    run_dir = tmp_path / "run"
+    steps = train_tiny(recipe, run_dir, tiny_dir, STEPS, *LORA, "actor_rollout_ref.model.lora.merge=true")
+    assert [s["training/global_step"] for s in steps] == list(range(1, STEPS + 1))
+    syncs = read_jsonl(run_dir / "weight_syncs.jsonl")
+    assert not [r for r in syncs if r["event"] in ("update_adapter", "update_checked") and "adapter" in str(r)]
+    updates = [r for r in syncs if r["event"] == "update"]
+    assert [r["version"] for r in updates] == list(range(STEPS + 1)), syncs
+    assert len({r["checksum"] for r in updates}) == STEPS + 1, updates
+
+
+@pytest.mark.full
+def test_lora_merged_reaches_verls_vllm_in_its_own_pool_as_checked_full_weights(tiny_dir, tmp_path):
+    """``lora.merge: true`` on verl's ``vllm`` in the engines' own pool: verl starts vLLM without LoRA (its server's
+    ``lora_as_adapter`` is false when merged) and every update is the merged full weights, broadcast by
+    ``areal_gloo`` and checked on arrival and after loading as a dense model's (test_verl_vllm.py's own-pool run)."""
+    from tests.integration.test_verl_vllm import assert_loaded_check_covers_the_tiny_model, train_with_verl_vllm
+
+    run_dir = tmp_path / "run"
+    result = train_with_verl_vllm(
+        run_dir, tiny_dir, STEPS, *LORA, "actor_rollout_ref.model.lora.merge=true", recipe="grpo_cpu_async_vllm.yaml"
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    checked = [r for r in read_jsonl(run_dir / "weight_syncs.jsonl") if r["event"] == "update_checked"]
+    assert [r["version"] for r in checked] == list(range(STEPS + 1)), checked
+    for record in checked:
+        assert not record["checksum"].get("adapter_only"), record
+        assert_loaded_check_covers_the_tiny_model(record["checksum"])
+    # 27 tensors under the base model's own names (peft's wrapper names removed by the merge), each compared.
+    transfers = read_jsonl(run_dir / "weight_transfers.jsonl")
+    assert [t["version"] for t in transfers] == list(range(STEPS + 1)), transfers
+    assert all(t["transfer_checked_tensors"] == 27 for t in transfers), transfers
+
+
+@pytest.mark.full
+def test_lora_at_eta0_trains_the_samples_and_losses_of_synchronous_verl_with_lora(
+    tiny_dir, distinct_prompts, tmp_path_factory
+):
+    """Synchronous verl (``grpo_cpu_sync``: our features off) and ``areal_async`` at η = 0, both training the same
+    adapter from the same seeds: the same samples at each step, each generated by the step's own adapter, and
+    losses within float tolerance (verl's vanilla PPO against our decoupled objective, whose weights are 1 at
+    η = 0): asynchrony at η = 0 changes nothing under LoRA either."""
+    from tests.integration.conftest import SYNC_STEPS, consumed_by_step, run_with_dump
+
+    sync = run_with_dump("grpo_cpu_sync.yaml", tiny_dir, tmp_path_factory, distinct_prompts, *LORA)
+    eta0 = run_with_dump(
+        "grpo_cpu_async.yaml", tiny_dir, tmp_path_factory, distinct_prompts, *LORA, "areal.max_staleness=0"
+    )
+    sync_samples, eta0_samples = consumed_by_step(sync), consumed_by_step(eta0)
+    assert sorted(sync_samples) == list(range(1, SYNC_STEPS + 1))
+    for step in sync_samples:
+        assert eta0_samples[step] == sync_samples[step], f"step {step}: different samples"
+    for sample in read_jsonl(eta0 / "areal_samples.jsonl"):
+        assert sample["head_version"] == sample["tail_version"] == sample["step"] - 1
+    # Both trained the adapter alone, checked on every update (the sync run through the same server adapter).
+    for run in (sync, eta0):
+        checked = [r for r in read_jsonl(run / "weight_syncs.jsonl") if r["event"] == "update_checked"]
+        assert checked and all(r["checksum"].get("adapter_only") for r in checked), checked
+    for a, b in zip(read_jsonl(sync / "metrics.jsonl"), read_jsonl(eta0 / "metrics.jsonl"), strict=True):
+        a, b = a["data"], b["data"]
+        assert a["critic/score/mean"] == b["critic/score/mean"]
+        assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-3, abs=1e-5)
+        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-3)

@@ -492,11 +492,18 @@ def test_a_workers_summary_is_what_the_admission_loop_would_read_back_from_the_r
 
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
-    from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, group_trajectories, output_summary, trajectory_info
+    from areal_plugins.core.trajectory_rows import (
+        CHUNKS_FIELD,
+        ROUTED_EXPERTS_FIELD,
+        group_trajectories,
+        output_summary,
+        trajectory_info,
+    )
     from areal_plugins.driver.admission import TRAJECTORY_FIELDS
 
     extra = {"token_versions": [0, 1, 1], "num_interrupts": 1, CHUNKS_FIELD: [[0, 0, 7], [1, 1, 8]],
-             "reward_extra_info": {"areal_reward_latency_s": 0.5, "acc": 1.0}}  # fmt: skip
+             "reward_extra_info": {"areal_reward_latency_s": 0.5, "acc": 1.0},
+             ROUTED_EXPERTS_FIELD: [6, "0123456789abcdef"]}  # fmt: skip
     output = AgentLoopOutput(
         prompt_ids=[5, 6, 7], response_ids=[11, 12, 13, 14], response_mask=[1, 1, 0, 1],
         response_logprobs=[-0.1, -0.2, 0.0, -0.3], reward_score=0.1, metrics=AgentLoopMetrics(), extra_fields=extra,
@@ -514,6 +521,8 @@ def test_a_workers_summary_is_what_the_admission_loop_would_read_back_from_the_r
     assert summary["logprobs_digest"] == hashlib.sha256(struct.pack("<3f", -0.1, -0.2, -0.3)).hexdigest()[:16]
     assert summary["chunks"] == [[0, 0, 7], [1, 1, 8]] and summary["num_interrupts"] == 1
     assert summary["reward_report"] == {"areal_reward_latency_s": 0.5}
+    assert summary["prompt_tokens"] == 3
+    assert (summary["routed_experts_rows"], summary["routed_experts_digest"]) == (6, "0123456789abcdef")
     # What the loop must name itself (it reads the rows and raises): no summary.
     assert output_summary("u", output.model_copy(update={"response_logprobs": None})) is None
     assert output_summary("u", output.model_copy(update={"extra_fields": {"token_versions": [0]}})) is None

@@ -9,6 +9,7 @@ expected values are written out by hand from the script, so a field both clients
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -129,6 +130,9 @@ def test_both_clients_keep_the_same_fields_of_an_interrupted_request():
     # ... and ours adds the per-token versions on top.
     assert ours.extra_fields["token_versions"] == [0, 0, 1, 1, 1]
     assert ours.extra_fields["num_interrupts"] == 1
+    # ... and, for the run's records, how many positions the merged routing covers and its digest (int32 ids).
+    digest = hashlib.sha256(expected_experts.astype("<i4").tobytes()).hexdigest()[:16]
+    assert ours.extra_fields["areal_routed_experts"] == [8, digest]
 
 
 def test_a_first_request_aborted_before_any_token_keeps_the_next_requests_whole_routing():

@@ -31,19 +31,26 @@ from areal_plugins.core.trajectory_rows import token_digest
 class ScriptedServer:
     """One scripted answer per call: ``(tokens, version, stop, seconds to wait first)``."""
 
-    def __init__(self, script: list[tuple]) -> None:
+    def __init__(self, script: list[tuple], routed: bool = False) -> None:
         self.script = list(script)
         self.calls: list[tuple[list[int], int]] = []
+        self.routed = routed
 
     async def generate(self, request_id, prompt_ids, sampling_params, **kwargs):
+        import numpy as np
         from verl.workers.rollout.replica import TokenOutput
 
         self.calls.append((list(prompt_ids), sampling_params["max_tokens"]))
         ids, version, stop, wait_s = self.script.pop(0)
         await asyncio.sleep(wait_s)
+        # Router replay, as vLLM returns it: a row per position fed through the model (prompt + tokens - 1), here
+        # 100 x version + position in both of 1 layer's 2 slots, so a row's origin shows.
+        rows = len(prompt_ids) + len(ids) - 1
+        routed = (100 * version + np.arange(rows))[:, None, None] * np.ones((1, 1, 2), np.int32)
         return TokenOutput(
             token_ids=ids,
             log_probs=[-0.25 * (i + 1) for i in range(len(ids))],
+            routed_experts=routed if self.routed else None,
             stop_reason=stop,
             extra_fields={"global_steps": version, "token_versions": [version] * len(ids), "areal_seed": 7},
         )
@@ -313,3 +320,59 @@ def test_outputs_kept_by_checkpoints_verl_rotated_away_are_removed_and_the_kept_
     assert not (tmp_path / "global_step_1" / "areal_partials").exists() and (tmp_path / "global_step_1").exists()
     assert partial_outputs.read_partials(tmp_path / "global_step_2") == [kept]
     assert partial_outputs.read_partials(tmp_path / "global_step_3") == [kept]
+
+
+def test_router_replays_experts_are_kept_by_a_checkpoint_and_continued_after_a_resume(local_ray, tmp_path):
+    """Each position keeps the routing of the request that fed it: the kept rows travel through the checkpoint, and
+    the resumed request adds its new tokens' rows only (by hand: row values are 100 x version + position)."""
+    from areal_plugins.agent_loop.partial_outputs import decode_experts
+
+    script = [([11, 12, 13], 0, "aborted", 0.0), ([14, 15, 16, 17, 18], 1, "length", 0.5)]
+    server = ScriptedServer.remote(script, routed=True)
+    client = client_of(server)
+
+    async def live():
+        task = asyncio.create_task(answer(client, "g1", 2, [1, 2], "r1"))
+        while len(IN_FLIGHT.get("g1", {}).get(2, PartialOutput("")).tokens) < 3:
+            await asyncio.sleep(0.01)
+        seen = await snapshot_in_flight()
+        output = await task
+        forget_group("g1")
+        return seen, output
+
+    (saved,), output = asyncio.run(live())
+    # Prompt 2 + 3 tokens - 1 = 4 rows under version 0 at the checkpoint; the live answer then adds the 5 new
+    # tokens' rows of the second request (positions 4-8 under version 1): 2 + 8 - 1 = 9 in all.
+    assert decode_experts(saved["routed_experts"])[:, 0, 0].tolist() == [0, 1, 2, 3]
+    assert output.routed_experts[:, 0, 0].tolist() == [0, 1, 2, 3, 104, 105, 106, 107, 108]
+    assert output.extra_fields["areal_routed_experts"][0] == 9
+
+    # A resume from that checkpoint: the kept 4 rows, then the resumed request's 5 new ones under version 2.
+    write_partials(str(tmp_path), 0, [saved])
+    prepare_resume(None, str(tmp_path))
+    server = ScriptedServer.remote([([21, 22, 23, 24, 25], 2, "length", 0.0)], routed=True)
+    try:
+        continued = asyncio.run(answer(client_of(server), "g1", 2, [1, 2], "r2"))
+    finally:
+        end_resume()
+        forget_group("g1")
+    assert continued.routed_experts[:, 0, 0].tolist() == [0, 1, 2, 3, 204, 205, 206, 207, 208]
+    assert continued.routed_experts.shape == (9, 1, 2)
+
+
+def test_an_answer_that_had_finished_keeps_its_routed_experts_through_a_resume(local_ray, tmp_path):
+    import numpy as np
+
+    from areal_plugins.agent_loop.partial_outputs import encode_experts
+
+    routed = np.arange(6, dtype=np.int16).reshape(3, 1, 2)  # prompt 2 + 2 tokens - 1 rows
+    saved = saved_answer("g2", 0, [4, 5], [41, 42], stop_reason="stop") | {"routed_experts": encode_experts(routed)}
+    write_partials(str(tmp_path), 0, [saved])
+    prepare_resume(None, str(tmp_path))
+    try:
+        output = asyncio.run(answer(client_of(ScriptedServer.remote([])), "g2", 0, [4, 5], "r1"))
+    finally:
+        end_resume()
+        forget_group("g2")
+    assert output.routed_experts.tolist() == routed.tolist()  # verl's batch needs every answer's, or none
+    assert output.extra_fields["areal_routed_experts"][0] == 3
