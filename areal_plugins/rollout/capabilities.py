@@ -48,6 +48,7 @@ VERL_BACKENDS = {
             "weight_checksum",
             "progress_stats",
             "lora_adapter_check",  # ours: each worker's LoRA slots read back (rollout/verl_vllm/loaded_adapter.py)
+            "moe_weight_check",  # ours: fused expert parameters against their experts' tensors (loaded_weights.py)
             "validation_first",  # ours: validation requests at vLLM's lowest priority (rollout/verl_vllm/server.py)
         }
     ),

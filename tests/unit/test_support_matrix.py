@@ -122,7 +122,7 @@ def test_float16_training_is_refused_bf16_and_fp32_are_not():
     areal_validate_config(compose(RECIPE, ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"]))
 
 
-def test_lora_runs_colocated_on_areal_cpu_and_is_refused_where_the_adapter_would_go_unchecked():
+def test_lora_runs_colocated_or_merged_and_is_refused_where_the_adapter_would_go_unsent():
     areal_validate_config(compose(RECIPE, ["actor_rollout_ref.model.lora_rank=8"]))
     areal_validate_config(compose(RECIPE, ["actor_rollout_ref.model.lora_rank=8", "areal.mode=sync"]))
     separate = [
@@ -133,10 +133,13 @@ def test_lora_runs_colocated_on_areal_cpu_and_is_refused_where_the_adapter_would
     ]
     areal_validate_config(compose(RECIPE, separate))  # the same pool without LoRA is a tested setup
     line = refusal(["actor_rollout_ref.model.lora_rank=8", *separate])
-    assert "verl issue #7495" in line and "set areal.placement=colocated" in line
-    assert "set actor_rollout_ref.model.lora.merge=false" in refusal(
-        ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true"]
-    )
+    assert "verl issue #7495" in line
+    assert "set actor_rollout_ref.model.lora.merge=true" in line and "or areal.placement=colocated" in line
+    # Merged, every update carries full weights: accepted in either placement, on either engine.
+    merged = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true"]
+    areal_validate_config(compose(RECIPE, merged))
+    areal_validate_config(compose(RECIPE, [*merged, *separate]))
+    areal_validate_config(compose(RECIPE, [*merged, *separate, "actor_rollout_ref.rollout.name=vllm"]))
     waived = "areal.waive_capabilities=[abort_keeps_partial,weight_checksum,progress_stats]"
     line = refusal(["actor_rollout_ref.rollout.name=sglang", waived, "actor_rollout_ref.model.lora_rank=8"])
     assert "(lora_adapter_check)" in line and "set actor_rollout_ref.model.lora_rank=0" in line
@@ -150,11 +153,13 @@ def test_a_backend_without_the_adapter_check_is_refused_lora(monkeypatch):
     assert "lora_adapter_check" in refusal(["actor_rollout_ref.model.lora.rank=4"])  # verl's other spelling
 
 
-def test_a_mixture_of_experts_is_refused_on_vllm_and_served_by_areal_cpu(models):
-    moe = models["<moe-model>"]
-    line = refusal(["actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.model.path={moe}"])
-    assert "moe_weight_check" in line and "set actor_rollout_ref.rollout.name=areal_cpu" in line
-    areal_validate_config(compose(RECIPE, [f"actor_rollout_ref.model.path={moe}"]))
+def test_a_mixture_of_experts_runs_on_areal_cpu_and_vllm_and_is_refused_where_experts_go_unchecked(models):
+    moe = f"actor_rollout_ref.model.path={models['<moe-model>']}"
+    areal_validate_config(compose(RECIPE, [moe]))
+    areal_validate_config(compose(RECIPE, [moe, "actor_rollout_ref.rollout.name=vllm"]))
+    waived = "areal.waive_capabilities=[abort_keeps_partial,weight_checksum,progress_stats]"
+    line = refusal(["actor_rollout_ref.rollout.name=sglang", waived, moe])
+    assert "(moe_weight_check)" in line and "set actor_rollout_ref.rollout.name=areal_cpu" in line
 
 
 def test_a_model_not_on_disk_yet_is_not_read():
@@ -207,7 +212,7 @@ def test_lora_runs_colocated_on_verls_vllm_and_fully_sharded_adapters_are_refuse
     areal_validate_config(compose(RECIPE, vllm_lora))
     line = refusal([*vllm_lora, "++actor_rollout_ref.model.lora.fully_sharded_loras=true"])
     assert "set actor_rollout_ref.model.lora.fully_sharded_loras=false" in line
-    assert "set areal.placement=colocated" in refusal(
+    assert "set actor_rollout_ref.model.lora.merge=true" in refusal(
         [
             *vllm_lora,
             "areal.placement=separate",

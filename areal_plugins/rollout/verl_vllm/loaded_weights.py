@@ -7,10 +7,17 @@ ignore zero padding, so a parameter's sums equal the sums of its sources, and a 
 tensor-parallel workers equal them too. Padding only adds elements: a parameter holding fewer than its sources is a
 shard under tensor parallelism and a short load without it.
 
+Mixture-of-experts layers: vLLM stacks the trainer's per-expert tensors (``experts.E.gate_proj``, ``up_proj``,
+``down_proj``) into one parameter per projection (``w13_weight``: every expert's gate then up rows; ``w2_weight``),
+by its expert module's own mapping (``get_expert_mapping``; under expert parallelism only this worker's experts).
+The tensors that mapping loads into a parameter on this worker are its sources; vLLM's CPU build repacks the
+parameter into its kernel's layout, a permutation plus zero padding, which keeps the sums.
+
 Not compared, and counted as such: parameters the engine keeps in a form that cannot be read back (vLLM's CPU build
 moves linear layers into its kernels' state), ``qkv_proj`` where tensor parallelism replicates KV heads (its shards
-overlap), fused mixture-of-experts parameters (stacked by vLLM's own expert mapping), and quantized models (their
-loaded values are not the sent ones).
+overlap), expert parameters whose module has no ``get_expert_mapping`` (older vLLM), that are sharded over other
+workers than one data-parallel rank's tensor-parallel group, or that some of their experts' tensors missed, and
+quantized models (their loaded values are not the sent ones).
 """
 
 from __future__ import annotations
@@ -86,6 +93,90 @@ def fused_experts_on_path(modules: dict[str, Any], parts: list[str]) -> str | No
     return None
 
 
+@dataclass
+class ExpertReport:
+    """What :func:`expert_report` found: entries as :func:`loaded_report` makes them, parameters not compared, the
+    received tensors the expert mappings account for, the parameters handled, and the experts' name prefixes."""
+
+    entries: dict[str, dict[str, Any]]
+    unchecked: list[str]
+    covered: set[str]
+    handled: set[str]
+    layers: set[str]
+
+
+def expert_report(
+    model: Any,
+    received: dict[str, ReceivedTensor],
+    by_vllm_name: dict[str, list[str]],
+    engine_dtype: torch.dtype,
+    tensor_parallel_size: int,
+) -> ExpertReport:
+    """Each fused expert parameter beside the received tensors vLLM's expert mapping loads into it on this worker.
+
+    vLLM's loader (``RoutedExperts.load_weights``, vLLM 0.30) matches each mapping entry ``(parameter prefix,
+    checkpoint name, physical expert, shard)`` by substring against the received name under the layer's prefix and
+    loads the tensor into that expert's slot where the expert is local; so is it summed here. A tensor that matches
+    only the mapping's fused entries (sent already stacked) leaves its layer not compared; one that matches no entry
+    is loaded by nothing and left for ``not_held``."""
+    found = ExpertReport({}, [], set(), set(), set())
+    for module_name, module in model.named_modules():
+        get_mapping = getattr(module, "get_expert_mapping", None)
+        layer = getattr(module, "layer_name", None)
+        if not callable(get_mapping) or not isinstance(layer, str) or "w13_weight" not in module._parameters:
+            continue
+        found.layers.add(layer)
+        parameters = dict(module.named_parameters(recurse=False))
+        found.handled.update(f"{module_name}.{name}" for name in parameters)
+        per_expert = [tuple(entry) for entry in get_mapping()]
+        try:
+            fused = [tuple(entry) for entry in get_mapping(include_fused=True) if tuple(entry) not in per_expert]
+        except TypeError:  # a mapping without fused entries
+            fused = []
+        local = getattr(module, "_map_global_expert_id_to_local_expert_id", None)
+        config = getattr(getattr(module, "moe_config", None), "moe_parallel_config", None)
+        shards = getattr(config, "tp_size", None)  # vLLM flattens data parallelism into it without expert parallelism
+        comparable = callable(local) and shards in (1, tensor_parallel_size)
+        slots_needed: dict[str, set[tuple[int, str]]] = {}
+        if callable(local):
+            for prefix, _, expert, shard in per_expert:
+                if local(expert) != -1:
+                    slots_needed.setdefault(prefix, set()).add((expert, shard))
+        sources: dict[str, list[str]] = {}
+        slots: dict[str, set[tuple[int, str]]] = {}
+        prefix_of: dict[str, str] = {}
+        for name, names in by_vllm_name.items():
+            if not name.startswith(f"{layer}."):
+                continue
+            matches = [entry for entry in per_expert if entry[1] in name]
+            if not matches:
+                if any(entry[1] in name for entry in fused):
+                    found.covered.update(names)
+                    comparable = False
+                continue
+            found.covered.update(names)
+            for prefix, checkpoint_name, expert, shard in matches:
+                if not callable(local) or local(expert) == -1:  # another expert-parallel worker's expert
+                    continue
+                held_as = name.replace(checkpoint_name, prefix).removeprefix(f"{layer}.")
+                sources.setdefault(held_as, []).extend(names)
+                slots.setdefault(held_as, set()).add((expert, shard))
+                prefix_of[held_as] = prefix
+        for parameter_name, parameter in parameters.items():
+            name = f"{module_name}.{parameter_name}"
+            loaded = sources.get(parameter_name, [])
+            complete = bool(loaded) and slots[parameter_name] == slots_needed.get(prefix_of[parameter_name])
+            as_held = [received[source].held_in(parameter.dtype, engine_dtype) for source in loaded]
+            if not comparable or not complete or parameter.numel() == 0 or None in as_held:
+                found.unchecked.append(name)
+                continue
+            expected = sums(checksum for checksum in as_held if checksum is not None)
+            held = tensor_checksum(parameter, positions=False)
+            sharded = tensor_parallel_size > 1 and held[0] < expected[0]
+            found.entries[name] = {"held": held, "expected": expected, "sharded": sharded}
+    return found
+
+
 def sums(checksums: Iterable[list[float]]) -> list[float]:
     total = [0.0, 0.0, 0.0]  # elements, Σx, Σx²: what after-load comparisons use
     for checksum in checksums:
@@ -121,13 +212,16 @@ def loaded_report(
             dropped.append(received_name)
         else:
             by_vllm_name.setdefault(mapped, []).append(received_name)
-    entries: dict[str, dict[str, Any]] = {}
-    unchecked: list[str] = sorted(dropped)
-    covered: set[str] = set(dropped)
+    experts = expert_report(model, received, by_vllm_name, engine_dtype, tensor_parallel_size)
+    entries: dict[str, dict[str, Any]] = dict(experts.entries)
+    unchecked: list[str] = [*sorted(dropped), *experts.unchecked]
+    covered: set[str] = set(dropped) | experts.covered
     for module_name, module in model.named_modules():
         overlapping = tensor_parallel_size > 1 and getattr(module, "num_kv_head_replicas", 1) > 1
         for parameter_name, parameter in module.named_parameters(recurse=False):
             name = f"{module_name}.{parameter_name}" if module_name else parameter_name
+            if name in experts.handled:
+                continue
             sources = sources_of(name, by_vllm_name, mapping)
             covered.update(sources or by_vllm_name.get(name, []))
             as_held = [received[source].held_in(parameter.dtype, engine_dtype) for source in sources or []]
@@ -143,9 +237,11 @@ def loaded_report(
     for name in sorted(set(received) - covered):
         parts = [packed_into.get(part, part) for part in (vllm_name(model, name) or name).split(".")]
         module = modules.get(".".join(parts[:-1]))
-        # the module is there, the parameter is not (registered ones are covered above); or fused experts, whose
-        # per-expert tensors vLLM stacks into one parameter by its own expert mapping
+        # the module is there, the parameter is not (registered ones are covered above); or fused experts without
+        # an expert mapping to read (where there is one, a name it does not match is loaded by nothing)
         held_elsewhere = fused_experts_on_path(modules, parts)
+        if held_elsewhere in experts.layers:
+            held_elsewhere = None
         if (kernels_own_weights and module is not None) or held_elsewhere:
             covered.add(name)
             holder = held_elsewhere or ".".join(parts)

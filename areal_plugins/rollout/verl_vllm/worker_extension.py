@@ -14,7 +14,9 @@ shared memory elsewhere) and loads each bucket with the model's ``load_weights``
   it: weight_sync/split_tensors.py) is joined before it is checksummed and loaded.
 * on the CPU platform only: vLLM's CPU build repacks linear layers after the first load, so the model's
   ``load_weights`` fails on a second load (its parameters lose ``weight_loader``). There the buckets are
-  gathered and loaded once with the model runner's ``reload_weights``, which restores the layers first.
+  gathered and loaded once with the model runner's ``reload_weights``, which restores the layers first. A
+  mixture of experts' fused expert weights are then packed for vLLM's CPU kernel by
+  patches/vllm_cpu_moe_reload.py: vLLM 0.30 skips that on a reload.
 * LoRA (verl's adapter-only update, ``peft_config`` with ``base_sync_done``): verl's own loading (``add_lora`` with
   a ``TensorLoRARequest``, on every platform: the base layers are not touched), then a report of every adapter
   tensor this worker holds in the slots its forward pass reads, beside what it received and what it should hold
@@ -214,10 +216,14 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
             zmq_handle=self._get_zmq_handle(), device=torch.device("cpu"), use_shm=use_shm
         )
         receiver.receive_weights(on_bucket_received=keep)
+        model = self.model_runner.model
+        if any("w13_weight" in module._parameters for module in model.modules()):  # fused experts
+            from areal_plugins.patches import vllm_cpu_moe_reload
+
+            vllm_cpu_moe_reload.apply()
         if peft_config:  # LoRA's base weights (``.base_layer`` names): verl's name reconciliation, as on a GPU
             from verl.utils.vllm import resolve_weight_name
 
-            model = self.model_runner.model
             names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
             names.update(n for n, _ in model.named_buffers())
             received = [(resolve_weight_name(model, name, names), tensor) for name, tensor in received]
