@@ -119,12 +119,13 @@ class InterruptibleLLMClient(LLMServerClient):
     def _validation_first(self) -> bool:
         """Whether the backend admits validation requests first (declares ``validation_first``): only then is the
         mark sent (verl's sglang server, for one, takes no keyword it does not know)."""
-        if "_validation_first" not in self.__dict__:  # lazily: verl builds the client, and pickles it to workers
+        # Cached under another name than the method's: an instance attribute of its name would hide the method.
+        if "_validation_first_on" not in self.__dict__:  # lazily: verl builds the client, and pickles it to workers
             from areal_plugins.rollout.capabilities import provided_capabilities
 
             backend = str(self.config.actor_rollout_ref.rollout.name)
-            self.__dict__["_validation_first"] = "validation_first" in provided_capabilities(backend)
-        return bool(self.__dict__["_validation_first"])
+            self.__dict__["_validation_first_on"] = "validation_first" in provided_capabilities(backend)
+        return bool(self.__dict__["_validation_first_on"])
 
     def _routed_to(self) -> dict[str, str]:
         return self.__dict__.setdefault("_routed", {})  # lazily: verl builds the client, and pickles it to workers

@@ -46,9 +46,19 @@ def async_run(tiny_dir, long_response_model, tmp_path_factory) -> tuple[Path, Pa
         # groups finish, the others wait after a token for the update (rollout/holds.py).
         f"+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.finish_groups_per_version={BATCH}",
         "areal.plugins.exclude=[example_observer]",
+        # verl's validation after the last step (the held-out problems, greedy): each agent-loop worker's client
+        # makes many validation calls, which go ahead of the training backlog (docs/backends.md).
+        f"trainer.test_freq={STEPS}",
         env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_LOG=str(observer), AREAL_EXAMPLE_OBSERVER_RAISE="1"),
     )
     return run_dir, observer
+
+
+def test_verls_validation_runs_through_the_async_trainer(async_run):
+    async_run, _ = async_run
+    lines = read_jsonl(async_run / "metrics.jsonl")
+    validated = [line["step"] for line in lines if any(key.startswith("val-core/") for key in line["data"])]
+    assert validated == [STEPS], validated
 
 
 def test_no_consumed_sample_is_older_than_eta_unless_counted(async_run):

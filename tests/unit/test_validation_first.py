@@ -211,6 +211,35 @@ def test_the_client_marks_every_request_of_a_validation_episode(backend, monkeyp
     assert [kwargs.get(VALIDATION_KWARG) for kwargs in sent] == [True, True]  # the resubmission keeps the mark
 
 
+def test_a_client_marks_its_second_validation_call_too(monkeypatch):
+    """The backend's answer is cached on the client: the cache must not hide the method (a bool attribute of the
+    method's name did, failing every validation call after a client's first: 'bool' object is not callable)."""
+    from verl.workers.rollout import llm_server
+
+    from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, EpisodeRecord
+    from areal_plugins.agent_loop.llm_client import InterruptibleLLMClient
+
+    async def no_pause(seconds: float) -> None:
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(llm_server, "asyncio", SimpleNamespace(sleep=no_pause, gather=asyncio.gather))
+    config = {
+        "actor_rollout_ref": {"rollout": {"name": "areal_cpu", "response_length": 8}},
+        "trainer": {"save_freq": -1},
+    }
+    server = RecordingServer()
+    client = InterruptibleLLMClient(OmegaConf.create(config), balancer(server))
+
+    async def call(request_id: str) -> Any:
+        CURRENT_EPISODE.set(EpisodeRecord(validation=True))
+        return await client.generate(request_id, prompt_ids=[1, 2], sampling_params={"max_tokens": 3})
+
+    asyncio.run(call("first"))
+    second = asyncio.run(call("second"))  # the server completes it at once
+    assert second.token_ids == [12, 13]
+    assert [kwargs.get(VALIDATION_KWARG) for kwargs in server.keywords] == [True, True, True]
+
+
 @pytest.mark.parametrize(("backend", "validation"), [("areal_cpu", False), ("areal_cpu", None), ("sglang", True)])
 def test_the_client_does_not_mark_training_or_a_backend_without_validation_first(backend, validation, monkeypatch):
     """verl's sglang server takes no keyword it does not know: it never gets the mark."""
