@@ -16,9 +16,11 @@ processes with :func:`areal_plugins.driver.worker_calls.apply_patches_in_workers
 recipe. With ``areal.enable: false`` on a GPU machine only the routing wrapper is installed, in the driver, and it
 passes verl's config through unchanged.
 
-One more is not in :data:`PATCHES`: ``vllm_lora_mapper`` (verl's LoRA loader on vLLM 0.30's renamed mapper method)
-is applied by our vLLM worker extension in vLLM's worker processes when the engine serves LoRA, the only processes
-where verl loads an adapter; applying it at plugin load would import vLLM's model code in every process.
+Two more are not in :data:`PATCHES`: our vLLM worker extension applies them in vLLM's worker processes, where vLLM's
+model code is imported anyway (at plugin load it would be imported in every process): ``vllm_lora_mapper`` (verl's
+LoRA loader on vLLM 0.30's renamed mapper method) when the engine serves LoRA, the only processes where verl loads
+an adapter, and ``vllm_cpu_moe_reload`` (reloaded expert weights packed for vLLM 0.30's CPU kernel, which vLLM
+skips) on the CPU platform before it reloads an update into a mixture of experts.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ replica: the dead server leaves the load balancer, and the tokens it returned be
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,8 @@ from verl.workers.rollout.llm_server import LLMServerClient
 
 from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, version_fields
 from areal_plugins.agent_loop.partial_outputs import PartialOutput, compact, finished_output, keep, take_resumed
-from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, ROUTED_EXPERTS_FIELD, token_digest
+from areal_plugins.agent_loop.routed_experts import routed_experts_fields
+from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, token_digest
 from areal_plugins.rollout.base import SEED_FIELD, VALIDATION_KWARG
 
 logger = logging.getLogger(__name__)
@@ -79,17 +79,6 @@ class SpanningFields:
             self.num_preempted += output.num_preempted
         if self.num_cached_tokens is None:
             self.num_cached_tokens = output.extra_fields.get("num_cached_tokens")
-
-
-def routed_experts_fields(routed: Any) -> dict[str, Any]:
-    """For the run's records (what the trainer's batch carries), none without router replay: ``[rows, digest]`` of a
-    trajectory's merged routed experts, how many token positions they cover (prompt + response - 1: the last token
-    is never fed through the model) and 16 hex digits of the SHA-256 of the ids as little-endian int32, exact
-    across runs (a replay's must match its record's)."""
-    if routed is None:
-        return {}
-    array = np.ascontiguousarray(np.asarray(routed), dtype="<i4")
-    return {ROUTED_EXPERTS_FIELD: [int(array.shape[0]), hashlib.sha256(array.tobytes()).hexdigest()[:16]]}
 
 
 class InterruptibleLLMClient(LLMServerClient):

@@ -25,7 +25,6 @@ Without this, verl regenerates every in-flight prompt from scratch on resume (as
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areal_plugins.agent_loop.routed_experts import decode_experts, encode_experts, routed_experts_fields
 from areal_plugins.core.trajectory_rows import token_digest
 
 logger = logging.getLogger(__name__)
@@ -105,26 +105,6 @@ def _snapshot_one(uid: str, session: int, partial: PartialOutput) -> dict[str, A
         "stop_reason": partial.stop_reason,
         "routed_experts": encode_experts(partial.routed_experts),
     }
-
-
-def encode_experts(routed: Any) -> dict[str, Any] | None:
-    """Routed experts as a checkpoint line holds them: int16 ids (as verl's batch keeps them), little-endian, in
-    base64 with their shape; None without router replay. A copy: the client may replace the array meanwhile."""
-    if routed is None:
-        return None
-    import numpy as np
-
-    values = np.ascontiguousarray(routed, dtype="<i2")
-    return {"shape": list(values.shape), "int16": base64.b64encode(values.tobytes()).decode()}
-
-
-def decode_experts(kept: dict[str, Any] | None) -> Any:
-    """:func:`encode_experts` undone: the ids as an int16 array of their shape, or None."""
-    if not kept:
-        return None
-    import numpy as np
-
-    return np.frombuffer(base64.b64decode(kept["int16"]), dtype="<i2").reshape(kept["shape"]).copy()
 
 
 async def snapshot_in_flight(batch: int = SNAPSHOT_BATCH) -> list[dict[str, Any]]:
@@ -325,7 +305,6 @@ def finished_output(partial: PartialOutput, episode: Any) -> Any:
     from verl.workers.rollout.replica import TokenOutput
 
     from areal_plugins.agent_loop.episodes import CHUNKS_FIELD, version_fields
-    from areal_plugins.agent_loop.llm_client import routed_experts_fields
 
     if episode is not None:
         episode.add_turn(partial.versions, partial.interrupts, partial.chunks)

@@ -278,6 +278,12 @@ def check_support_matrix(config: Any) -> None:
             f"a mixture-of-experts model ({experts}={hf_config[experts]} in actor_rollout_ref.model.path)",
             f"set actor_rollout_ref.rollout.name=areal_cpu, {own}",
         )
+        if rank > 0:  # verl's vLLM loads none of the experts' base weights under an adapter (their names differ)
+            raise ArealConfigError(
+                f"LoRA (actor_rollout_ref.model.lora_rank={rank}) on a mixture-of-experts model ({experts}="
+                f"{hf_config[experts]} in actor_rollout_ref.model.path) has not run under areal_async: set "
+                f"actor_rollout_ref.model.lora_rank=0, {own}"
+            )
     media = next((key for key in MEDIA_CONFIG_KEYS if hf_config.get(key)), None)
     if media is not None:
         require_feature(

@@ -15,13 +15,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, version_fields
-from areal_plugins.agent_loop.llm_client import (
-    InterruptibleLLMClient,
-    SpanningFields,
-    current_answer,
-    routed_experts_fields,
-)
+from areal_plugins.agent_loop.llm_client import InterruptibleLLMClient, SpanningFields, current_answer
 from areal_plugins.agent_loop.partial_outputs import PartialOutput, take_resumed
+from areal_plugins.agent_loop.routed_experts import routed_experts_fields
 from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, REPLAY_OF, token_digest
 from areal_plugins.replay.conductor import find_conductor
 from areal_plugins.rollout.base import SEED_FIELD

@@ -325,7 +325,7 @@ def test_outputs_kept_by_checkpoints_verl_rotated_away_are_removed_and_the_kept_
 def test_router_replays_experts_are_kept_by_a_checkpoint_and_continued_after_a_resume(local_ray, tmp_path):
     """Each position keeps the routing of the request that fed it: the kept rows travel through the checkpoint, and
     the resumed request adds its new tokens' rows only (by hand: row values are 100 x version + position)."""
-    from areal_plugins.agent_loop.partial_outputs import decode_experts
+    from areal_plugins.agent_loop.routed_experts import decode_experts
 
     script = [([11, 12, 13], 0, "aborted", 0.0), ([14, 15, 16, 17, 18], 1, "length", 0.5)]
     server = ScriptedServer.remote(script, routed=True)
@@ -363,7 +363,7 @@ def test_router_replays_experts_are_kept_by_a_checkpoint_and_continued_after_a_r
 def test_an_answer_that_had_finished_keeps_its_routed_experts_through_a_resume(local_ray, tmp_path):
     import numpy as np
 
-    from areal_plugins.agent_loop.partial_outputs import encode_experts
+    from areal_plugins.agent_loop.routed_experts import encode_experts
 
     routed = np.arange(6, dtype=np.int16).reshape(3, 1, 2)  # prompt 2 + 2 tokens - 1 rows
     saved = saved_answer("g2", 0, [4, 5], [41, 42], stop_reason="stop") | {"routed_experts": encode_experts(routed)}

@@ -221,3 +221,11 @@ def test_lora_runs_colocated_on_verls_vllm_and_fully_sharded_adapters_are_refuse
             "actor_rollout_ref.rollout.checkpoint_engine.backend=areal_gloo",
         ]
     )
+
+
+def test_lora_on_a_mixture_of_experts_is_refused_on_either_engine(models):
+    moe = f"actor_rollout_ref.model.path={models['<moe-model>']}"
+    for engine in ("areal_cpu", "vllm"):
+        line = refusal([f"actor_rollout_ref.rollout.name={engine}", moe, "actor_rollout_ref.model.lora_rank=8"])
+        assert "on a mixture-of-experts model (num_experts=4" in line and "lora_rank=0" in line
+        areal_validate_config(compose(RECIPE, [f"actor_rollout_ref.rollout.name={engine}", moe]))  # without LoRA

@@ -16,6 +16,7 @@ import asyncio
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -60,7 +61,7 @@ def stacked(sent: dict[str, torch.Tensor], layer: int, parameter: str) -> torch.
 
 
 class Engine:
-    def __init__(self) -> None:
+    def __init__(self, **options: Any) -> None:
         from vllm import LLM
 
         self.llm = LLM(
@@ -72,11 +73,12 @@ class Engine:
             enforce_eager=True,
             seed=0,
             worker_extension_cls=f"{worker_extension.__name__}.ArealVLLMWorkerExtension",
+            **options,
         )
         self.handle = self.llm.collective_rpc("_get_zmq_handle")[0]
 
-    def update(self, tensors: dict[str, torch.Tensor]) -> dict:
-        """One full-weight update as verl's colocated sync sends it; this worker's report."""
+    def update(self, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any] | None = None) -> dict:
+        """One full-weight update as verl's colocated sync sends it (under LoRA: the base); this worker's report."""
         from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
 
         def send() -> None:
@@ -87,7 +89,8 @@ class Engine:
         sender.start()
         try:
             self.llm.collective_rpc(
-                "update_weights_from_ipc", kwargs={"peft_config": None, "base_sync_done": False, "use_shm": True}
+                "update_weights_from_ipc",
+                kwargs={"peft_config": peft_config, "base_sync_done": False, "use_shm": True},
             )
         finally:
             sender.join(timeout=60)

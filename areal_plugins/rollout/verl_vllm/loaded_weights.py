@@ -93,6 +93,16 @@ def fused_experts_on_path(modules: dict[str, Any], parts: list[str]) -> str | No
     return None
 
 
+#: The segment vLLM adds to the names of a layer LoRA wraps.
+LORA_BASE_LAYER = "base_layer."
+
+
+def without_lora(entry: Any) -> tuple[str, str, int, str]:
+    """An expert mapping entry with the checkpoint name as the trainer sends it (no ``base_layer.``)."""
+    prefix, checkpoint_name, expert, shard = entry
+    return prefix, checkpoint_name.replace(LORA_BASE_LAYER, ""), expert, shard
+
+
 @dataclass
 class ExpertReport:
     """What :func:`expert_report` found: entries as :func:`loaded_report` makes them, parameters not compared, the
@@ -118,7 +128,8 @@ def expert_report(
     checkpoint name, physical expert, shard)`` by substring against the received name under the layer's prefix and
     loads the tensor into that expert's slot where the expert is local; so is it summed here. A tensor that matches
     only the mapping's fused entries (sent already stacked) leaves its layer not compared; one that matches no entry
-    is loaded by nothing and left for ``not_held``."""
+    is loaded by nothing and left for ``not_held``. Under LoRA the mapping's names carry vLLM's ``base_layer.``,
+    the trainer's may or may not (verl adds it as it loads): names are matched without it."""
     found = ExpertReport({}, [], set(), set(), set())
     for module_name, module in model.named_modules():
         get_mapping = getattr(module, "get_expert_mapping", None)
@@ -128,11 +139,12 @@ def expert_report(
         found.layers.add(layer)
         parameters = dict(module.named_parameters(recurse=False))
         found.handled.update(f"{module_name}.{name}" for name in parameters)
-        per_expert = [tuple(entry) for entry in get_mapping()]
+        per_expert = [without_lora(entry) for entry in get_mapping()]
         try:
-            fused = [tuple(entry) for entry in get_mapping(include_fused=True) if tuple(entry) not in per_expert]
+            fused = [without_lora(entry) for entry in get_mapping(include_fused=True)]
         except TypeError:  # a mapping without fused entries
             fused = []
+        fused = [entry for entry in fused if entry not in per_expert]
         local = getattr(module, "_map_global_expert_id_to_local_expert_id", None)
         config = getattr(getattr(module, "moe_config", None), "moe_parallel_config", None)
         shards = getattr(config, "tp_size", None)  # vLLM flattens data parallelism into it without expert parallelism
@@ -145,7 +157,8 @@ def expert_report(
         sources: dict[str, list[str]] = {}
         slots: dict[str, set[tuple[int, str]]] = {}
         prefix_of: dict[str, str] = {}
-        for name, names in by_vllm_name.items():
+        for mapped, names in by_vllm_name.items():
+            name = mapped.replace(LORA_BASE_LAYER, "")
             if not name.startswith(f"{layer}."):
                 continue
             matches = [entry for entry in per_expert if entry[1] in name]
