@@ -232,5 +232,8 @@ def test_a_mixture_of_experts_trains_on_verls_vllm_with_every_expert_checked(moe
         assert not any("w13_weight" in name or "w2_weight" in name for name in examples), record
     steps = [json.loads(line)["data"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     assert [s["training/global_step"] for s in steps] == [1, 2, 3]
-    # The engine samples with the weights it was sent: its log-probs match the trainer's (as on the dense model).
-    assert all(s["training/rollout_probs_diff_max"] < 0.05 for s in steps), steps
+    # The engine samples with the weights it was sent: step 1's fresh samples' log-probs match the trainer's (as on
+    # the dense model; later steps train stale samples, whose difference is the policy's change). Measured: 0.009.
+    assert steps[0]["training/rollout_probs_diff_max"] < 0.05, steps[0]
+    # The 4 fused expert parameters (w13, w2 of 2 layers) compared, beside what the dense model's check compares.
+    assert all(record["checksum"]["loaded_compared"] >= 13 for record in checked), checked
