@@ -105,3 +105,29 @@ def test_separate_throughput_counts_the_engines_devices_too(separate_run):
     for row in rows:
         devices = row["perf/total_num_tokens"] / (row["perf/time_per_step"] * row["perf/throughput"])
         assert devices == pytest.approx(2.0, rel=1e-6)
+
+
+@pytest.mark.full
+def test_a_mixture_of_experts_trains_in_the_engines_own_pool_with_router_replay(moe_dir, tmp_path):
+    """The tiny Qwen2-MoE with router replay, ``placement: separate`` on ``areal_cpu`` (``areal_gloo``): the
+    expert weights cross by the checkpoint engine at every version, and every trained trajectory carries its
+    routing, prompt + response - 1 rows (CI's MoE run is colocated: test_replay.py)."""
+    from tests.integration.conftest import train_tiny
+
+    run_dir = tmp_path / "run"
+    steps = train_tiny(
+        "grpo_cpu_async_separate.yaml",
+        run_dir,
+        moe_dir,
+        SEPARATE_STEPS,
+        "++actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+    )
+    assert [s["training/global_step"] for s in steps] == list(range(1, SEPARATE_STEPS + 1))
+    syncs = [s for s in read_jsonl(run_dir / "weight_syncs.jsonl") if s["event"] == "update"]
+    assert [s["version"] for s in syncs] == list(range(SEPARATE_STEPS + 1))
+    assert len({s["checksum"] for s in syncs}) == SEPARATE_STEPS + 1  # each version different
+    samples = read_jsonl(run_dir / "areal_samples.jsonl")
+    assert samples and all(
+        s["routed_experts_rows"] == s["prompt_tokens"] + s["response_tokens"] - 1 for s in samples
+    ), samples[:2]
+    assert_within_staleness_bound(samples, read_jsonl(run_dir / "areal_steps.jsonl"), 2)

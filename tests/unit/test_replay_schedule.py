@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from verl.workers.rollout.replica import TokenOutput
 
 from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, EpisodeRecord
 from areal_plugins.core.buffer import BufferedGroup
@@ -172,7 +173,7 @@ def follow(tmp_path, produce) -> tuple[object, list[dict], ReplayConductor]:
         n = produce(sampling_params["max_tokens"])
         versions = [conductor.version] * n
         extra = {"token_versions": versions, "areal_seed": sampling_params["seed"], "global_steps": conductor.version}
-        return SimpleNamespace(token_ids=list(range(n)), log_probs=[-0.5] * n, stop_reason="length", extra_fields=extra)
+        return TokenOutput(token_ids=list(range(n)), log_probs=[-0.5] * n, stop_reason="length", extra_fields=extra)
 
     async def go():
         await conductor.set_version(1)
@@ -469,7 +470,7 @@ def test_a_request_resumed_from_the_checkpoint_asks_only_for_its_recorded_reques
         asked.append({"prompt": list(prompt_ids), **sampling_params})
         n = sampling_params["max_tokens"]
         extra = {"token_versions": [2] * n, "areal_seed": sampling_params["seed"]}
-        return SimpleNamespace(token_ids=[9] * n, log_probs=[-0.5] * n, stop_reason="length", extra_fields=extra)
+        return TokenOutput(token_ids=[9] * n, log_probs=[-0.5] * n, stop_reason="length", extra_fields=extra)
 
     kept = PartialOutput("d", [1, 2, 3, 4, 5], [-0.1] * 5, [1] * 5, [[0, 1, 17]], interrupts=1)
 
