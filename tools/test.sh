@@ -18,6 +18,10 @@ bash tools/setup.sh
 # The documentation site, warnings as errors (a broken link, a missing page or one left out of the nav fails).
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 .venv/bin/python -m pytest tests/unit -m "$UNIT" -q --durations=5
-# Unit tests that import verl's vLLM adapter need vLLM itself: in .venv-verl-vllm (made by setup.sh).
+# Unit tests that import verl's vLLM adapter need vLLM itself: in .venv-verl-vllm (made by setup.sh). Those that
+# load the tiny models (LoRA and MoE checks in a real vLLM engine) skip without them: built first (once per machine;
+# the integration tier uses the same folders).
+.venv/bin/python -m areal_plugins.cli build-tiny --out .areal/tiny
+.venv/bin/python -m areal_plugins.cli build-tiny --workload moe --out .areal/tiny_moe
 .venv-verl-vllm/bin/python -m pytest tests/verl_vllm -q -p no:cacheprovider
 .venv/bin/python -m pytest tests/integration -m "$INTEGRATION" -q -p no:cacheprovider --durations=15
