@@ -14,9 +14,6 @@ The adapter: peft's ``get_peft_model`` over all 7 linear modules of both layers,
 
 from __future__ import annotations
 
-import asyncio
-import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +24,7 @@ from areal_plugins.rollout.verl_vllm import worker_extension
 from areal_plugins.weight_sync.adapter_check import check_adapter_reports
 from areal_plugins.weight_sync.checksums import check_loaded_reports, check_weight_reports, tensor_checksum
 from areal_plugins.weight_sync.errors import WeightSyncError
+from tests.verl_vllm.extension_engine import ExtensionEngine, started
 
 MODEL = Path(__file__).resolve().parents[2] / ".areal" / "tiny" / "model"
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -51,43 +49,11 @@ def peft_adapter(target_modules: list[str], seed: int) -> tuple[Any, dict[str, t
     return peft_model, tensors, peft_model.peft_config["default"].to_dict()
 
 
-class Engine:
-    def __init__(self) -> None:
-        from vllm import LLM
+class Engine(ExtensionEngine):
+    """The tiny model with LoRA on, as verl's vLLM server starts it for an adapter."""
 
-        self.llm = LLM(
-            model=str(MODEL),
-            load_format="dummy",
-            enable_lora=True,
-            max_loras=1,
-            max_lora_rank=8,
-            max_model_len=64,
-            max_num_seqs=2,
-            dtype="float32",
-            enforce_eager=True,
-            seed=0,
-            worker_extension_cls=f"{worker_extension.__name__}.ArealVLLMWorkerExtension",
-        )
-        self.handle = self.llm.collective_rpc("_get_zmq_handle")[0]
-
-    def update(self, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any], adapter_only: bool) -> dict:
-        """One update as verl's colocated sync sends it; this worker's report."""
-        from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
-
-        def send() -> None:
-            sender = BucketedWeightSender(zmq_handle=self.handle, bucket_size_mb=16, use_shm=True)
-            asyncio.run(sender.async_send_weights(iter([(n, t.clone()) for n, t in tensors.items()])))
-
-        sender = threading.Thread(target=send, daemon=True)  # a receiver that failed leaves it waiting
-        sender.start()
-        try:
-            self.llm.collective_rpc(
-                "update_weights_from_ipc",
-                kwargs={"peft_config": peft_config, "base_sync_done": adapter_only, "use_shm": True},
-            )
-        finally:
-            sender.join(timeout=60)
-        return self.llm.collective_rpc("areal_weight_report")[0]
+    def __init__(self, model: Path) -> None:
+        super().__init__(model, enable_lora=True, max_loras=1, max_lora_rank=8)
 
     def greedy(self, prompt: list[int], tokens: int) -> list[int]:
         from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_INT_ID, VLLM_LORA_NAME, VLLM_LORA_PATH
@@ -102,23 +68,13 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def engine():
-    patch = pytest.MonkeyPatch()
-    patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    patch.setenv("VERL_RAY_JOB_ID", f"lora-check-{os.getpid()}")  # this test's own socket
-    engine = None
-    try:
-        engine = Engine()
+    with started(Engine, MODEL, "lora-check") as engine:
         peft_model, _, peft_config = peft_adapter(LINEAR, seed=0)
         base = {k: v.detach().clone() for k, v in peft_model.base_model.model.state_dict().items() if "lora_" not in k}
         report = engine.update(base, peft_config, adapter_only=False)  # the base, once, under LoRA's names
         check_weight_reports([report], {name: tensor_checksum(t) for name, t in base.items()}, "replica 0", 1)
         check_loaded_reports([report], "replica 0")
         yield engine
-    finally:
-        patch.undo()
-        if engine is not None:  # the sender's ipc socket file stays behind otherwise
-            Path(engine.handle.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 def checked(report: dict, tensors: dict[str, torch.Tensor], version: int = 1) -> dict[str, int]:

@@ -12,11 +12,7 @@ on the receiving side (the worker extension's fault-injection variables).
 
 from __future__ import annotations
 
-import asyncio
-import os
-import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -25,6 +21,7 @@ from areal_plugins.patches import vllm_cpu_moe_reload
 from areal_plugins.rollout.verl_vllm import worker_extension
 from areal_plugins.weight_sync.checksums import check_loaded_reports, check_weight_reports, tensor_checksum
 from areal_plugins.weight_sync.errors import WeightSyncError
+from tests.verl_vllm.extension_engine import ExtensionEngine, started
 
 MODEL = Path(__file__).resolve().parents[2] / ".areal" / "tiny_moe" / "model"
 LAYERS, EXPERTS = 2, 4
@@ -60,41 +57,8 @@ def stacked(sent: dict[str, torch.Tensor], layer: int, parameter: str) -> torch.
     return torch.stack([torch.cat([sent[f"{prefix}.{e}.{p}.weight"] for p in projections]) for e in range(EXPERTS)])
 
 
-class Engine:
-    def __init__(self, **options: Any) -> None:
-        from vllm import LLM
-
-        self.llm = LLM(
-            model=str(MODEL),
-            load_format="dummy",
-            max_model_len=64,
-            max_num_seqs=2,
-            dtype="float32",
-            enforce_eager=True,
-            seed=0,
-            worker_extension_cls=f"{worker_extension.__name__}.ArealVLLMWorkerExtension",
-            **options,
-        )
-        self.handle = self.llm.collective_rpc("_get_zmq_handle")[0]
-
-    def update(self, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any] | None = None) -> dict:
-        """One full-weight update as verl's colocated sync sends it (under LoRA: the base); this worker's report."""
-        from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
-
-        def send() -> None:
-            sender = BucketedWeightSender(zmq_handle=self.handle, bucket_size_mb=16, use_shm=True)
-            asyncio.run(sender.async_send_weights(iter([(n, t.clone()) for n, t in tensors.items()])))
-
-        sender = threading.Thread(target=send, daemon=True)  # a receiver that failed leaves it waiting
-        sender.start()
-        try:
-            self.llm.collective_rpc(
-                "update_weights_from_ipc",
-                kwargs={"peft_config": peft_config, "base_sync_done": False, "use_shm": True},
-            )
-        finally:
-            sender.join(timeout=60)
-        return self.llm.collective_rpc("areal_weight_report")[0]
+class Engine(ExtensionEngine):
+    """An engine whose greedy answers come with their log-probs."""
 
     def greedy(self, prompt: list[int], tokens: int) -> tuple[list[int], list[float]]:
         from vllm import SamplingParams
@@ -117,18 +81,8 @@ def transformers_greedy(model: torch.nn.Module, prompt: list[int], tokens: int) 
 
 @pytest.fixture(scope="module")
 def engine():
-    patch = pytest.MonkeyPatch()
-    patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    patch.setenv("VERL_RAY_JOB_ID", f"moe-check-{os.getpid()}")  # this test's own socket
-    engine = None
-    try:
-        engine = Engine()
+    with started(Engine, MODEL, "moe-check") as engine:
         yield engine
-    finally:
-        patch.undo()
-        if engine is not None:  # the sender's ipc socket file stays behind otherwise
-            Path(engine.handle.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 def test_every_expert_tensor_is_compared_and_the_engine_samples_with_them(engine):

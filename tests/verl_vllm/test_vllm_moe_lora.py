@@ -12,13 +12,13 @@ for experts are Triton's, which its CPU build cannot run.)
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
 from areal_plugins.weight_sync.checksums import check_loaded_reports
 from areal_plugins.weight_sync.errors import WeightSyncError
-from tests.verl_vllm.test_vllm_moe_check import EXPERT_PARAMETER, MODEL, Engine, trainer_update
+from tests.verl_vllm.extension_engine import ExtensionEngine, started
+from tests.verl_vllm.test_vllm_moe_check import EXPERT_PARAMETER, MODEL, trainer_update
 
 pytestmark = pytest.mark.skipif(
     not (MODEL / "config.json").exists(),
@@ -37,11 +37,8 @@ def test_under_lora_vllm_loads_no_expert_from_verls_names_and_the_check_stops_th
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     state = peft_model.base_model.model.state_dict().items()
     base = dict(unfuse_moe_params(((n, t.detach().clone()) for n, t in state if "lora_" not in n), "qwen2_moe"))
-    engine = Engine(enable_lora=True, max_loras=1, max_lora_rank=8)
-    try:
+    with started(ExtensionEngine, MODEL, "moe-lora", enable_lora=True, max_loras=1, max_lora_rank=8) as engine:
         report = engine.update(base, peft_model.peft_config["default"].to_dict())
-    finally:
-        Path(engine.handle.removeprefix("ipc://")).unlink(missing_ok=True)
     experts = EXPERT_PARAMETER.format(layer=0, parameter="w13_weight").replace(".experts.", ".experts.base_layer.")
     assert experts in report["loaded"]["entries"] and report["loaded"]["not_held"] == []
     with pytest.raises(WeightSyncError, match=rf"parameter {experts} holds after loading something other"):
