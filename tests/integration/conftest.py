@@ -168,6 +168,24 @@ def consumed_by_step(run_dir: Path) -> dict[int, Counter]:
     return by_step
 
 
+def assert_same_samples_each_step(sync_run: Path, eta0_run: Path) -> None:
+    """η = 0 trained, step by step, exactly the samples synchronous verl trained (verl's dumps of both runs)."""
+    sync, eta0 = consumed_by_step(sync_run), consumed_by_step(eta0_run)
+    assert sorted(sync) == list(range(1, SYNC_STEPS + 1))
+    for step in sync:
+        assert eta0[step] == sync[step], f"step {step}: different samples"
+
+
+def assert_float32_losses_match(sync_steps: list[dict], eta0_steps: list[dict]) -> None:
+    """Per step (verl's metrics ``data``), the same scores, and the loss and gradient norm of verl's vanilla PPO
+    against our decoupled objective with w = π_prox/π_behav ≈ 1 within float32 drift."""
+    assert len(sync_steps) == len(eta0_steps)
+    for a, b in zip(sync_steps, eta0_steps, strict=True):
+        assert a["critic/score/mean"] == b["critic/score/mean"]
+        assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-3, abs=1e-5)
+        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-3)
+
+
 def differing_fraction_by_step(sync_run: Path, eta0_run: Path) -> dict[int, float]:
     """Per step, the fraction of synchronous verl's trained samples that the η = 0 run did not train."""
     sync, eta0 = consumed_by_step(sync_run), consumed_by_step(eta0_run)

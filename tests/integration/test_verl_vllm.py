@@ -16,8 +16,9 @@ import pytest
 from tests.integration.conftest import (
     REPO,
     SYNC_STEPS,
+    assert_float32_losses_match,
+    assert_same_samples_each_step,
     assert_schedule_is_consistent,
-    consumed_by_step,
     read_jsonl,
     run_cli_process,
     train_args,
@@ -206,14 +207,8 @@ def test_eta0_on_verls_vllm_trains_the_samples_and_losses_of_synchronous_verl_at
     losses within float tolerance (verl's vanilla PPO against our decoupled objective, whose weights are 1 at η = 0)."""
     sync = seeded_run(tmp_path / "sync", tiny_dir, distinct_prompts, "areal.mode=sync")
     eta0 = seeded_run(tmp_path / "eta0", tiny_dir, distinct_prompts, "areal.max_staleness=0")
-    sync_samples, eta0_samples = consumed_by_step(tmp_path / "sync"), consumed_by_step(tmp_path / "eta0")
-    assert sorted(sync_samples) == list(range(1, SYNC_STEPS + 1))
-    for step in sync_samples:
-        assert eta0_samples[step] == sync_samples[step], f"step {step}: different samples"
-    for a, b in zip(sync, eta0, strict=True):
-        assert a["critic/score/mean"] == b["critic/score/mean"]
-        assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-3, abs=1e-5)
-        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-3)
+    assert_same_samples_each_step(tmp_path / "sync", tmp_path / "eta0")
+    assert_float32_losses_match(sync, eta0)
 
 
 @pytest.mark.full
