@@ -17,7 +17,8 @@ bash tools/setup.sh
 .venv/bin/mypy areal_plugins patches
 # The documentation site, warnings as errors (a broken link, a missing page or one left out of the nav fails).
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
-.venv/bin/python -m pytest tests/unit -m "$UNIT" -q --durations=5
+# One test file per core (`--dist loadfile`: a file's tests share its fixtures, and its local Ray, in one process).
+.venv/bin/python -m pytest tests/unit -m "$UNIT" -q -n auto --dist loadfile --durations=5
 # Unit tests that import verl's vLLM adapter need vLLM itself: in .venv-verl-vllm (made by setup.sh). Those that
 # load the tiny models (LoRA and MoE checks in a real vLLM engine) skip without them: built first (once per machine;
 # the integration tier uses the same folders).

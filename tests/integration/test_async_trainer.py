@@ -1,6 +1,9 @@
 """The ``areal_async`` trainer in verl on CPU: staleness bound, interruption, accounting, η = 0 = sync.
 
-Real verl trainer and workers, Ray, TransferQueue, the areal_cpu engine and math-verify.
+Real verl trainer and workers, Ray, TransferQueue, the areal_cpu engine and math-verify. The η = 1 run trains a LoRA
+adapter (verl's default adapter-only sync): CI's LoRA run on ``areal_cpu`` (test_lora.py says what its records
+show), sharing this verl start; the full-weight runs on this engine are the observed run, the bf16 pair and the
+stall guard's.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from tests.integration.conftest import (
     train_tiny,
     with_example_plugin,
 )
+from tests.integration.test_lora import ADAPTER_TENSORS, LORA, assert_the_adapter_trained_and_the_base_stayed
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +34,8 @@ BATCH = 16  # prompt groups per step (the recipes' data.train_batch_size)
 
 @pytest.fixture(scope="module")
 def async_run(tiny_dir, long_response_model, tmp_path_factory) -> tuple[Path, Path]:
-    """η = 1, with the example plugin installed but excluded (and told to fail): no process may load it."""
+    """η = 1 with a LoRA adapter, with the example plugin installed but excluded (and told to fail): no process may
+    load it."""
     run_dir = tmp_path_factory.mktemp("async_run")
     observer = tmp_path_factory.mktemp("excluded") / "observer.jsonl"
     train_tiny(
@@ -39,6 +44,7 @@ def async_run(tiny_dir, long_response_model, tmp_path_factory) -> tuple[Path, Pa
         tiny_dir,
         STEPS,
         f"areal.max_staleness={ETA}",
+        *LORA,
         f"actor_rollout_ref.model.path={long_response_model}",
         "data.max_response_length=24",
         # A small engine batch keeps generation going all the time, as on a loaded cluster.
@@ -113,11 +119,22 @@ def test_admission_finds_finished_groups_by_the_workers_reports_not_by_listing_t
     assert from_rows <= max(2, from_reports / 20), (from_reports, from_rows)
 
 
-def test_engines_serve_the_trainers_version_after_each_update(async_run):
+def test_engines_serve_the_trainers_version_after_each_update_adapter_only_and_checked(async_run):
+    """LoRA: the base weights once (version 0), then every version's adapter alone, each tensor checked on arrival
+    (test_lora.py derives these records from verl's ``engine_workers.update_weights``)."""
     async_run, _ = async_run
-    syncs = [s for s in read_jsonl(async_run / "weight_syncs.jsonl") if s["event"] == "update"]
-    assert [s["version"] for s in syncs] == list(range(STEPS + 1))
-    assert len({s["checksum"] for s in syncs}) == STEPS + 1  # each update shipped new weights
+    syncs = read_jsonl(async_run / "weight_syncs.jsonl")
+    versions = list(range(STEPS + 1))
+    assert [s["version"] for s in syncs if s["event"] == "update"] == [0], syncs  # the base weights, once
+    assert {s["event"] for s in syncs} == {"load", "update", "update_adapter", "update_checked"}, syncs
+    loaded = [s for s in syncs if s["event"] == "update_adapter"]
+    assert [s["version"] for s in loaded] == versions, loaded
+    assert all(s["checksum"]["adapter_tensors"] == ADAPTER_TENSORS and s["checksum"]["unplaced"] == [] for s in loaded)
+    checked = [s for s in syncs if s["event"] == "update_checked"]
+    assert [s["version"] for s in checked] == versions, checked
+    expected = {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1, "adapter_only": True}
+    assert all(s["checksum"] == expected for s in checked), checked
+    assert_the_adapter_trained_and_the_base_stayed(async_run, versions)  # each update shipped a new adapter
     steps = read_jsonl(async_run / "areal_steps.jsonl")
     assert [s["areal/trainer_version"] for s in steps] == list(range(STEPS))
 

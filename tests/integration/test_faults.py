@@ -247,14 +247,14 @@ def test_a_trainer_worker_killed_once_is_resumed_automatically_and_the_run_finis
 
 
 def test_a_step_longer_than_the_watchdog_trains_and_a_hung_worker_is_stopped_within_it_then_resumed(tiny_dir, tmp_path):
-    """``areal.watchdog_s=30`` on steps whose update alone computes for longer: eight fixed micro-batches of at
-    least 4.5 s each (the trainer-slowed test knob; a 7B step of tens of minutes in kind). Step 1 trains: every
+    """``areal.watchdog_s=20`` on steps whose update alone computes for longer: eight fixed micro-batches of at
+    least 3 s each (the trainer-slowed test knob; a 7B step of tens of minutes in kind). Step 1 trains: every
     micro-batch counts as progress. In step 2 the example plugin's loss hangs once: the stall guard stops that
     attempt within ``watchdog_s`` of the last progress, the CLI's restart line names the guard's reason, and the
     resumed run trains step 2 to the end (``--max-restarts 1``)."""
     from tests.integration.conftest import cli_output, read_jsonl, start_cli
 
-    run_dir, steps, watchdog_s, delay_s, micro_batches = tmp_path / "run", 2, 30, 4.5, 8
+    run_dir, steps, watchdog_s, delay_s, micro_batches = tmp_path / "run", 2, 20, 3.0, 8
     plugin_env = with_example_plugin(
         AREAL_TEST_TRAINER_MICROBATCH_DELAY_S=str(delay_s),
         AREAL_EXAMPLE_OBSERVER_LOSS_HANGS_AFTER=str(micro_batches),  # its 9th call: step 2's first micro-batch

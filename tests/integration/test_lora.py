@@ -1,7 +1,7 @@
 """LoRA under ``areal_async``, colocated, on ``areal_cpu`` and (the last test) verl's ``vllm``: the tiny model trains
 an adapter through verl 0.9.1's FSDP2 engine (peft's ``get_peft_model``), and every weight update after the first
 carries the adapter alone, loaded into the engine's LoRA layers and checked tensor by tensor (docs/design.md, LoRA).
-Three verl starts, two of them in CI (below).
+The CI run on ``areal_cpu`` is test_async_trainer.py's η = 1 run (a LoRA adapter, so it shares that verl start).
 
 What the records say, derived from verl's ``engine_workers.update_weights``: with ``rollout.load_format: dummy``
 (verl's default) the trainer's ``base_sync_done`` starts false, so the first update (version 0, before step 1) sends
@@ -10,8 +10,10 @@ only. Each adapter update gives the server's ``update_adapter`` record and our t
 ``update_checked`` record once the check passed. The tiny Qwen2 under ``target_modules: all-linear`` has 28 adapter
 tensors: 2 layers x 7 linear modules (q, k, v, o, gate, up, down) x 2 (``lora_A``, ``lora_B``).
 
-In CI: the run with a tensor corrupted on arrival (``areal_cpu``; before the corruption it checks what a clean run's
-first two updates must show) and the verl-vLLM run; the clean 3-step run is in the ``full`` tier.
+In CI: test_async_trainer.py's η = 1 run (``areal_cpu``, clean, every update checked) and the verl-vLLM run below,
+which a tensor corrupted in its LoRA slot stops. A tensor corrupted on arrival at ``areal_cpu`` stopping a run is in
+the ``full`` tier (the receiving check itself, with dropped, renamed and corrupted tensors:
+tests/unit/test_cpu_lora.py).
 """
 
 from __future__ import annotations
@@ -29,30 +31,6 @@ RECIPE = "grpo_cpu_async.yaml"
 LORA = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16")
 ADAPTER_TENSORS = 2 * 7 * 2
 CORRUPTED = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
-
-
-@pytest.mark.full
-def test_lora_trains_with_every_update_after_the_first_adapter_only_and_checked(tiny_dir, tmp_path):
-    run_dir = tmp_path / "run"
-    steps = train_tiny(RECIPE, run_dir, tiny_dir, STEPS, *LORA)
-    assert [s["training/global_step"] for s in steps] == list(range(1, STEPS + 1))
-    # The engine generated (a step whose batch was all admitted ahead, η = 2, may see no tokens in its own window).
-    assert any(s["areal/gen_tokens_per_s"] > 0 for s in steps)
-    assert max(s["areal/staleness_max"] for s in steps) <= 2
-
-    syncs = read_jsonl(run_dir / "weight_syncs.jsonl")
-    versions = list(range(STEPS + 1))
-    # The base weights once, at the first update; nothing else but adapters.
-    assert [r["version"] for r in syncs if r["event"] == "update"] == [0], syncs
-    assert {r["event"] for r in syncs} == {"load", "update", "update_adapter", "update_checked"}, syncs
-    loaded = [r for r in syncs if r["event"] == "update_adapter"]
-    assert [r["version"] for r in loaded] == versions, loaded
-    assert all(r["checksum"]["adapter_tensors"] == ADAPTER_TENSORS and r["checksum"]["unplaced"] == [] for r in loaded)
-    checked = [r for r in syncs if r["event"] == "update_checked"]
-    assert [r["version"] for r in checked] == versions, checked
-    expected = {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1, "adapter_only": True}
-    assert all(r["checksum"] == expected for r in checked), checked
-    assert_the_adapter_trained_and_the_base_stayed(run_dir, versions)
 
 
 def assert_the_adapter_trained_and_the_base_stayed(run_dir, versions: list[int]) -> None:
@@ -79,6 +57,7 @@ def assert_stopped_at_update_2_naming(result, fault: str) -> None:
     assert f"rollout replica 0, engine rank 0, update 2: {fault}" in output, output[-3000:]
 
 
+@pytest.mark.full
 def test_an_adapter_tensor_corrupted_on_arrival_stops_the_run_naming_it(tiny_dir, tmp_path):
     """The server's updates count 1 (the base weights, version 0), 2 (version 0's adapter), 3 (version 1's), 4
     (version 2's, after step 2): from the fourth on, one value of ``CORRUPTED`` changes on arrival (fault injection
