@@ -77,6 +77,27 @@ def refused_overrides(overrides: list[str]) -> list[str]:
     return [override for override, key in keys.items() if any(key.startswith(fixed) for fixed in FIXED_SETTINGS)]
 
 
+def unseeded_adapter(recipe: Path, overrides: list[str]) -> str | None:
+    """Why a replay from the start could not match a LoRA run recorded without verl's ``full_determinism`` (peft then
+    draws the adapter's first ``lora_A`` from the process's random state: docs/replay.md); None where it could."""
+    from areal_plugins.builtin.validation import lora_rank
+    from areal_plugins.cli.preflight import compose
+    from areal_plugins.config.errors import RecipeRefusedError
+
+    try:
+        config = compose(recipe, overrides)
+    except RecipeRefusedError as error:
+        raise SystemExit(f"cannot compose the recorded recipe: {error}") from None
+    if lora_rank(config) == 0 or config.actor_rollout_ref.actor.fsdp_config.get("full_determinism", False):
+        return None
+    return (
+        f"the recorded run trains a LoRA adapter (rank {lora_rank(config)}) without "
+        "actor_rollout_ref.actor.fsdp_config.full_determinism=true, so its adapter started from unseeded random "
+        "values that a replay from the start cannot draw again: replay from one of its checkpoints "
+        "(--from-checkpoint STEP, which loads the adapter), or record the run again with full_determinism=true"
+    )
+
+
 def replay(
     run_dir: Path, out: Path | None, until: int | None, overrides: list[str], from_checkpoint: int | None = None
 ) -> int:
@@ -102,6 +123,8 @@ def replay(
             f"version compares format {RECORD_FORMAT}: its token digests are computed another way), so no replay "
             "could match it; record the run again with this version"
         )
+    if from_checkpoint is None and (reason := unseeded_adapter(Path(recorded["recipe"]), recorded["overrides"])):
+        raise SystemExit(reason)
     try:
         steps = len(read_samples(run_dir / "areal_samples.jsonl"))
     except (OSError, ValueError) as error:

@@ -584,3 +584,26 @@ def test_a_changed_learning_rate_stops_the_replay_at_the_first_step_naming_the_s
         "replayed": 1e-3,
         "trajectory": None,
     }
+
+
+LORA_RECORD = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
+
+
+def test_a_lora_record_without_a_seeded_adapter_is_refused_from_the_start_and_replayed_from_a_checkpoint(tmp_path):
+    """peft draws a LoRA run's first ``lora_A`` unseeded unless verl's ``full_determinism`` is on (docs/replay.md):
+    a replay from the start could not match, one from a checkpoint (which loads the adapter) can."""
+    from areal_plugins.cli.launch import write_run_args
+    from areal_plugins.cli.replay import replay, unseeded_adapter
+
+    recipe = Path("recipes/grpo_cpu_async.yaml")
+    assert unseeded_adapter(recipe, []) is None  # no adapter
+    assert unseeded_adapter(recipe, [*LORA_RECORD, "actor_rollout_ref.actor.fsdp_config.full_determinism=true"]) is None
+    assert "full_determinism=true" in unseeded_adapter(recipe, LORA_RECORD)
+    run = write_record(tmp_path / "run", RECORD)
+    write_run_args(run, recipe, LORA_RECORD, None)
+    with pytest.raises(SystemExit, match=r"LoRA adapter \(rank 8\) without .*--from-checkpoint STEP"):
+        replay(run, tmp_path / "out", None, [])
+    assert not (tmp_path / "out").exists()
+    # From a checkpoint the adapter is loaded: this check passes, and the next one names the missing checkpoint.
+    with pytest.raises(SystemExit, match="--from-checkpoint 1: .* is not a checkpoint of this run"):
+        replay(run, tmp_path / "out", None, [], from_checkpoint=1)
