@@ -605,5 +605,5 @@ def test_a_lora_record_without_a_seeded_adapter_is_refused_from_the_start_and_re
         replay(run, tmp_path / "out", None, [])
     assert not (tmp_path / "out").exists()
     # From a checkpoint the adapter is loaded: this check passes, and the next one names the missing checkpoint.
-    with pytest.raises(SystemExit, match="--from-checkpoint 1: .* is not a checkpoint of this run"):
+    with pytest.raises(SystemExit, match=r"--from-checkpoint 1: .* is not a checkpoint of this run"):
         replay(run, tmp_path / "out", None, [], from_checkpoint=1)
