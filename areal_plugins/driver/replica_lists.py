@@ -58,6 +58,7 @@ class ReplicaLists:
     def remove(self, replica: Any) -> str:
         """Take ``replica`` out of the server manager's three lists and out of the weight sync (verl's
         ``remove_replicas``); returns its server address (for the load balancer)."""
+        self._check_aligned(f"before replica {replica.replica_rank} is removed")  # an outside change: none of ours
         manager = self._server_manager()
         index = next(i for i, held in enumerate(manager.rollout_replicas) if held is replica)
         address: str = manager.server_addresses[index]
@@ -66,12 +67,13 @@ class ReplicaLists:
         manager.server_handles = [manager.server_handles[i] for i in keep]
         manager.server_addresses = [manager.server_addresses[i] for i in keep]
         self._checkpoint_manager().remove_replicas([replica])
-        self._check_aligned(f"replica {replica.replica_rank} was removed")
+        self._check_aligned(f"after replica {replica.replica_rank} was removed")
         return address
 
     def add(self, replica: Any) -> None:
         """Append a started ``replica`` to the server manager's three lists and to the weight sync (verl's
         ``add_replicas``); the load balancer is told only after its first sync (driver/replica_replacement.py)."""
+        self._check_aligned(f"before replica {replica.replica_rank} is added")
         manager = self._server_manager()
         # New lists first: while verl's checkpoint manager still holds the server manager's very list, its
         # add_replicas (an in-place extend) would otherwise add the replica to both at once, and this a second time.
@@ -79,14 +81,14 @@ class ReplicaLists:
         manager.server_handles = [*manager.server_handles, replica._server_handle]
         manager.server_addresses = [*manager.server_addresses, replica._server_address]
         self._checkpoint_manager().add_replicas([replica])
-        self._check_aligned(f"replica {replica.replica_rank} was added")
+        self._check_aligned(f"after replica {replica.replica_rank} was added")
 
-    def _check_aligned(self, after: str) -> None:
+    def _check_aligned(self, when: str) -> None:
         serving, synced = self.replicas, self.synced()
         if [id(r) for r in serving] != [id(r) for r in synced]:
             ranks = lambda replicas: [getattr(r, "replica_rank", "?") for r in replicas]  # noqa: E731
             raise ReplicaListsDivergedError(
-                f"after {after}, verl's server manager serves replicas {ranks(serving)} but its checkpoint manager "
+                f"{when}, verl's server manager serves replicas {ranks(serving)} but its checkpoint manager "
                 f"syncs {ranks(synced)}: a weight sync would send to a replica that is gone or miss one that "
                 "serves. Something changed one of verl's lists outside driver/replica_lists.py; change both there"
             )

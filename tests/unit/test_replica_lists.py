@@ -167,11 +167,18 @@ def test_an_addition_while_verl_still_shares_the_list_lands_once_and_both_stay_a
     assert manager.server_handles == ["handle 0", "handle 2", "handle 3"]
 
 
-def test_a_change_made_to_one_list_outside_is_named_at_the_next_change():
+def test_a_change_made_to_one_list_outside_is_named_at_the_next_change_before_it_changes_anything():
     from areal_plugins.driver.replica_lists import ReplicaListsDivergedError
 
     lists, manager, checkpoints = lists_over([replica(0), replica(1)])
     lists.remove(manager.rollout_replicas[1])
     checkpoints.replicas.append(replica(5))  # as an in-place edit of the server manager's list once did
-    with pytest.raises(ReplicaListsDivergedError, match=r"serves replicas \[0, 4\] but .* syncs \[0, 5, 4\]"):
+    with pytest.raises(
+        ReplicaListsDivergedError, match=r"before replica 4 is added, .* serves replicas \[0\] but .* syncs \[0, 5\]"
+    ):
         lists.add(replica(4))
+    # Named before anything of ours changed: the server manager's lists are as they were.
+    assert [r.replica_rank for r in manager.rollout_replicas] == [0] and manager.server_addresses == ["s0"]
+    with pytest.raises(ReplicaListsDivergedError, match=r"before replica 0 is removed"):
+        lists.remove(manager.rollout_replicas[0])
+    assert [r.replica_rank for r in manager.rollout_replicas] == [0]
