@@ -5,12 +5,17 @@ import pytest
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """A Ray of this process's own for one test module (``address="local"``: never a cluster already running)."""
+    """A Ray of this process's own for one test module (``address="local"``: never a cluster already running).
+
+    Its workers at the driver's priority: Ray lowers theirs by 15 by default, and with the unit tier's files running in
+    parallel (pytest-xdist) a busy file beside this one then starves them (an actor's start measured at 2 min)."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_worker_niceness", "0")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        yield
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")

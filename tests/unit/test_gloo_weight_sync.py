@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from areal_plugins.weight_sync.gloo import buckets
+from tests.unit.store_ports import store_port
 
 
 def weights(large: bool = False) -> dict[str, torch.Tensor]:
@@ -22,14 +23,6 @@ def weights(large: bool = False) -> dict[str, torch.Tensor]:
     if large:
         tensors["lm_head"] = torch.randn(LARGE, generator=generator)
     return tensors
-
-
-def free_port() -> int:
-    from areal_plugins.core.ports import free_port_outside_ephemeral_range
-
-    port = free_port_outside_ephemeral_range()  # not port 0: an outbound connection could take it before the bind
-    assert port is not None
-    return port
 
 
 #: A tensor after the others, in a bucket of its own, larger than what a loopback socket buffers: its broadcast
@@ -94,7 +87,7 @@ def broadcast(
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["areal_plugins.weight_sync.gloo", "verl.checkpoint_engine.base", __name__])
     out, read = context.Queue(), context.Event()
-    port = free_port()
+    port = store_port()
     processes = [
         context.Process(
             target=run_rank, args=(rank, world, port, out, read, corrupt_rank, staged_rank, large, abandon_rank)

@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import importlib
-import socket
 
 import pytest
 import torch.distributed as dist
 from areal_plugins.patches import gloo_backend
 
 from areal_plugins._compat import UnsupportedVerlVersionError
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.unit.store_ports import store_port
 
 
 @pytest.fixture
 def single_process_env(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(store_port()))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     yield

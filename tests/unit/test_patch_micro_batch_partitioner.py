@@ -12,6 +12,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine import utils as engine_utils
 
 from areal_plugins import patches
+from tests.unit.store_ports import store_port
 
 
 @pytest.fixture
@@ -144,13 +145,9 @@ def _agree(rank, port, lengths, results):
 
 def test_data_parallel_ranks_agree_on_the_count():
     # Rank 0: 8 and 8 need two micro-batches; rank 1: 2 and 2 fit one, so it re-packs with min_groups=2.
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = store_port()
     results = mp.Manager().dict()
     mp.start_processes(_agree, args=(port, [[8, 8], [2, 2]], results), nprocs=2, start_method="fork")
     assert results[0] == [[0], [1]] and results[1] == [[0], [1]]
