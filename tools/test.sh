@@ -21,7 +21,8 @@ NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mkte
 # One test file per core (`--dist loadfile`: a file's tests share its fixtures, and its local Ray, in one process).
 # Ray 2.60 writes a login token to ~/.ray/auth_token at a machine's first local cluster: made here, once, so two
 # workers' first clusters cannot both write it while the other's processes read it (a fresh CI home has none).
-.venv/bin/ray get-auth-token --generate >/dev/null 2>&1
+# (stdout is the token itself; stderr says why, should it fail.)
+.venv/bin/ray get-auth-token --generate >/dev/null
 .venv/bin/python -m pytest tests/unit -m "$UNIT" -q -n auto --dist loadfile --durations=5
 # Unit tests that import verl's vLLM adapter need vLLM itself: in .venv-verl-vllm (made by setup.sh). Those that
 # load the tiny models (LoRA and MoE checks in a real vLLM engine) skip without them: built first (once per machine;

@@ -7,10 +7,10 @@ between the pick and the store's bind, seconds later where the ranks import torc
 
 from __future__ import annotations
 
-from areal_plugins.core.ports import free_port_outside_ephemeral_range
+from areal_plugins.core.ports import LOWEST_PORT, free_port_outside_ephemeral_range
 
 
 def store_port() -> int:
     port = free_port_outside_ephemeral_range()
-    assert port is not None, "this box has no free port between 20000 and its ephemeral range"
+    assert port is not None, f"this box has no free port between {LOWEST_PORT} and its ephemeral range"
     return port
