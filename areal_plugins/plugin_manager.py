@@ -43,8 +43,9 @@ OPT_IN_ATTRIBUTE = "AREAL_PLUGIN_OPT_IN"
 
 def selected_plugin_names(include: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> list[str]:
     """The third-party plugins ``include``/``exclude`` select here (None: every installed one not opt-in)."""
-    chosen = default_plugin_names() if include is None else list(include)
-    return sorted(set(chosen) - set(exclude))
+    excluded = set(exclude)
+    chosen = default_plugin_names(excluded) if include is None else list(include)
+    return sorted(set(chosen) - excluded)
 
 
 def installed_plugin_names() -> list[str]:
@@ -52,10 +53,17 @@ def installed_plugin_names() -> list[str]:
     return sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
 
 
-def default_plugin_names() -> list[str]:
-    """The installed plugins loaded when ``areal.plugins.include`` is null: all but the opt-in ones."""
+def default_plugin_names(exclude: Iterable[str] = ()) -> list[str]:
+    """The installed plugins loaded when ``areal.plugins.include`` is null: all but the opt-in ones and ``exclude``.
+
+    Reading a plugin's opt-in flag imports it, so the excluded ones are skipped first: never imported, a plugin
+    that fails to import can be excluded (``areal.plugins.exclude``).
+    """
+    excluded = set(exclude)
     names = []
     for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+        if entry_point.name in excluded:
+            continue
         try:
             opt_in = bool(getattr(entry_point.load(), OPT_IN_ATTRIBUTE, False))
         except Exception as error:
@@ -77,8 +85,8 @@ def build_plugin_manager(include: Iterable[str] | None = None, exclude: Iterable
             that is misspelled or takes arguments the spec does not offer.
     """
     available = installed_plugin_names()
-    include_set = set(default_plugin_names() if include is None else include)
     exclude_set = set(exclude)
+    include_set = set(default_plugin_names(exclude_set) if include is None else include)
     unknown = sorted((include_set | exclude_set) - set(available))
     if unknown:
         raise PluginError(

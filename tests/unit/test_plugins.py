@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 import textwrap
@@ -191,6 +192,44 @@ def test_an_opt_in_plugin_loads_only_when_named(installed_example_plugin, tmp_pa
     module.write_text("AREAL_PLUGIN_OPT_IN = True\n" + module.read_text())
     assert build_plugin_manager().get_plugin(installed_example_plugin) is None  # installed, not asked for
     assert build_plugin_manager(include=[installed_example_plugin]).get_plugin(installed_example_plugin) is not None
+
+
+@pytest.fixture
+def installed_broken_plugin(tmp_path):
+    """A plugin whose module raises on import (and counts its imports), installed through the entry-point group;
+    taken off ``sys.path`` again after the test."""
+    imports = tmp_path / "imports.log"
+    (tmp_path / "areal_broken_plugin.py").write_text(
+        f"with open({str(imports)!r}, 'a') as log:\n"
+        "    log.write('imported\\n')\n"
+        "raise ImportError('areal_broken_plugin needs a package that is not installed')\n"
+    )
+    dist = tmp_path / "areal_broken_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: areal-broken-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[areal_plugins]\nbroken = areal_broken_plugin\n")
+    sys.path.insert(0, str(tmp_path))
+    importlib.invalidate_caches()
+    try:
+        yield "broken", imports
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("areal_broken_plugin", None)
+        importlib.invalidate_caches()
+
+
+def test_an_excluded_plugin_is_never_imported(installed_broken_plugin):
+    from areal_plugins.plugin_manager import selected_plugin_names
+
+    name, imports = installed_broken_plugin
+    with pytest.raises(PluginError, match=r"plugin 'broken' failed to load: ImportError"):
+        build_plugin_manager()  # selected by default: it is imported, and its failure is named
+    assert imports.read_text().count("imported") == 1
+    imports.unlink()
+    assert build_plugin_manager(exclude=[name]).get_plugin(name) is None  # areal.plugins.exclude: [broken]
+    assert selected_plugin_names(None, [name]) == []  # the driver's selection for every worker
+    assert build_plugin_manager(include=["m2po"], exclude=[name]).get_plugin("m2po") is not None
+    assert not imports.exists(), "an excluded plugin was imported"
 
 
 def test_m2po_is_shipped_opt_in_and_replaces_the_loss_when_included():
