@@ -1,6 +1,8 @@
 """The plugin manager: built-in plugins plus every installed ``areal_plugins`` entry point.
 
-Hooks are called through :func:`call_hook`, which names the plugin when one raises.
+Hooks are called through :class:`Hooks` (:data:`HOOKS` for the process-wide manager), one typed method per hook,
+so mypy checks each call's hook name and arguments (tox 4's pattern); like :func:`call_hook`, which calls a hook
+by name, it names the plugin when one raises.
 """
 
 from __future__ import annotations
@@ -10,12 +12,20 @@ import socket
 import threading
 from collections.abc import Iterable
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import pluggy
 
 from areal_plugins.builtin import BUILTIN_PLUGINS
 from areal_plugins.hooks import hookspecs
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from omegaconf import DictConfig
+
+    from areal_plugins.core.trajectory import Trajectory
+    from areal_plugins.hooks.contracts import RolloutManager, SampleBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +155,22 @@ def configure_plugins(include: Iterable[str] | None = None, exclude: Iterable[st
     return manager
 
 
-def hook_implemented(name: str, manager: pluggy.PluginManager | None = None) -> bool:
+#: The hooks of :mod:`~areal_plugins.hooks.hookspecs`, in their order (a unit test keeps the two the same).
+HookName = Literal[
+    "areal_validate_config",
+    "areal_make_sample_buffer",
+    "areal_make_rollout_manager",
+    "areal_make_reward_fn",
+    "areal_make_policy_loss",
+    "areal_accept_trajectory",
+    "areal_before_weight_update",
+    "areal_on_weights_updated",
+    "areal_after_train_step",
+    "areal_on_shutdown",
+]
+
+
+def hook_implemented(name: HookName, manager: pluggy.PluginManager | None = None) -> bool:
     """Whether any selected plugin implements hook ``name`` (work done only for a hook can then be skipped)."""
     return bool(getattr((manager or get_plugin_manager()).hook, name).get_hookimpls())
 
@@ -159,6 +184,95 @@ def call_hook(name: str, manager: pluggy.PluginManager | None = None, **kwargs: 
     except Exception as error:
         culprit = _plugin_that_raised(caller, error)
         raise PluginError(f"plugin {culprit!r} raised in hook {name}: {error!r}", plugin=culprit) from error
+
+
+class Hooks:
+    """Every hook, one typed method each: ``areal_<phase>_<verb>`` is called as ``<phase>_<verb>`` (tox 4's facade).
+
+    mypy checks a call's hook name and arguments, which :func:`call_hook` cannot. Each method takes the spec's
+    arguments by keyword and returns what the hook returns (a ``firstresult`` hook's first answer); when an
+    implementation raises, it raises :class:`PluginError` naming the plugin and the hook. What each hook means,
+    returns and who calls it: :mod:`areal_plugins.hooks.hookspecs` (``docs/hooks.md``).
+
+    Args:
+        manager: the manager whose hooks to call; None: the process-wide one (:func:`get_plugin_manager`), looked up
+            at each call, so a later :func:`configure_plugins` applies.
+    """
+
+    def __init__(self, manager: pluggy.PluginManager | None = None) -> None:
+        self._manager = manager
+
+    def implemented(self, name: HookName) -> bool:
+        """Whether any selected plugin implements hook ``name`` (work done only for a hook can then be skipped)."""
+        return hook_implemented(name, self._manager)
+
+    # ------------------------------------------------------------ startup
+
+    def validate_config(self, *, config: DictConfig) -> None:
+        """Call ``areal_validate_config``."""
+        call_hook("areal_validate_config", self._manager, config=config)
+
+    def make_sample_buffer(self, *, config: DictConfig) -> SampleBuffer | None:
+        """Call ``areal_make_sample_buffer``."""
+        return call_hook("areal_make_sample_buffer", self._manager, config=config)
+
+    def make_rollout_manager(
+        self,
+        *,
+        config: DictConfig,
+        buffer: SampleBuffer,
+        submit_prompts: Callable[[int], int],
+        accept_trajectory: Callable[[Trajectory], bool],
+        reissue_prompts: Callable[[list[str]], None],
+    ) -> RolloutManager | None:
+        """Call ``areal_make_rollout_manager``."""
+        return call_hook(
+            "areal_make_rollout_manager",
+            self._manager,
+            config=config,
+            buffer=buffer,
+            submit_prompts=submit_prompts,
+            accept_trajectory=accept_trajectory,
+            reissue_prompts=reissue_prompts,
+        )
+
+    def make_reward_fn(self, *, config: Mapping[str, Any]) -> Callable[..., float] | None:
+        """Call ``areal_make_reward_fn``."""
+        return call_hook("areal_make_reward_fn", self._manager, config=config)
+
+    def make_policy_loss(self) -> Callable[..., Any] | None:
+        """Call ``areal_make_policy_loss`` (its deprecated ``config`` argument is passed as the None it always is)."""
+        return call_hook("areal_make_policy_loss", self._manager, config=None)
+
+    # ------------------------------------------------------------ rollout
+
+    def accept_trajectory(self, *, trajectory: Trajectory) -> bool | None:
+        """Call ``areal_accept_trajectory``."""
+        return call_hook("areal_accept_trajectory", self._manager, trajectory=trajectory)
+
+    def before_weight_update(self, *, version: int) -> None:
+        """Call ``areal_before_weight_update``."""
+        call_hook("areal_before_weight_update", self._manager, version=version)
+
+    def on_weights_updated(self, *, version: int) -> None:
+        """Call ``areal_on_weights_updated``."""
+        call_hook("areal_on_weights_updated", self._manager, version=version)
+
+    # ------------------------------------------------------------ training
+
+    def after_train_step(self, *, step: int, metrics: dict[str, Any]) -> None:
+        """Call ``areal_after_train_step``."""
+        call_hook("areal_after_train_step", self._manager, step=step, metrics=metrics)
+
+    # ------------------------------------------------------------ shutdown
+
+    def on_shutdown(self, *, reason: str) -> None:
+        """Call ``areal_on_shutdown``."""
+        call_hook("areal_on_shutdown", self._manager, reason=reason)
+
+
+#: The hooks of the process-wide plugin manager: ``HOOKS.before_weight_update(version=v)``.
+HOOKS = Hooks()
 
 
 def _plugin_that_raised(caller: Any, error: BaseException) -> str:

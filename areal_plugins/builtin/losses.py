@@ -9,7 +9,7 @@ from areal_plugins.hooks.hookimpl import hookimpl
 
 
 @hookimpl(trylast=True)
-def areal_make_policy_loss(config: Any) -> Callable[..., Any]:
+def areal_make_policy_loss() -> Callable[..., Any]:
     from areal_plugins.core.losses import decoupled_ppo_loss
 
     return decoupled_ppo_loss

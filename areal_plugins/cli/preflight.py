@@ -180,11 +180,11 @@ def _check_composed(config: Any) -> None:
         raise RecipeRefusedError(f"the recipe cannot be resolved: {one_line(error)}") from None
     _verl_validation(config)
     if areal is not None and areal.enable:
-        from areal_plugins.plugin_manager import build_plugin_manager, call_hook
+        from areal_plugins.plugin_manager import Hooks, build_plugin_manager
 
         try:  # the run's plugin selection, in a manager of our own: this process's plugins stay as they are
             manager = build_plugin_manager(include=areal.plugins.include, exclude=list(areal.plugins.exclude))
-            call_hook("areal_validate_config", manager=manager, config=config)
+            Hooks(manager).validate_config(config=config)
         except PluginError as error:
             raise RecipeRefusedError(_plugin_refusal(error)) from None
 

@@ -73,7 +73,7 @@ from areal_plugins.driver.supervision import Supervisor
 from areal_plugins.hooks.contracts import AdmissionCounters, require_contract
 from areal_plugins.hooks.contracts import RolloutManager as RolloutManagerContract
 from areal_plugins.hooks.contracts import SampleBuffer as SampleBufferContract
-from areal_plugins.plugin_manager import call_hook, hook_implemented
+from areal_plugins.plugin_manager import HOOKS
 from areal_plugins.records.control_files import (
     PHASE_TIMES_FILE,
     STOP_REQUEST_FILE,
@@ -98,7 +98,7 @@ def prompt_digest(prompt: Any) -> str:
 
 def accept_trajectory(trajectory: Any) -> bool:
     """What the ``areal_accept_trajectory`` hooks say of ``trajectory`` (no answer keeps it)."""
-    return call_hook("areal_accept_trajectory", trajectory=trajectory) is not False
+    return HOOKS.accept_trajectory(trajectory=trajectory) is not False
 
 
 class _ArealReplayBuffer(ReplayBuffer):
@@ -269,14 +269,13 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         # Built here, not in __init__: the plugin set is configured in init() (areal.plugins).
         self.sample_buffer = self.schedule.sample_buffer(self.config)  # a replay's: the record's groups by step
         require_contract(self.sample_buffer, SampleBufferContract, "areal_make_sample_buffer")
-        self.manager = call_hook(
-            "areal_make_rollout_manager",
+        self.manager = HOOKS.make_rollout_manager(
             config=self.config,
             buffer=self.sample_buffer,
             submit_prompts=self._add_prompts_to_generate,
             # No plugin asks about trajectories: the manager may skip reading them back (admission.py).
             accept_trajectory=(
-                accept_trajectory if hook_implemented("areal_accept_trajectory") else keep_every_trajectory
+                accept_trajectory if HOOKS.implemented("areal_accept_trajectory") else keep_every_trajectory
             ),
             reissue_prompts=self._reissue_prompts,
         )
@@ -352,7 +351,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             self.schedule.finish_version(self.version, self.supervisor.waiting())
             if self.schedule.pauses_admission_before_update or getattr(self.weight_sync, "before_pause", None) is None:
                 self.manager.pause()  # else the sync stops it just before the abort (weight_sync/staged.py)
-            call_hook("areal_before_weight_update", version=new_version)
+            HOOKS.before_weight_update(version=new_version)
             # Interruption: colocated engines were aborted and put to sleep after sampling; standalone ones are
             # aborted by the checkpoint manager, before verl's transfers and after a staged one (areal_gloo).
             try:
@@ -372,7 +371,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             if self.weight_sync.backend == "naive":  # verl's other checkpoint engines resume the replicas themselves
                 self.weight_sync.resume_generation_replicas()
             self.manager.resume(new_version)
-        call_hook("areal_on_weights_updated", version=new_version)
+        HOOKS.on_weights_updated(version=new_version)
         self._phase_end("weight sync", "validation and metrics")
         if self.recorder.run_dir is not None and record_exists(STOP_REQUEST_FILE, self.recorder.run_dir):
             self._write_step_line(self._step_metrics, self.timing_raw, new_version, time.time())

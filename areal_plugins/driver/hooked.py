@@ -10,7 +10,7 @@ from typing import Any
 
 from areal_plugins.driver.length_order import order_batch_by_length, pads_micro_batches
 from areal_plugins.driver.worker_calls import apply_patches_in_workers, run_in_workers
-from areal_plugins.plugin_manager import call_hook, configure_plugins, selected_plugin_names
+from areal_plugins.plugin_manager import HOOKS, configure_plugins, selected_plugin_names
 from areal_plugins.records.control_files import RunStoppedOnRequestError
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class HookedTrainerMixin:
         include = pin_plugin_selection(self.config, selected_plugin_names(plugins.include, list(plugins.exclude or [])))
         manager = configure_plugins(include=include, exclude=[])
         logger.info("areal_plugins: plugins %s", [name for name, _ in manager.list_name_plugin()])
-        call_hook("areal_validate_config", config=self.config)
+        HOOKS.validate_config(config=self.config)
         self._size_reward_scorers()  # before verl's reward workers are made from the config
         super().init()  # type: ignore[misc]
         workers = [self.actor_rollout_wg]  # type: ignore[attr-defined]
@@ -83,15 +83,15 @@ class HookedTrainerMixin:
 
     def on_init_end(self) -> None:
         super().on_init_end()  # type: ignore[misc]
-        call_hook("areal_on_weights_updated", version=self.global_steps)
+        HOOKS.on_weights_updated(version=self.global_steps)
 
     def on_step_end(self) -> None:
         super().on_step_end()  # type: ignore[misc]
-        call_hook("areal_on_weights_updated", version=self.global_steps)
+        HOOKS.on_weights_updated(version=self.global_steps)
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> Any:
         result = super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)  # type: ignore[misc]
-        call_hook("areal_after_train_step", step=global_steps, metrics=metrics)
+        HOOKS.after_train_step(step=global_steps, metrics=metrics)
         return result
 
     def _balance_batch(
@@ -115,7 +115,7 @@ class HookedTrainerMixin:
             try:
                 self.stop_rollout()
             finally:
-                call_hook("areal_on_shutdown", reason=reason)
+                HOOKS.on_shutdown(reason=reason)
 
     def stop_rollout(self) -> None:
         """End whatever still generates or admits beside the trainer: the shutdown hook is the last call."""

@@ -51,9 +51,9 @@ class LiveSchedule:
         return InterruptibleLLMClient
 
     def sample_buffer(self, config: Any) -> Any:
-        from areal_plugins.plugin_manager import call_hook
+        from areal_plugins.plugin_manager import HOOKS
 
-        return call_hook("areal_make_sample_buffer", config=config)
+        return HOOKS.make_sample_buffer(config=config)
 
     def served(self, version: int) -> None:
         pass

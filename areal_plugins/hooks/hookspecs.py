@@ -2,12 +2,13 @@
 
 Specs only: implementations live in ``areal_plugins/builtin/`` (``trylast`` defaults) and in
 third-party plugins registered through the ``areal_plugins`` entry-point group. Every hook here is
-listed with its exact signature in ``docs/hooks.md`` (a test enforces it).
+listed with its exact signature in ``docs/hooks.md`` (a test enforces it), says since which version it
+exists (``Since:``), and is called through its typed method of :class:`areal_plugins.plugin_manager.Hooks`.
 
 ``config`` means one thing per hook, by where the hook runs: the whole composed recipe (an OmegaConf
 ``DictConfig``) on the driver; the ``{"areal": ...}`` mapping a reward worker receives; None in a trainer
-worker, which has no recipe. The objects the rollout hooks return are typed by the Protocols of
-:mod:`areal_plugins.hooks.contracts`.
+worker, which has no recipe (deprecated there: ``areal_make_policy_loss``). The objects the rollout
+hooks return are typed by the Protocols of :mod:`areal_plugins.hooks.contracts`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def areal_validate_config(config: DictConfig) -> None:
     before any worker starts (``areal_plugins.driver.hooked.HookedTrainerMixin.init``).
     Default: ``areal_plugins.builtin.validation``: refuses combinations of ``areal:`` and verl settings
     that cannot work (single fields validate themselves in ``areal_plugins.config.settings``).
+    Since: 0.1.0.
     """
 
 
@@ -61,6 +63,7 @@ def areal_make_sample_buffer(config: DictConfig) -> SampleBuffer | None:
     (``on_train_begin``), just before ``areal_make_rollout_manager``.
     Default: ``areal_plugins.builtin.async_rollout``: :class:`~areal_plugins.core.buffer.SampleBuffer`,
     oldest head version first, ``areal.on_stale`` applied.
+    Since: 0.1.0.
     """
 
 
@@ -94,6 +97,7 @@ def areal_make_rollout_manager(
     Called from: verl's TaskRunner (the driver), when the async trainer starts training.
     Default: ``areal_plugins.builtin.async_rollout``: :class:`AdmissionLoop` with
     :class:`~areal_plugins.core.staleness.StalenessController` (docs/design.md, Admission).
+    Since: 0.1.0.
     """
 
 
@@ -110,10 +114,19 @@ def areal_make_reward_fn(config: Mapping[str, Any]) -> Callable[..., float] | No
     (``areal_plugins.rewards.hooked.compute_score``, the recipes' custom reward function); never when
     ``areal.enable`` is false.
     Default: ``builtin.rewards``: the math-verify exact-answer reward (``trylast``).
+    Since: 0.1.0.
     """
 
 
-@hookspec(firstresult=True)
+@hookspec(
+    firstresult=True,
+    warn_on_impl_args={
+        "config": DeprecationWarning(
+            "areal_make_policy_loss(config): the config argument is deprecated (it is always None) and will be "
+            "removed in a later release: declare the hook without it, `def areal_make_policy_loss():`"
+        )
+    },
+)
 def areal_make_policy_loss(config: None) -> Callable[..., Any] | None:
     """Return the policy loss the trainer optimises, or None to let the next implementation decide.
 
@@ -121,11 +134,14 @@ def areal_make_policy_loss(config: None) -> Callable[..., Any] | None:
     (``logprobs, proximal_logprobs, behav_logprobs, advantages, loss_mask, **clip/cap options``) and
     returns ``(token-mean loss, stats)``; verl's global-batch weighting is applied around it.
 
-    :param config: None (trainer workers have no recipe; ``areal.loss`` reaches the loss through verl).
+    :param config: deprecated, always None (trainer workers have no recipe; ``areal.loss`` reaches the loss through
+        verl): declare the hook without it. An implementation that still declares it works, and its registration
+        warns (``DeprecationWarning``, pluggy's ``warn_on_impl_args``).
 
     Called from: each trainer worker process, once, at its first loss computation with the policy
     losses ``areal_decoupled`` / ``areal_decoupled_loglinear`` (``areal.enable: true``).
     Default: ``builtin.losses``: the decoupled PPO objective (``trylast``).
+    Since: 0.1.0.
     """
 
 
@@ -156,6 +172,7 @@ def areal_accept_trajectory(trajectory: Trajectory) -> bool | None:
     trainer (``areal.mode: async``). A GRPO group is kept with its remaining members and rejected
     as a whole (slot freed) only when every member is rejected.
     Default: none (every trajectory is kept).
+    Since: 0.1.0.
     """
 
 
@@ -172,6 +189,7 @@ def areal_before_weight_update(version: int) -> None:
     open): a staging checkpoint engine (``areal_gloo``) transfers the weights first and stops admission and
     the engines only to load them; verl's others (``nccl``) stop both as the transfer starts.
     Default: none.
+    Since: 0.1.0.
     """
 
 
@@ -184,6 +202,7 @@ def areal_on_weights_updated(version: int) -> None:
     Called from: verl's TaskRunner, after verl's weight sync returned (each engine has confirmed the
     version and checksum it loaded): once for the initial sync, then after every step.
     Default: none.
+    Since: 0.1.0.
     """
 
 
@@ -201,6 +220,7 @@ def areal_after_train_step(step: int, metrics: dict[str, Any]) -> None:
     the step's actor update, its checkpoint (when due), its weight sync to the engines (every step syncs,
     the last included) and its validation (when due).
     Default: none.
+    Since: 0.1.0.
     """
 
 
@@ -217,4 +237,5 @@ def areal_on_shutdown(reason: str) -> None:
     Called from: verl's TaskRunner, once, as the trainer's ``fit`` returns or raises, after the async trainer
     stopped admitting trajectories: no other hook of the run follows it.
     Default: none.
+    Since: 0.1.0.
     """

@@ -92,5 +92,5 @@ def m2po_loss(
 
 
 @hookimpl
-def areal_make_policy_loss(config: Any) -> Any:
+def areal_make_policy_loss() -> Any:
     return m2po_loss

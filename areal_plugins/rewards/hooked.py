@@ -14,7 +14,7 @@ import logging
 import pickle
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from areal_plugins.rewards.math_verify_reward import compute_score as math_verify_score
 from areal_plugins.rewards.service import RewardService
@@ -35,14 +35,14 @@ def _reward_fn(enable: bool, plugins: dict[str, Any]) -> Callable[..., float]:
                 _chosen[key] = math_verify_score
             else:
                 from areal_plugins.hooks.contracts import RewardFunction, require_contract
-                from areal_plugins.plugin_manager import call_hook, configure_plugins
+                from areal_plugins.plugin_manager import HOOKS, configure_plugins
 
                 if include is not None or exclude:  # the default set needs no rebuild
                     configure_plugins(include=include, exclude=exclude)
                 settings = {"areal": {"enable": enable, "plugins": dict(plugins)}}
-                fn = call_hook("areal_make_reward_fn", config=settings)
-                require_contract(fn, RewardFunction, "areal_make_reward_fn")
-                _chosen[key] = fn
+                fn = HOOKS.make_reward_fn(config=settings)
+                require_contract(fn, RewardFunction, "areal_make_reward_fn")  # refuses None too
+                _chosen[key] = cast("Callable[..., float]", fn)
         return _chosen[key]
 
 

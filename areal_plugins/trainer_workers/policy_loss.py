@@ -128,9 +128,9 @@ def pure_loss() -> Any:
     global _pure_loss
     if _pure_loss is None:
         from areal_plugins.hooks.contracts import PolicyLoss, require_contract
-        from areal_plugins.plugin_manager import call_hook
+        from areal_plugins.plugin_manager import HOOKS
 
-        chosen = call_hook("areal_make_policy_loss", config=None) or decoupled_ppo_loss
+        chosen = HOOKS.make_policy_loss() or decoupled_ppo_loss
         require_contract(chosen, PolicyLoss, "areal_make_policy_loss")
         _pure_loss = chosen
     return _pure_loss

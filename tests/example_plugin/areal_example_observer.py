@@ -92,7 +92,7 @@ def areal_on_shutdown(reason):
 
 
 @hookimpl
-def areal_make_policy_loss(config):
+def areal_make_policy_loss():
     _record("make_policy_loss", pid=os.getpid())  # in a trainer worker process
     fails, hangs = os.environ.get(LOSS_FAILS_AFTER_ENV), os.environ.get(LOSS_HANGS_AFTER_ENV)
     if fails is None and hangs is None:

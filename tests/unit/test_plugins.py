@@ -13,7 +13,7 @@ import pytest
 from areal_plugins.core.trajectory import Trajectory
 from areal_plugins.hooks import hookspecs
 from areal_plugins.hooks.hookimpl import hookimpl
-from areal_plugins.plugin_manager import PluginError, build_plugin_manager, call_hook
+from areal_plugins.plugin_manager import HookName, Hooks, PluginError, build_plugin_manager, call_hook
 from areal_plugins.records.control_files import RunStoppedOnRequestError
 from areal_plugins.testing import plugin_registered
 
@@ -72,6 +72,172 @@ def test_each_hooks_default_names_the_builtin_that_implements_it():
             assert all(b.split(".")[-1] in default for b in builtins), f"{name}: Default: must name {builtins}"
         else:
             assert default.strip().startswith("none"), f"{name}: no built-in implements it; Default: says otherwise"
+
+
+def test_each_hook_says_since_which_version_it_exists():
+    import re
+
+    for name in HOOK_NAMES:
+        assert re.search(r"^\s*Since: \d+\.\d+\.\d+\.$", getattr(hookspecs, name).__doc__, flags=re.M), name
+
+
+def deprecated_arguments(name: str) -> set[str]:
+    return set(getattr(hookspecs, name).areal_plugins_spec.get("warn_on_impl_args") or {})
+
+
+def test_the_facade_has_one_method_per_hook_with_the_specs_signature():
+    import typing
+
+    assert list(typing.get_args(HookName)) == HOOK_NAMES
+    methods = [name for name, _ in inspect.getmembers(Hooks, inspect.isfunction) if not name.startswith("_")]
+    assert sorted(methods) == sorted([name.removeprefix("areal_") for name in HOOK_NAMES] + ["implemented"])
+    for name in HOOK_NAMES:
+        spec = inspect.signature(getattr(hookspecs, name))
+        method = inspect.signature(getattr(Hooks, name.removeprefix("areal_")))
+        kept = [p for p in spec.parameters.values() if p.name not in deprecated_arguments(name)]
+        expected = [(p.name, p.annotation) for p in kept]
+        parameters = list(method.parameters.values())[1:]  # after self
+        assert [(p.name, p.annotation) for p in parameters] == expected, name
+        assert all(p.kind is p.KEYWORD_ONLY for p in parameters), f"{name}: the spec's arguments, by keyword"
+        assert method.return_annotation == spec.return_annotation, name
+
+
+class RecordEveryHook:
+    """Implements every hook (run first) and records which was called with what."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict]] = []
+
+    @hookimpl(tryfirst=True)
+    def areal_validate_config(self, config):
+        self.calls.append(("areal_validate_config", {"config": config}))
+
+    @hookimpl(tryfirst=True)
+    def areal_make_sample_buffer(self, config):
+        self.calls.append(("areal_make_sample_buffer", {"config": config}))
+
+    @hookimpl(tryfirst=True)
+    def areal_make_rollout_manager(self, config, buffer, submit_prompts, accept_trajectory, reissue_prompts):
+        arguments = (config, buffer, submit_prompts, accept_trajectory, reissue_prompts)
+        names = ("config", "buffer", "submit_prompts", "accept_trajectory", "reissue_prompts")
+        self.calls.append(("areal_make_rollout_manager", dict(zip(names, arguments, strict=True))))
+
+    @hookimpl(tryfirst=True)
+    def areal_make_reward_fn(self, config):
+        self.calls.append(("areal_make_reward_fn", {"config": config}))
+
+    @hookimpl(tryfirst=True)
+    def areal_make_policy_loss(self):
+        self.calls.append(("areal_make_policy_loss", {}))
+
+    @hookimpl(tryfirst=True)
+    def areal_accept_trajectory(self, trajectory):
+        self.calls.append(("areal_accept_trajectory", {"trajectory": trajectory}))
+
+    @hookimpl(tryfirst=True)
+    def areal_before_weight_update(self, version):
+        self.calls.append(("areal_before_weight_update", {"version": version}))
+
+    @hookimpl(tryfirst=True)
+    def areal_on_weights_updated(self, version):
+        self.calls.append(("areal_on_weights_updated", {"version": version}))
+
+    @hookimpl(tryfirst=True)
+    def areal_after_train_step(self, step, metrics):
+        self.calls.append(("areal_after_train_step", {"step": step, "metrics": metrics}))
+
+    @hookimpl(tryfirst=True)
+    def areal_on_shutdown(self, reason):
+        self.calls.append(("areal_on_shutdown", {"reason": reason}))
+
+
+def test_each_facade_method_calls_its_hook_with_its_arguments():
+    import pluggy
+
+    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)  # the specs alone: no built-in answers or checks
+    manager.add_hookspecs(hookspecs)
+    recorder = RecordEveryHook()
+    hooks = Hooks(manager)
+    trajectory = make_trajectory(1.0)
+    manager_arguments = {
+        "config": {"areal": {}},
+        "buffer": object(),
+        "submit_prompts": len,
+        "accept_trajectory": bool,
+        "reissue_prompts": print,
+    }
+    with plugin_registered(recorder, manager):
+        hooks.validate_config(config={"areal": {}})
+        hooks.make_sample_buffer(config={"areal": {}})
+        hooks.make_rollout_manager(**manager_arguments)
+        hooks.make_reward_fn(config={"areal": {"enable": True}})
+        hooks.make_policy_loss()
+        hooks.accept_trajectory(trajectory=trajectory)
+        hooks.before_weight_update(version=3)
+        hooks.on_weights_updated(version=3)
+        hooks.after_train_step(step=3, metrics={})
+        hooks.on_shutdown(reason="completed")
+        assert hooks.implemented("areal_accept_trajectory")
+    assert not hooks.implemented("areal_accept_trajectory")
+    assert recorder.calls == [
+        ("areal_validate_config", {"config": {"areal": {}}}),
+        ("areal_make_sample_buffer", {"config": {"areal": {}}}),
+        ("areal_make_rollout_manager", manager_arguments),
+        ("areal_make_reward_fn", {"config": {"areal": {"enable": True}}}),
+        ("areal_make_policy_loss", {}),
+        ("areal_accept_trajectory", {"trajectory": trajectory}),
+        ("areal_before_weight_update", {"version": 3}),
+        ("areal_on_weights_updated", {"version": 3}),
+        ("areal_after_train_step", {"step": 3, "metrics": {}}),
+        ("areal_on_shutdown", {"reason": "completed"}),
+    ]
+
+
+def test_the_facade_returns_the_first_answer_and_names_a_raising_plugin():
+    manager = build_plugin_manager(include=[])
+    hooks = Hooks(manager)
+
+    class Broken:
+        @hookimpl
+        def areal_before_weight_update(self, version):
+            raise KeyError("boom")
+
+    assert hooks.accept_trajectory(trajectory=make_trajectory(0.0)) is None
+    with plugin_registered(RejectLowReward(), manager):
+        assert hooks.accept_trajectory(trajectory=make_trajectory(0.0)) is False
+    with plugin_registered(Broken(), manager, name="broken-observer"):
+        with pytest.raises(PluginError, match=r"plugin 'broken-observer' raised in hook areal_before_weight_update"):
+            hooks.before_weight_update(version=1)
+
+
+def test_the_package_calls_hooks_only_through_the_facade():
+    # A hook called by name escapes mypy: only the facade (plugin_manager.py) may call call_hook.
+    package = Path(__file__).resolve().parents[2] / "areal_plugins"
+    by_name = [
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if path.name != "plugin_manager.py" and "call_hook(" in path.read_text()
+    ]
+    assert by_name == [], "call hooks through plugin_manager.HOOKS / Hooks(manager)"
+
+
+def test_a_policy_loss_that_still_declares_config_works_and_warns():
+    from areal_plugins.core.losses import decoupled_ppo_loss
+
+    manager = build_plugin_manager(include=[])
+
+    def my_loss(*args, **kwargs):
+        return decoupled_ppo_loss(*args, **kwargs)
+
+    class OldStyle:
+        @hookimpl
+        def areal_make_policy_loss(self, config):
+            assert config is None
+            return my_loss
+
+    with pytest.warns(DeprecationWarning, match=r"the config argument is deprecated.*def areal_make_policy_loss\(\)"):
+        with plugin_registered(OldStyle(), manager):
+            assert Hooks(manager).make_policy_loss() is my_loss
 
 
 def test_accept_trajectory_firstresult_semantics():
@@ -268,7 +434,7 @@ def test_policy_loss_hook_chooses_the_workers_loss():
     class MyLoss:
         @staticmethod
         @hookimpl
-        def areal_make_policy_loss(config):
+        def areal_make_policy_loss():
             return my_loss
 
     verl_loss._pure_loss = None
