@@ -5,13 +5,15 @@ sampler, LLM client, verl's vLLM replica and adapter) is registered, not patched
 exists only where verl 0.9.1 has no seam; each says why, where upstream stands and when to delete it.
 
 ``apply_enabled_patches(config)`` is the one entry point: it walks :data:`PATCHES` in order and
-applies each patch whose feature is enabled. Six exist: the CPU platform's three (selected by
+applies each patch whose feature is enabled. Seven exist: the CPU platform's three (selected by
 ``VERL_PLATFORM=cpu``, applied at plugin load in every process: gloo, vLLM's CPU build seen as ``vllm``, and
 the trainer's port chosen outside the ephemeral range), the routing of ``areal.enable`` in
 any recipe (applied at plugin load in verl's ``main_ppo`` driver only) and token-budget micro-batching
 (FFD, or runs of like length where verl pads)
 (selected by ``areal.micro_batch.max_tokens``) and the count of micro-batches the stall guard reads as
-progress (selected by ``areal.enable`` with ``areal.mode: async``); the trainer applies these two in its worker
+progress (selected by ``areal.enable`` with ``areal.mode: async``) and router replay into verl's FSDP engine
+(selected by ``actor_rollout_ref.rollout.enable_rollout_routing_replay`` under ``areal.enable``); the trainer applies
+these three in its worker
 processes with :func:`areal_plugins.driver.worker_calls.apply_patches_in_workers`, since only the driver sees the
 recipe. With ``areal.enable: false`` on a GPU machine only the routing wrapper is installed, in the driver, and it
 passes verl's config through unchanged.
@@ -30,6 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from areal_plugins.patches import (
+    fsdp_router_replay,
     gloo_backend,
     master_port,
     micro_batch_partitioner,
@@ -78,6 +81,17 @@ def _async_trainer(config: Any) -> bool:
     return areal.enable and areal.mode == "async"
 
 
+def _router_replay(config: Any) -> bool:
+    """Router replay into the trainer (``enable_rollout_routing_replay`` under ``areal.enable``)."""
+    node = None if config is None else config.get("areal")
+    if node is None:
+        return False
+    from areal_plugins.config.settings import ArealConfig
+
+    rollout = (config.get("actor_rollout_ref") or {}).get("rollout") or {}
+    return ArealConfig.from_node(node).enable and bool(rollout.get("enable_rollout_routing_replay", False))
+
+
 #: (feature, is it enabled for this run?, patch), in the order they are applied.
 PATCHES: tuple[tuple[str, Callable[[Any], bool], ModuleType], ...] = (
     ("cpu platform (VERL_PLATFORM=cpu)", _cpu_platform, gloo_backend),
@@ -90,6 +104,7 @@ PATCHES: tuple[tuple[str, Callable[[Any], bool], ModuleType], ...] = (
     ("areal.enable in any recipe (verl's main_ppo driver)", _verl_driver, route_areal_node),
     ("areal.micro_batch.max_tokens", _token_budget_micro_batches, micro_batch_partitioner),
     ("areal_async's stall guard: trainer workers report micro-batches", _async_trainer, trainer_progress),
+    ("router replay (R3) in the trainer: enable_rollout_routing_replay", _router_replay, fsdp_router_replay),
 )
 
 

@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 class AttributePatch:
     """Replace ``module.attr`` for each target with ``make_replacement(original)``.
 
+    ``attr`` may be dotted (``Class.method``): the last name is replaced on the object the others lead to.
+
     ``apply()`` refuses unsupported verl versions, is idempotent and logs once; ``revert()`` puts
     back the very same original objects.
     """
@@ -40,19 +42,28 @@ class AttributePatch:
         originals: dict[tuple[str, str], Any] = {}
         replacements = []
         for module_name, attr in self.targets:
-            module = importlib.import_module(module_name)
-            original = getattr(module, attr)
+            owner, name = _owner(module_name, attr)
+            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
             originals[(module_name, attr)] = original
-            replacements.append((module, attr, self.make_replacement(original)))
-        for module, attr, replacement in replacements:
-            setattr(module, attr, replacement)
+            replacements.append((owner, name, self.make_replacement(original)))
+        for owner, name, replacement in replacements:
+            setattr(owner, name, replacement)
         self._originals = originals
         logger.info("areal_plugins: applied patch %s", self.name)
 
     def revert(self) -> None:
         for (module_name, attr), original in self._originals.items():
-            setattr(importlib.import_module(module_name), attr, original)
+            setattr(*_owner(module_name, attr), original)
         self._originals.clear()
 
     def original(self, module_name: str, attr: str) -> Any:
         return self._originals[(module_name, attr)]
+
+
+def _owner(module_name: str, attr: str) -> tuple[Any, str]:
+    """The object that holds ``attr``'s last name (the module, or the class a dotted ``attr`` names) and that name."""
+    owner: Any = importlib.import_module(module_name)
+    *path, name = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name

@@ -224,6 +224,29 @@ def lora_rank(config: Any) -> int:
     return max(int(model.get("lora_rank", 0) or 0), int((model.get("lora") or {}).get("rank", 0) or 0))
 
 
+#: Models whose routers the trainer replays (trainer_workers/router_replay.py, ``SOFTMAX_TOPK_ROUTERS``).
+ROUTER_REPLAY_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+
+
+def check_router_replay(actor: Any, hf_config: dict[str, Any]) -> None:
+    """Refuse router replay (R3, patches/fsdp_router_replay.py) where the trainer cannot replay the routes."""
+    what = "router replay (actor_rollout_ref.rollout.enable_rollout_routing_replay=true)"
+    off = "or set actor_rollout_ref.rollout.enable_rollout_routing_replay=false"
+    sequence_parallel = int(actor.get("ulysses_sequence_parallel_size", 1) or 1)
+    if sequence_parallel > 1:
+        raise ArealConfigError(
+            f"{what} with actor_rollout_ref.actor.ulysses_sequence_parallel_size={sequence_parallel}: the trainer "
+            f"replays routes on whole sequences only: set actor_rollout_ref.actor.ulysses_sequence_parallel_size=1, "
+            f"{off}"
+        )
+    model_type = hf_config.get("model_type")
+    if hf_config and model_type not in ROUTER_REPLAY_MODEL_TYPES:
+        raise ArealConfigError(
+            f"{what} on a model of type {model_type!r} (actor_rollout_ref.model.path): the trainer replays the "
+            f"routers of {', '.join(ROUTER_REPLAY_MODEL_TYPES)} models: {off.removeprefix('or ')}"
+        )
+
+
 def check_support_matrix(config: Any) -> None:
     """Refuse the setups of docs/support.md that no test of ours covers, each in one line naming the key to change."""
     from areal_plugins.rollout.capabilities import require_feature
@@ -299,9 +322,9 @@ def check_support_matrix(config: Any) -> None:
             backend,
             "routed_experts",
             "router replay (actor_rollout_ref.rollout.enable_rollout_routing_replay=true)",
-            "set actor_rollout_ref.rollout.enable_rollout_routing_replay=false or actor_rollout_ref.rollout.name="
-            "areal_cpu",
+            "set actor_rollout_ref.rollout.enable_rollout_routing_replay=false",
         )
+        check_router_replay(actor, hf_config)
     transport = str((rollout.get("checkpoint_engine") or {}).get("backend", "naive"))
     if areal.placement == "colocated" and transport != "naive":
         raise ArealConfigError(

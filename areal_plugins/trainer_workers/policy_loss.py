@@ -17,7 +17,6 @@ the global token mean, not a mean of micro-batch means.
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -25,17 +24,10 @@ import torch
 
 from areal_plugins.config.routing import LOGLINEAR_LOSS_NAME, RECOMPUTE_LOSS_NAME, parse_cap_threshold
 from areal_plugins.core.losses import decoupled_ppo_loss
-from areal_plugins.core.speed_knobs import seconds_from_env
+from areal_plugins.testing.faults import fault_plan
+from areal_plugins.trainer_workers.router_replay import replay_metrics
 
 LOSS_NAME = RECOMPUTE_LOSS_NAME
-#: Seconds added to every micro-batch's loss, for running the tests with a slow trainer (0: off).
-MICRO_BATCH_DELAY_ENV = "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S"
-
-
-@functools.cache
-def micro_batch_delay_s() -> float:
-    """:data:`MICRO_BATCH_DELAY_ENV` as seconds, read once per trainer worker; refused unless a number >= 0."""
-    return seconds_from_env(MICRO_BATCH_DELAY_ENV)
 
 
 def areal_decoupled_policy_loss(
@@ -49,7 +41,7 @@ def areal_decoupled_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl ``PolicyLossFn`` computing :func:`decoupled_ppo_loss` over the global batch."""
     _require_token_mean(LOSS_NAME, loss_agg_mode)
-    if delay := micro_batch_delay_s():
+    if delay := fault_plan().trainer_microbatch_delay_s:  # the tests' slow trainer (testing/faults.py)
         time.sleep(delay)
     if rollout_is_weights is None:
         raise ValueError(
@@ -92,7 +84,7 @@ def areal_decoupled_loglinear_policy_loss(
     The cap comes from ``actor.policy_loss.rollout_correction.rollout_is_threshold`` (routed by ``areal.loss``).
     """
     _require_token_mean(LOGLINEAR_LOSS_NAME, loss_agg_mode)
-    if delay := micro_batch_delay_s():
+    if delay := fault_plan().trainer_microbatch_delay_s:  # the tests' slow trainer (testing/faults.py)
         time.sleep(delay)
     correction = config.policy_loss.get("rollout_correction", None) or {}
     cap, mode = parse_cap_threshold(correction.get("rollout_is_threshold", 2.0))
@@ -153,6 +145,7 @@ def _metrics(stats: dict[str, float]) -> dict[str, Any]:
     metrics = {f"areal/{key}": value for key, value in stats.items() if key != "num_tokens"}
     metrics["actor/pg_clipfrac"] = stats["clip_frac"]
     metrics["actor/pg_clipfrac_lower"] = stats["dual_clip_frac"]
+    metrics.update(replay_metrics())  # this micro-batch's router replay, where routes are replayed (R3)
     return metrics
 
 

@@ -1,7 +1,7 @@
 """``areal-plugins replay``: an asynchronous run, run again by its record, through verl's real trainer.
 
 A colocated η = 2 run of the main recipe on areal_cpu with ``batch_invariant`` is recorded (the engine finishes only
-a batch of groups per version, rollout/holds.py, so the others are in flight when sampling ends: they are cut
+a batch of groups per version, testing/holds.py, so the others are in flight when sampling ends: they are cut
 and continue under newer weights). Its model is the tiny mixture of experts (Qwen2-MoE: 4 experts, 2 per token, a
 shared expert) with router replay on, so this CI run is also the MoE representative of docs/support.md: a MoE
 model trains asynchronously, its expert weights reach the engine on every update, and its answers, cut and
@@ -86,6 +86,11 @@ def test_a_moe_model_trains_asynchronously_with_every_update_reaching_the_engine
     samples = read_jsonl(recorded_run / "areal_samples.jsonl")
     assert len(samples) == STEPS * BATCH * 8  # 8 answers per prompt (the recipe's rollout.n)
     assert all(s["routed_experts_rows"] == s["prompt_tokens"] + s["response_tokens"] - 1 for s in samples)
+    # ... and the trainer replays them (R3, patches/fsdp_router_replay.py): each step's update routed its tokens as
+    # the engine did, at least one route for every trained position of every layer (2 layers).
+    for step in steps:
+        assert step["actor/areal/router_replay_routes"] > 0, step
+        assert 0.0 <= step["actor/areal/router_replay_changed_fraction"] <= 1.0, step
     # What the replays must reproduce: trajectories cut by an update and continued under the next version, and a
     # step that learned something.
     interrupted = [chunks for *_, chunks in trained(recorded_run) if len(chunks) > 1]

@@ -22,13 +22,15 @@ RECIPE = "grpo_cpu_async"
 #: A Qwen2-MoE's and a Qwen2-VL's config.json, as far as the checks read them.
 MOE_CONFIG = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "num_experts": 4}
 MULTIMODAL_CONFIG = {"architectures": ["Qwen2VLForConditionalGeneration"], "vision_config": {"depth": 2}}
+MIXTRAL_CONFIG = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 8}
 
 
 @pytest.fixture
 def models(tmp_path):
     """The doc's placeholders: model folders whose config.json is a mixture of experts' or a multimodal model's."""
     folders = {}
-    for placeholder, config in (("<moe-model>", MOE_CONFIG), ("<multimodal-model>", MULTIMODAL_CONFIG)):
+    placeholders = (("<moe-model>", MOE_CONFIG), ("<multimodal-model>", MULTIMODAL_CONFIG))
+    for placeholder, config in (*placeholders, ("<mixtral-model>", MIXTRAL_CONFIG)):
         folder = tmp_path / placeholder.strip("<>")
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(config))
@@ -169,8 +171,19 @@ def test_a_model_not_on_disk_yet_is_not_read():
 
 def test_router_replay_is_refused_where_the_engine_returns_no_routed_experts():
     replay = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
-    assert "(routed_experts)" in refusal(["actor_rollout_ref.rollout.name=vllm", replay])
+    line = refusal(["actor_rollout_ref.rollout.name=vllm", replay])
+    assert "(routed_experts)" in line and "areal_cpu" not in line  # never a CPU engine suggested to a GPU user
     areal_validate_config(compose(RECIPE, [replay]))  # areal_cpu returns them
+
+
+def test_router_replay_runs_on_the_models_the_trainer_replays_and_is_refused_elsewhere(models):
+    replay = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
+    areal_validate_config(compose(RECIPE, [replay, f"actor_rollout_ref.model.path={models['<moe-model>']}"]))
+    line = refusal([replay, f"actor_rollout_ref.model.path={models['<mixtral-model>']}"])
+    assert "on a model of type 'mixtral'" in line and "enable_rollout_routing_replay=false" in line
+    line = refusal([replay, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])
+    assert "set actor_rollout_ref.actor.ulysses_sequence_parallel_size=1" in line
+    areal_validate_config(compose(RECIPE, ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]))
 
 
 def test_a_multimodal_model_is_refused_on_every_backend(models):
