@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -75,7 +77,8 @@ def default_plugin_names(exclude: Iterable[str] = ()) -> list[str]:
         if entry_point.name in excluded:
             continue
         try:
-            opt_in = bool(getattr(entry_point.load(), OPT_IN_ATTRIBUTE, False))
+            with deprecations_logged(entry_point.name):
+                opt_in = bool(getattr(entry_point.load(), OPT_IN_ATTRIBUTE, False))
         except Exception as error:
             raise PluginError(f"plugin {entry_point.name!r} failed to load: {error!r}") from error
         if not opt_in:
@@ -111,14 +114,36 @@ def build_plugin_manager(include: Iterable[str] | None = None, exclude: Iterable
         if entry_point.name not in include_set or entry_point.name in exclude_set:
             continue
         try:
-            plugin = entry_point.load()
-            manager.register(plugin, name=entry_point.name)
+            with deprecations_logged(entry_point.name):
+                plugin = entry_point.load()
+                manager.register(plugin, name=entry_point.name)
         except pluggy.PluginValidationError as error:
             raise PluginError(f"plugin {entry_point.name!r} does not match the hook specs: {error}") from error
         except Exception as error:
             raise PluginError(f"plugin {entry_point.name!r} failed to load: {error!r}") from error
     check_plugins(manager)
     return manager
+
+
+@contextmanager
+def deprecations_logged(plugin: str) -> Iterator[None]:
+    """Log, naming ``plugin``, each deprecation of ours it meets in the block: an import path that moved
+    (:mod:`areal_plugins._moved`), a hook argument on its way out (``warn_on_impl_args``).
+
+    Python's default filters hide a ``DeprecationWarning`` raised outside ``__main__``, so a run's log would not show
+    that a plugin needs changing before the old path goes. Every warning is raised again afterwards, as it came, for
+    the caller's own filters (a test's ``pytest.warns``, ``-W error``).
+    """
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", DeprecationWarning)
+            yield
+    finally:
+        for warning in caught:
+            if issubclass(warning.category, DeprecationWarning) and "areal_" in str(warning.message):
+                logger.warning("plugin %r (%s:%s): %s", plugin, warning.filename, warning.lineno, warning.message)
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def check_plugins(manager: pluggy.PluginManager) -> None:

@@ -14,9 +14,7 @@ import os
 
 import pluggy
 
-from areal_plugins.config.settings import ArealConfig
-from areal_plugins.core.staleness import StalenessController
-from areal_plugins.driver.admission import AdmissionLoop
+from areal_plugins import AdmissionLoop, ArealConfig, StalenessController
 
 AREAL_PLUGIN_OPT_IN = True
 PER_POLL = 4

@@ -1,0 +1,11 @@
+"""Deprecated: moved to :mod:`areal_plugins.driver.admission`; import ``AdmissionLoop`` from :mod:`areal_plugins`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from areal_plugins._moved import forward
+
+
+def __getattr__(name: str) -> Any:
+    return forward(__name__, name)
