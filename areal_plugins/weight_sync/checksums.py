@@ -124,7 +124,9 @@ def check_loaded_reports(reports: list[dict[str, Any]], where: str) -> dict[str,
     """Raise :class:`WeightSyncError` naming the worker and the parameter where what a vLLM worker holds after
     loading differs from what it received (a parameter's sums against its sources'; a sharded parameter's summed
     over the tensor-parallel workers of its data-parallel and pipeline group, which must all hold a shard), where
-    a whole parameter holds fewer values than it received, or where a received tensor is held by no parameter.
+    a whole parameter holds fewer values than it received, or where a received tensor is held by no parameter; and
+    where the check compared nothing: no parameter at all, or none of the fused expert parameters the workers hold
+    (``w13_weight``/``w2_weight``) without a stated reason (a check that compares nothing would pass any load).
     Returns how many parameters were compared and how many could not be."""
     loaded = [(report, report.get("loaded")) for report in reports]
     skipped = {item.get("skipped") for _, item in loaded if item and item.get("skipped")}
@@ -182,8 +184,34 @@ def check_loaded_reports(reports: list[dict[str, Any]], where: str) -> dict[str,
                 f"{where}: parameter {name}, summed over the replica's tensor-parallel shards, holds after loading "
                 f"something other than what was received (received {expected_of_shard[name]}, held {held})"
             )
+    _require_compared(loaded, compared, unchecked, where)
     return {
         "loaded_compared": len(compared),
         "loaded_not_compared": len(unchecked),
         "loaded_not_compared_examples": sorted(unchecked)[:NOT_COMPARED_EXAMPLES],
     }
+
+
+def _require_compared(
+    loaded: list[tuple[dict[str, Any], Any]], compared: set[str], unchecked: set[str], where: str
+) -> None:
+    """Raise where the replica's after-load check compared nothing it should have (:func:`check_loaded_reports`)."""
+    experts = [(item or {}).get("experts") or {} for _, item in loaded]
+    held = sum(int(summary.get("parameters", 0)) for summary in experts)
+    reasons = sorted({reason for summary in experts for reason in summary.get("not_comparable") or []})
+    if held and not sum(int(summary.get("compared", 0)) for summary in experts) and not reasons:
+        example = next(summary["example"] for summary in experts if summary.get("example"))
+        raise WeightSyncError(
+            f"{where}: its vLLM workers hold {held} fused expert parameters (w13_weight/w2_weight, e.g. {example}), "
+            "and the after-load check compared none of them: neither vLLM's expert layer nor a module above it has "
+            "an expert mapping (get_expert_mapping) that says which received tensor each expert's slot holds, so a "
+            "wrong expert load would pass unseen; stopping (this vLLM keeps it elsewhere: "
+            "rollout/verl_vllm/loaded_weights.py, expert_mapping)"
+        )
+    if not compared:
+        examples = sorted(unchecked)[:1] or ["none"]
+        raise WeightSyncError(
+            f"{where}: the after-load check compared none of the {len(unchecked)} parameters its vLLM workers hold "
+            f"(each was empty, overlapping or without a received source, e.g. {examples[0]}): it would pass any load; "
+            "stopping"
+        )

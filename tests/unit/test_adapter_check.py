@@ -87,6 +87,15 @@ def test_an_adapter_that_never_arrived_names_the_replica_and_rank():
         check_adapter_reports(sent_of(tensors), reports, version=5)
 
 
+def test_an_empty_adapter_report_compares_nothing_and_stops_naming_what_was_sent():
+    """A rank that holds an adapter but reads no slot of it (no LoRA layer found) reports nothing to compare."""
+    tensors = adapter()
+    with pytest.raises(
+        WeightSyncError, match=rf"engine rank 0, update 2: holds no LoRA adapter .*sent 4 adapter tensors, e\.g\. {Q_A}"
+    ):
+        check_adapter_reports(sent_of(tensors), [{"replica": 0, "rank": 0, "adapter": {}}], version=2)
+
+
 def test_a_tensor_that_never_arrived_is_named():
     tensors = adapter()
     report = whole(tensors, replica=2)

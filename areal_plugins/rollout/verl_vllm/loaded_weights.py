@@ -9,21 +9,29 @@ shard under tensor parallelism and a short load without it.
 
 Mixture-of-experts layers: vLLM stacks the trainer's per-expert tensors (``experts.E.gate_proj``, ``up_proj``,
 ``down_proj``) into one parameter per projection (``w13_weight``: every expert's gate then up rows; ``w2_weight``),
-by its expert module's own mapping (``get_expert_mapping``; under expert parallelism only this worker's experts).
-The tensors that mapping loads into a parameter on this worker are its sources; vLLM's CPU build repacks the
-parameter into its kernel's layout, a permutation plus zero padding, which keeps the sums.
+by vLLM's expert mapping (``get_expert_mapping``; under expert parallelism only this worker's experts), which vLLM
+0.30 keeps on the expert layer (``RoutedExperts``) and vLLM 0.24.0, verl 0.9.1's GPU pin, on the model class
+(``Qwen2MoeModel``, ``Qwen3MoeModel``): the layer is asked first, then the modules above it. The tensors that mapping
+loads into a parameter on this worker are its sources; vLLM's CPU build repacks the parameter into its kernel's
+layout, a permutation plus zero padding, which keeps the sums.
+
+LoRA: vLLM holds a wrapped layer's base weight under ``base_layer.`` (``qkv_proj.base_layer.weight``); verl 0.9.1's
+FSDP engine sends it without (``verl/utils/fsdp_utils.py``), peft names it with. Names are matched without it, on
+every device.
 
 Not compared, and counted as such: parameters the engine keeps in a form that cannot be read back (vLLM's CPU build
-moves linear layers into its kernels' state), ``qkv_proj`` where tensor parallelism replicates KV heads (its shards
-overlap), expert parameters whose module has no ``get_expert_mapping`` (older vLLM), that are sharded over other
-workers than one data-parallel rank's tensor-parallel group, or that some of their experts' tensors missed, and
-quantized models (their loaded values are not the sent ones).
+moves linear layers' weights into its kernels' state and leaves the parameter empty), ``qkv_proj`` where tensor
+parallelism replicates KV heads (its shards overlap), expert parameters sharded over other workers than one
+data-parallel rank's tensor-parallel group, sent already stacked, or that some of their experts' tensors missed, and
+quantized models (their loaded values are not the sent ones). Fused expert parameters with no expert mapping on their
+layer or above it are counted too, and the report says so: the update check stops where the workers hold fused
+expert parameters and none was compared (weight_sync/checksums.py, ``check_loaded_reports``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +40,10 @@ from areal_plugins.weight_sync.checksums import tensor_checksum
 
 #: Received tensors that no parameter holds by design: rotary caches vLLM recomputes.
 NEVER_HELD_SUFFIXES = ("rotary_emb.inv_freq",)
+#: The segment vLLM adds to the names of a layer LoRA wraps.
+LORA_BASE_LAYER = "base_layer."
+#: The parameters of vLLM's fused experts (every expert's gate and up rows; every expert's down rows).
+FUSED_EXPERT_PARAMETERS = ("w13_weight", "w2_weight")
 
 
 def source_names(held_name: str, packed_modules_mapping: dict[str, list[str]]) -> list[str]:
@@ -45,9 +57,11 @@ def source_names(held_name: str, packed_modules_mapping: dict[str, list[str]]) -
 
 
 def vllm_name(model: Any, received_name: str) -> str | None:
-    """The name vLLM gives a received tensor (models that rename the trainer's names carry a ``hf_to_vllm_mapper``)."""
+    """The name vLLM gives a received tensor (models that rename the trainer's names carry a ``hf_to_vllm_mapper``;
+    vLLM 0.30's Qwen2 has one, 0.24.0's none), without LoRA's ``base_layer.``."""
     mapper = getattr(model, "hf_to_vllm_mapper", None)
-    return mapper._map_name(received_name) if mapper is not None else received_name
+    mapped = mapper._map_name(received_name) if mapper is not None else received_name
+    return None if mapped is None else mapped.replace(LORA_BASE_LAYER, "")
 
 
 @dataclass(frozen=True)
@@ -93,10 +107,6 @@ def fused_experts_on_path(modules: dict[str, Any], parts: list[str]) -> str | No
     return None
 
 
-#: The segment vLLM adds to the names of a layer LoRA wraps.
-LORA_BASE_LAYER = "base_layer."
-
-
 def without_lora(entry: Any) -> tuple[str, str, int, str]:
     """An expert mapping entry with the checkpoint name as the trainer sends it (no ``base_layer.``)."""
     prefix, checkpoint_name, expert, shard = entry
@@ -106,13 +116,72 @@ def without_lora(entry: Any) -> tuple[str, str, int, str]:
 @dataclass
 class ExpertReport:
     """What :func:`expert_report` found: entries as :func:`loaded_report` makes them, parameters not compared, the
-    received tensors the expert mappings account for, the parameters handled, and the experts' name prefixes."""
+    received tensors the expert mappings account for, the parameters handled, the name prefixes of the experts with
+    a mapping, the fused expert parameters held, and why some could not be compared by design."""
 
-    entries: dict[str, dict[str, Any]]
-    unchecked: list[str]
-    covered: set[str]
-    handled: set[str]
-    layers: set[str]
+    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    unchecked: list[str] = field(default_factory=list)
+    covered: set[str] = field(default_factory=set)
+    handled: set[str] = field(default_factory=set)
+    layers: set[str] = field(default_factory=set)
+    fused: list[str] = field(default_factory=list)
+    not_comparable: set[str] = field(default_factory=set)
+
+    def summary(self) -> dict[str, Any]:
+        """The report's ``experts`` entry: what the update check needs to stop one that compared none of them."""
+        compared = [name for name in self.fused if name in self.entries]
+        return {
+            "parameters": len(self.fused),
+            "compared": len(compared),
+            "example": self.fused[0] if self.fused else None,
+            "not_comparable": sorted(self.not_comparable),
+        }
+
+
+@dataclass(frozen=True)
+class ExpertMapping:
+    """vLLM's expert mapping for one fused-experts layer: entries ``(parameter prefix, checkpoint name, physical
+    expert, shard)`` per expert, those for tensors sent already stacked (``fused``), and the name its parameter
+    names are relative to once a received name's checkpoint part is replaced by the prefix: the layer's
+    ``layer_name`` where the mapping is the layer's own (vLLM 0.30: ``experts.w13_``), the model's root where it is
+    the model's (vLLM 0.24.0: ``experts.routed_experts.w13_``, the model's own parameter names)."""
+
+    per_expert: list[tuple[str, str, int, str]]
+    fused: list[tuple[str, str, int, str]]
+    relative_to: str
+
+    def parameter(self, received: str, checkpoint_name: str, prefix: str) -> str:
+        """The (model-wide or layer-relative) name vLLM loads ``received`` into by one entry, without LoRA's
+        ``base_layer.``."""
+        return received.replace(checkpoint_name, prefix).replace(LORA_BASE_LAYER, "")
+
+
+def expert_mapping(
+    modules: dict[str, Any], module_name: str, module: Any, cache: dict[int, list[Any]] | None = None
+) -> ExpertMapping | None:
+    """The expert mapping vLLM loads ``module``'s fused parameters by: the module's own ``get_expert_mapping``
+    (vLLM 0.30's ``RoutedExperts``), else the nearest enclosing module's (vLLM 0.24.0: the model class, whose
+    ``load_weights`` reads it); None where neither has one. ``cache``: mappings already asked for, by owner."""
+    cache = {} if cache is None else cache
+    layer = getattr(module, "layer_name", None)
+    parts = module_name.split(".") if module_name else []
+    for end in range(len(parts), -1, -1):
+        owner_name = ".".join(parts[:end])
+        owner = module if end == len(parts) else modules.get(owner_name)
+        get_mapping = getattr(owner, "get_expert_mapping", None)
+        if not callable(get_mapping):
+            continue
+        if id(owner) not in cache:
+            per_expert = [without_lora(entry) for entry in get_mapping()]
+            try:
+                fused = [without_lora(entry) for entry in get_mapping(include_fused=True)]
+            except TypeError:  # a mapping without fused entries (vLLM 0.24.0's model classes)
+                fused = []
+            cache[id(owner)] = [per_expert, [entry for entry in fused if entry not in per_expert]]
+        per_expert, fused = cache[id(owner)]
+        own = owner is module or (isinstance(layer, str) and owner_name == layer)
+        return ExpertMapping(per_expert, fused, f"{layer}." if own else "")
+    return None
 
 
 def expert_report(
@@ -124,54 +193,60 @@ def expert_report(
 ) -> ExpertReport:
     """Each fused expert parameter beside the received tensors vLLM's expert mapping loads into it on this worker.
 
-    vLLM's loader (``RoutedExperts.load_weights``, vLLM 0.30) matches each mapping entry ``(parameter prefix,
-    checkpoint name, physical expert, shard)`` by substring against the received name under the layer's prefix and
-    loads the tensor into that expert's slot where the expert is local; so is it summed here. A tensor that matches
-    only the mapping's fused entries (sent already stacked) leaves its layer not compared; one that matches no entry
-    is loaded by nothing and left for ``not_held``. Under LoRA the mapping's names carry vLLM's ``base_layer.``,
-    the trainer's may or may not (verl adds it as it loads): names are matched without it."""
-    found = ExpertReport({}, [], set(), set(), set())
-    for module_name, module in model.named_modules():
-        get_mapping = getattr(module, "get_expert_mapping", None)
-        layer = getattr(module, "layer_name", None)
-        if not callable(get_mapping) or not isinstance(layer, str) or "w13_weight" not in module._parameters:
+    vLLM's loaders (``RoutedExperts.load_weights`` in vLLM 0.30, the model's ``load_weights`` in 0.24.0) match each
+    mapping entry ``(parameter prefix, checkpoint name, physical expert, shard)`` by substring against the received
+    name and load the tensor into that expert's slot where the expert is local; so is it summed here. A tensor that
+    matches only the mapping's fused entries (sent already stacked) leaves its layer not compared; one that matches
+    no entry is loaded by nothing and left for ``not_held``. Under LoRA the mapping's names carry vLLM's
+    ``base_layer.``, the trainer's may or may not (verl adds it as it loads): names are matched without it."""
+    found = ExpertReport()
+    modules = dict(model.named_modules())
+    mappings: dict[int, list[Any]] = {}
+    for module_name, module in modules.items():
+        if "w13_weight" not in module._parameters:
             continue
-        found.layers.add(layer)
         parameters = dict(module.named_parameters(recurse=False))
         found.handled.update(f"{module_name}.{name}" for name in parameters)
-        per_expert = [without_lora(entry) for entry in get_mapping()]
-        try:
-            fused = [without_lora(entry) for entry in get_mapping(include_fused=True)]
-        except TypeError:  # a mapping without fused entries
-            fused = []
-        fused = [entry for entry in fused if entry not in per_expert]
+        found.fused.extend(f"{module_name}.{name}" for name in parameters if name in FUSED_EXPERT_PARAMETERS)
+        layer = getattr(module, "layer_name", None)
+        mapping = expert_mapping(modules, module_name, module, mappings) if isinstance(layer, str) else None
+        if mapping is None or not isinstance(layer, str):  # nothing says which tensor each expert's slot holds
+            found.unchecked.extend(f"{module_name}.{name}" for name in parameters)
+            continue
+        found.layers.add(layer)
+        holder = mapping.relative_to or f"{module_name.replace(LORA_BASE_LAYER, '')}."
         local = getattr(module, "_map_global_expert_id_to_local_expert_id", None)
         config = getattr(getattr(module, "moe_config", None), "moe_parallel_config", None)
         shards = getattr(config, "tp_size", None)  # vLLM flattens data parallelism into it without expert parallelism
         comparable = callable(local) and shards in (1, tensor_parallel_size)
+        if callable(local) and not comparable:
+            found.not_comparable.add(
+                f"expert parameters sharded over {shards} workers, not one tensor-parallel group of "
+                f"{tensor_parallel_size} (data parallelism without expert parallelism)"
+            )
         slots_needed: dict[str, set[tuple[int, str]]] = {}
         if callable(local):
-            for prefix, _, expert, shard in per_expert:
+            for prefix, _, expert, shard in mapping.per_expert:
                 if local(expert) != -1:
                     slots_needed.setdefault(prefix, set()).add((expert, shard))
         sources: dict[str, list[str]] = {}
         slots: dict[str, set[tuple[int, str]]] = {}
         prefix_of: dict[str, str] = {}
-        for mapped, names in by_vllm_name.items():
-            name = mapped.replace(LORA_BASE_LAYER, "")
+        for name, names in by_vllm_name.items():
             if not name.startswith(f"{layer}."):
                 continue
-            matches = [entry for entry in per_expert if entry[1] in name]
+            matches = [entry for entry in mapping.per_expert if entry[1] in name]
             if not matches:
-                if any(entry[1] in name for entry in fused):
+                if any(entry[1] in name for entry in mapping.fused):
                     found.covered.update(names)
+                    found.not_comparable.add("expert tensors sent already stacked (one tensor for all experts)")
                     comparable = False
                 continue
             found.covered.update(names)
             for prefix, checkpoint_name, expert, shard in matches:
                 if not callable(local) or local(expert) == -1:  # another expert-parallel worker's expert
                     continue
-                held_as = name.replace(checkpoint_name, prefix).removeprefix(f"{layer}.")
+                held_as = mapping.parameter(name, checkpoint_name, prefix).removeprefix(holder)
                 sources.setdefault(held_as, []).extend(names)
                 slots.setdefault(held_as, set()).add((expert, shard))
                 prefix_of[held_as] = prefix
@@ -204,15 +279,15 @@ def loaded_report(
     tensor_parallel_size: int,
     quantized: bool,
     tied_embeddings: bool,
-    kernels_own_weights: bool = False,
     shard_group: tuple[int, int] = (0, 0),
 ) -> dict[str, Any]:
     """For each parameter this worker can read: its checksum (``held``) and the sum of its sources' checksums as
-    received, rounded to its dtype (``expected``); whether it is a shard; the parameters not compared; and
-    received tensors that no parameter holds. ``kernels_own_weights`` (vLLM's CPU build, which moves its linear
-    layers' weights into its kernels' state on every load): a module without the parameter holds it unreadably.
-    ``shard_group``: this worker's (data-parallel, pipeline) ranks; the shards of one parameter are summed over
-    the ``tensor_parallel_size`` workers of one group."""
+    received, rounded to its dtype (``expected``); whether it is a shard; the parameters not compared; received
+    tensors that no parameter holds; and the fused expert parameters held and compared (``experts``:
+    :meth:`ExpertReport.summary`). The same on every device: a parameter the engine emptied (vLLM's CPU build keeps
+    its linear layers' weights in its kernels' state) is counted as not compared, a received tensor that no
+    parameter holds is named. ``shard_group``: this worker's (data-parallel, pipeline) ranks; the shards of one
+    parameter are summed over the ``tensor_parallel_size`` workers of one group."""
     parallel = {"tensor_parallel_size": tensor_parallel_size, "shard_group": list(shard_group)}
     if quantized:
         return {"entries": {}, "unchecked": [], "not_held": [], "skipped": "quantized weights", **parallel}
@@ -235,8 +310,9 @@ def loaded_report(
             name = f"{module_name}.{parameter_name}" if module_name else parameter_name
             if name in experts.handled:
                 continue
-            sources = sources_of(name, by_vllm_name, mapping)
-            covered.update(sources or by_vllm_name.get(name, []))
+            as_sent = name.replace(LORA_BASE_LAYER, "")  # a LoRA layer's base weight, as the trainer names it
+            sources = sources_of(as_sent, by_vllm_name, mapping)
+            covered.update(sources or by_vllm_name.get(as_sent, []))
             as_held = [received[source].held_in(parameter.dtype, engine_dtype) for source in sources or []]
             if parameter.numel() == 0 or overlapping or not sources or None in as_held:
                 unchecked.append(name)
@@ -249,18 +325,14 @@ def loaded_report(
     packed_into = {source: packed for packed, sources in mapping.items() for source in sources}
     for name in sorted(set(received) - covered):
         parts = [packed_into.get(part, part) for part in (vllm_name(model, name) or name).split(".")]
-        module = modules.get(".".join(parts[:-1]))
-        # the module is there, the parameter is not (registered ones are covered above); or fused experts without
-        # an expert mapping to read (where there is one, a name it does not match is loaded by nothing)
+        # fused experts without an expert mapping to read (counted; where the layer has one, a name it does not
+        # match is loaded by nothing)
         held_elsewhere = fused_experts_on_path(modules, parts)
-        if held_elsewhere in experts.layers:
-            held_elsewhere = None
-        if (kernels_own_weights and module is not None) or held_elsewhere:
+        if held_elsewhere and held_elsewhere not in experts.layers:
             covered.add(name)
-            holder = held_elsewhere or ".".join(parts)
-            if holder not in unchecked:
-                unchecked.append(holder)
-    buffers = {name for name, _ in model.named_buffers()}
+            if held_elsewhere not in unchecked:
+                unchecked.append(held_elsewhere)
+    buffers = {name.replace(LORA_BASE_LAYER, "") for name, _ in model.named_buffers()}
     not_held = sorted(
         name
         for name in set(received) - covered
@@ -268,4 +340,10 @@ def loaded_report(
         and vllm_name(model, name) not in buffers
         and not (tied_embeddings and name.startswith("lm_head."))
     )
-    return {"entries": entries, "unchecked": unchecked, "not_held": not_held, **parallel}
+    return {
+        "entries": entries,
+        "unchecked": unchecked,
+        "not_held": not_held,
+        "experts": experts.summary(),
+        **parallel,
+    }

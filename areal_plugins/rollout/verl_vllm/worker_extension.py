@@ -116,7 +116,6 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
 
     def _report_loaded(self, model: Any) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
-        from vllm.platforms import current_platform
 
         corrupt = corruption_target(os.environ.get(CORRUPT_LOADED_VARIABLE, ""), self.areal_updates)
         if corrupt:  # fault injection (tests): one value of the engine's parameter changed after the load
@@ -130,7 +129,6 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
             get_tensor_model_parallel_world_size(),
             quantized=getattr(vllm_config, "quant_config", None) is not None,
             tied_embeddings=bool(getattr(vllm_config.model_config.hf_config, "tie_word_embeddings", False)),
-            kernels_own_weights=current_platform.is_cpu(),
             shard_group=self._shard_group(),
         )
 
