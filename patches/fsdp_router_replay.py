@@ -33,6 +33,7 @@ def arm_from_micro_batch(engine: Any, micro_batch: Any, model_inputs: dict[str, 
     """Arm ``engine``'s routers with ``micro_batch``'s ``routed_experts`` in the layout of ``model_inputs``."""
     from verl.utils import tensordict_utils as tu
 
+    from areal_plugins.core.routing import RouterReplayError, decoder_layers
     from areal_plugins.trainer_workers import router_replay
 
     replay = getattr(engine, REPLAY_ATTRIBUTE, None)
@@ -41,13 +42,13 @@ def arm_from_micro_batch(engine: Any, micro_batch: Any, model_inputs: dict[str, 
         setattr(engine, REPLAY_ATTRIBUTE, replay)
     routed = micro_batch.get("routed_experts", None)
     if routed is None:
-        raise router_replay.RouterReplayError(
+        raise RouterReplayError(
             "router replay: this micro-batch carries no routed_experts (the rollout backend did not record the "
             "engine's routes); use a backend that records them, or set "
             "actor_rollout_ref.rollout.enable_rollout_routing_replay=false"
         )
     if getattr(engine, "use_ulysses_sp", False):
-        raise router_replay.RouterReplayError(
+        raise RouterReplayError(
             "router replay with Ulysses sequence parallelism is not replayed here; set "
             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1"
         )
@@ -55,7 +56,7 @@ def arm_from_micro_batch(engine: Any, micro_batch: Any, model_inputs: dict[str, 
         rows = router_replay.packed_rows(routed, int(output_args.get("pad_size", 0)))
     else:
         rows = router_replay.padded_rows(routed, int(model_inputs["input_ids"].shape[1]))
-    replay.arm(rows, len(router_replay.decoder_layers(engine.module)))
+    replay.arm(rows, len(decoder_layers(engine.module)))
     router_replay.ARMED = replay
 
 

@@ -1,12 +1,13 @@
 """Router replay (R3) in the trainer: each token goes to the experts the rollout engine chose for it.
 
 A mixture-of-experts policy routes a token by the top-k of its router's scores. The engine (other kernels, other
-precision, other batch shapes) and the trainer can pick different experts for the same token, so the trainer's
-log-probs of the sampled tokens are not the engine's, and the importance weights of the decoupled objective
-(docs/design.md, Decoupled PPO) stop meaning what they should. Replay removes that difference at its source: the
-trainer's forward passes (the proximal/old log-prob pass and the update) use the **recorded** top-k experts of each
-token, and the gate weights are recomputed from the trainer's **own** router logits at those experts, so the router
-still receives gradients (what verl's Megatron router replay does, ``verl/utils/megatron/router_replay_patch.py``).
+precision, other batch shapes) and the trainer can pick different experts for the same token, so the trainer's log-
+probs of the sampled tokens are not the engine's, and the importance weights of the decoupled objective
+(docs/design.md, The decoupled objective) stop meaning what they should. Replay removes that difference at its
+source: the trainer's forward passes (the proximal/old log-prob pass and the update) use the **recorded** top-k
+experts of each token, and the gate weights are recomputed from the trainer's **own** router logits at those
+experts, so the router still receives gradients (what verl's Megatron router replay does,
+``verl/utils/megatron/router_replay_patch.py``).
 
 Layout: verl's batch carries ``routed_experts`` of shape (tokens, layers, k) per trajectory (vLLM's
 ``enable_return_routed_experts``; ``areal_cpu``'s recorder), row ``i`` the experts token ``i`` was routed to when it
@@ -30,43 +31,7 @@ from typing import Any
 
 import torch
 
-#: Router classes whose choice is top-k of softmax(logits), with the chosen weights renormalised when the module's
-#: ``norm_topk_prob`` is set (transformers 5: ``Qwen2MoeTopKRouter.forward``, ``Qwen3MoeTopKRouter.forward``).
-SOFTMAX_TOPK_ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
-
-
-class RouterReplayError(RuntimeError):
-    """The recorded routes cannot be replayed into this model (what was expected, what was found, what to change)."""
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's decoder layers in order (transformers' ``model.layers``), found through any wrapper."""
-    for name, module in model.named_modules():
-        if name.endswith("layers") and isinstance(module, torch.nn.ModuleList) and len(module) > 0:
-            return list(module)
-    raise RouterReplayError("router replay: the model has no decoder layer list (a ModuleList named 'layers')")
-
-
-def find_routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """Each decoder layer's index -> its router, for the layers that have one; refuses a router it cannot replay."""
-    routers: dict[int, torch.nn.Module] = {}
-    for index, layer in enumerate(decoder_layers(model)):
-        for module in layer.modules():
-            kind = type(module).__name__
-            if kind.endswith("Router") or kind.endswith("TopKRouter"):
-                if kind not in SOFTMAX_TOPK_ROUTERS:
-                    raise RouterReplayError(
-                        f"router replay: decoder layer {index} routes with {kind}, which this replay does not know "
-                        f"(known: {', '.join(SOFTMAX_TOPK_ROUTERS)}); set "
-                        "actor_rollout_ref.rollout.enable_rollout_routing_replay=false for this model"
-                    )
-                routers[index] = module
-    if not routers:
-        raise RouterReplayError(
-            "router replay: the model has no mixture-of-experts router; set "
-            "actor_rollout_ref.rollout.enable_rollout_routing_replay=false (it applies to MoE models only)"
-        )
-    return routers
+from areal_plugins.core.routing import RouterReplayError, find_routers, gate_weights
 
 
 @dataclass
@@ -161,16 +126,12 @@ class RouterReplay:
             targets.ne(0).any(dim=-1) if targets.shape[1] > 1 else torch.ones_like(targets[:, 0], dtype=torch.bool)
         )
         chosen = torch.where(recorded.unsqueeze(-1), targets, own)
-        # The gate weights at the replayed experts, from the trainer's own logits (the router's own formula).
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        scores = probs.gather(-1, chosen)
-        if getattr(router, "norm_topk_prob", False):
-            scores = scores / scores.sum(dim=-1, keepdim=True)
+        scores = gate_weights(router, logits, chosen)
         with torch.no_grad():
             same = chosen.sort(dim=-1).values.eq(own.sort(dim=-1).values).all(dim=-1)
             self.counts.replayed += int(recorded.sum())
             self.counts.changed += int((recorded & ~same).sum())
-        return logits, scores.to(logits.dtype), chosen
+        return logits, scores, chosen
 
 
 #: The replay this process armed last (set by patches/fsdp_router_replay.py); None where no route was replayed.

@@ -274,3 +274,41 @@ def test_the_patch_refuses_another_verl():
     with pytest.raises(Exception, match=r"0\.9\.0"):
         fsdp_router_replay.PATCH.apply(verl_version="0.9.0")
     assert not fsdp_router_replay.is_applied()
+
+
+def test_an_engine_that_routes_otherwise_is_matched_only_with_replay():
+    """By construction (areal_plugins.testing.router_bias): the engine's routers prefer expert 0 in their choice.
+    What it records is what it used; the trainer, unbiased, matches its logits only when it replays them."""
+    from areal_plugins.testing.router_bias import install_router_choice_bias
+
+    engine, trainer = tiny_moe(), tiny_moe()  # the same seed: the same weights
+    handles = install_router_choice_bias(engine, expert=0, bias=3.0)
+    captured = Captured(engine)
+    try:
+        with torch.no_grad():
+            out = engine(input_ids(), output_router_logits=True)
+        recorded = torch.stack([torch.topk(layer.float(), TOP_K, dim=-1).indices for layer in out.router_logits], 1)
+    finally:
+        captured.remove()
+        for handle in handles:
+            handle.remove()
+    for layer, (index, _weights) in enumerate(captured.expert_calls):
+        assert torch.equal(index.sort(-1).values, recorded[:, layer].sort(-1).values)  # recorded what it used
+    # The trainer's own choice on the hidden states the replay gives it (the engine's): the logits without the bias.
+    unbiased = [layer.float() - 3.0 * (torch.arange(EXPERTS) == 0) for layer in out.router_logits]
+    own = torch.stack([torch.topk(layer, TOP_K, dim=-1).indices for layer in unbiased], 1)
+    flipped = int((recorded.sort(-1).values != own.sort(-1).values).any(-1).sum())
+    assert flipped > 0, "the bias flipped no route: the construction shows nothing"
+    with torch.no_grad():
+        unreplayed = trainer(input_ids()).logits
+    replay = RouterReplay.install(trainer)
+    try:
+        replay.arm(recorded, num_layers=LAYERS)
+        with torch.no_grad():
+            replayed = trainer(input_ids()).logits
+        counts = replay.take_counts()
+    finally:
+        replay.remove()
+    assert torch.equal(replayed, out.logits)
+    assert not torch.allclose(unreplayed, out.logits)
+    assert counts.changed == flipped
