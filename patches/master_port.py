@@ -21,7 +21,7 @@ from typing import Any
 from areal_plugins.patches._base import AttributePatch
 from packaging.specifiers import SpecifierSet
 
-from areal_plugins.core.ports import LOWEST_PORT, ephemeral_range, port_outside_ephemeral_range
+from areal_plugins.platforms.ports import LOWEST_PORT, ephemeral_range, port_outside_ephemeral_range
 
 SUPPORTED_VERL = SpecifierSet(">=0.9.1,<0.9.2")
 MODULE = "verl.single_controller.ray.base"

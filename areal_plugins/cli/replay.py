@@ -45,7 +45,7 @@ NO_VALIDATION = ("trainer.val_before_train=false", "trainer.test_freq=-1")
 #: Nor does it checkpoint: it cannot be resumed (a restart would pick up mid-record), and with the recorded run's own
 #: trainer.default_local_dir it would write over the recorded checkpoints.
 NO_CHECKPOINTS = ("trainer.save_freq=-1",)
-#: Nor does its engine hold requests to make interruptions (rollout/holds.py): the replay cuts each request
+#: Nor does its engine hold requests to make interruptions (testing/holds.py): the replay cuts each request
 #: where the record says, and a held request would never reach its recorded end.
 NO_HOLDS = ("++actor_rollout_ref.rollout.engine_kwargs.areal_cpu.finish_groups_per_version=null",)
 

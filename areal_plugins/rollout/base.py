@@ -23,7 +23,7 @@ from areal_plugins.records.writer import append_record
 
 #: ``generate`` keyword marking a request of verl's periodic validation (``trainer.test_freq``): a server that declares
 #: the ``validation_first`` capability admits it ahead of every waiting training request and never holds it
-#: (rollout/holds.py). Our rollout client sets it (agent_loop/llm_client.py) only for a backend that declares it.
+#: (testing/holds.py). Our rollout client sets it (agent_loop/llm_client.py) only for a backend that declares it.
 VALIDATION_KWARG = "areal_validation"
 #: vLLM's request priority of a validation request (``scheduling_policy: priority``: lower is scheduled first, ties in
 #: arrival order): below any a training request carries (verl's agent loop passes 0, or a dataset's own small index).

@@ -12,22 +12,34 @@ Use in a ``conftest.py``::
     def test_my_filter(areal_plugin_manager, registered_plugin):
         with registered_plugin(MyPlugin()):
             ...
+
+The names are imported on first use, so a process that imports only :mod:`areal_plugins.testing.faults` (the tests'
+fault plan, which the engines and trainer workers ask) pulls in neither pytest nor the kit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-import pluggy
-import pytest
+if TYPE_CHECKING:
+    from areal_plugins.testing.buffer_kit import check_sample_buffer
+    from areal_plugins.testing.fixtures import areal_plugin_manager, plugin_registered, registered_plugin
+    from areal_plugins.testing.manager_kit import ManagerKit, check_rollout_manager
+    from areal_plugins.testing.memory_transfer_queue import InMemoryTransferQueue
+    from areal_plugins.testing.violations import ContractViolationError
 
-from areal_plugins.plugin_manager import check_plugins, get_plugin_manager
-from areal_plugins.testing.buffer_kit import check_sample_buffer
-from areal_plugins.testing.manager_kit import ManagerKit, check_rollout_manager
-from areal_plugins.testing.memory_transfer_queue import InMemoryTransferQueue
-from areal_plugins.testing.violations import ContractViolationError
+#: Each exported name, by the module that defines it.
+_HOMES = {
+    "ContractViolationError": "violations",
+    "InMemoryTransferQueue": "memory_transfer_queue",
+    "ManagerKit": "manager_kit",
+    "areal_plugin_manager": "fixtures",
+    "check_rollout_manager": "manager_kit",
+    "check_sample_buffer": "buffer_kit",
+    "plugin_registered": "fixtures",
+    "registered_plugin": "fixtures",
+}
 
 __all__ = [
     "ContractViolationError",
@@ -41,31 +53,14 @@ __all__ = [
 ]
 
 
-@contextmanager
-def plugin_registered(
-    plugin: Any, manager: pluggy.PluginManager | None = None, name: str | None = None
-) -> Iterator[Any]:
-    """Register ``plugin`` (validated like an installed one) for the ``with`` block, then unregister it."""
-    manager = manager or get_plugin_manager()
-    registered_name = manager.register(plugin, name=name)
-    try:
-        check_plugins(manager)
-        yield plugin
-    finally:
-        manager.unregister(name=registered_name)
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value
 
 
-@pytest.fixture
-def areal_plugin_manager() -> pluggy.PluginManager:
-    """The process-wide plugin manager."""
-    return get_plugin_manager()
-
-
-@pytest.fixture
-def registered_plugin(areal_plugin_manager: pluggy.PluginManager) -> Any:
-    """A context manager factory: ``with registered_plugin(obj): ...`` registers ``obj`` for the block."""
-
-    def register(plugin: Any, name: str | None = None) -> Any:
-        return plugin_registered(plugin, areal_plugin_manager, name)
-
-    return register
+def __dir__() -> list[str]:
+    # pytest finds a plugin module's fixtures by dir() (``pytest_plugins = ["areal_plugins.testing"]``).
+    return sorted({*globals(), *__all__})

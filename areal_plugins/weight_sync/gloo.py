@@ -108,10 +108,10 @@ def _make_engine_class() -> type:
             import ray
             from verl.utils.net_utils import get_free_port
 
-            from areal_plugins.core.ports import free_port_outside_ephemeral_range
+            from areal_plugins.platforms.ports import free_port_outside_ephemeral_range
 
             host = ray.util.get_node_ip_address().strip("[]")
-            port = free_port_outside_ephemeral_range()  # the group is built again at every update: see core/ports.py
+            port = free_port_outside_ephemeral_range()  # the group is built anew at every update: platforms/ports.py
             if port is None:  # the node's ephemeral range starts too low: take verl's choice
                 port, sock = get_free_port(host)
                 if sock is not None:

@@ -50,7 +50,7 @@ def async_run(tiny_dir, long_response_model, tmp_path_factory) -> tuple[Path, Pa
         # A small engine batch keeps generation going all the time, as on a loaded cluster.
         "+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.max_batch_size=24",
         # And updates always find requests mid-answer, on any machine: under each version only the first BATCH
-        # groups finish, the others wait after a token for the update (rollout/holds.py).
+        # groups finish, the others wait after a token for the update (testing/holds.py).
         f"+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.finish_groups_per_version={BATCH}",
         "areal.plugins.exclude=[example_observer]",
         # verl's validation after the last step (the held-out problems, greedy): each agent-loop worker's client

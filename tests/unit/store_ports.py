@@ -7,7 +7,7 @@ between the pick and the store's bind, seconds later where the ranks import torc
 
 from __future__ import annotations
 
-from areal_plugins.core.ports import LOWEST_PORT, free_port_outside_ephemeral_range
+from areal_plugins.platforms.ports import LOWEST_PORT, free_port_outside_ephemeral_range
 
 
 def store_port() -> int:

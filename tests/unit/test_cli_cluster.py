@@ -56,20 +56,21 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
     package = Path(areal_plugins.__file__).parent
     constants = {
         "RUN_DIR_ENV": "AREAL_RUN_DIR",
-        "CORRUPT_VARIABLE": "AREAL_CORRUPT_RECEIVED_WEIGHT",
-        "CORRUPT_LOADED_VARIABLE": "AREAL_CORRUPT_LOADED_WEIGHT",
-        "DROP_VARIABLE": "AREAL_DROP_RECEIVED_WEIGHT",
-        "RENAME_VARIABLE": "AREAL_RENAME_RECEIVED_WEIGHT",
-        "STEP_DELAY_ENV": "AREAL_TEST_ENGINE_STEP_DELAY_S",
-        "MICRO_BATCH_DELAY_ENV": "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
+        # The tests' fault and speed plan (testing/faults.py) reads each of its variables by its constant.
+        "CORRUPT_RECEIVED_ENV": "AREAL_CORRUPT_RECEIVED_WEIGHT",
+        "CORRUPT_LOADED_ENV": "AREAL_CORRUPT_LOADED_WEIGHT",
+        "DROP_RECEIVED_ENV": "AREAL_DROP_RECEIVED_WEIGHT",
+        "RENAME_RECEIVED_ENV": "AREAL_RENAME_RECEIVED_WEIGHT",
+        "ENGINE_STEP_DELAY_ENV": "AREAL_TEST_ENGINE_STEP_DELAY_S",
+        "TRAINER_MICROBATCH_DELAY_ENV": "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
         "BENCH_ENV": "AREAL_BENCH_BACKENDS",
     }
-    # A read names its variable at the call: os.environ's, or the speed-knob helper's (core/speed_knobs.py).
-    read = re.compile(r"(?:os\.environ(?:\.get\(|\[)|seconds_from_env\()\s*([A-Z_]+|\"[A-Z_]+\")")
+    # A read names its variable at the call: os.environ's.
+    read = re.compile(r"os\.environ(?:\.get\(|\[)\s*([A-Z_]+|\"[A-Z_]+\")")
     # A read through a parameter is a helper's: the scan finds its variables only at its callers, so each helper
     # is listed here with the call the scan reads (above); a new one fails below until it is.
     through_a_parameter = re.compile(r"os\.environ(?:\.get\(|\[)\s*[a-z_]")
-    helpers = {"core/speed_knobs.py"}
+    helpers: set[str] = set()
     names, readers = set(), set()
     for path in package.rglob("*.py"):
         relative = path.relative_to(package).as_posix()

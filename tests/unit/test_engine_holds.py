@@ -1,4 +1,4 @@
-"""Interruptions by construction (rollout/holds.py): only the first prompt groups of a weight version finish.
+"""Interruptions by construction (testing/holds.py): only the first prompt groups of a weight version finish.
 
 The tests count by hand what must finish and what must be held, whatever the speed of the machine: no timing is
 involved, the engine is driven until it has nothing left to decode.
@@ -11,8 +11,8 @@ import asyncio
 import pytest
 
 from areal_plugins.rollout.cpu.engine import STOP_ABORTED, STOP_COMPLETED, ContinuousBatchingEngine
-from areal_plugins.rollout.cpu.server import STEP_DELAY_ENV, step_delay_from_env
-from areal_plugins.rollout.holds import FinishFirstGroups
+from areal_plugins.testing.faults import ENGINE_STEP_DELAY_ENV, fault_plan
+from areal_plugins.testing.holds import FinishFirstGroups
 
 NO_EOS: list[int] = []
 
@@ -104,14 +104,14 @@ def test_a_hold_that_could_not_work_is_refused_naming_the_key(groups, tokens, ke
 
 
 def test_the_step_delay_comes_from_its_variable_and_a_bad_value_is_refused(monkeypatch, random_qwen2):
-    monkeypatch.delenv(STEP_DELAY_ENV, raising=False)
-    assert step_delay_from_env() == 0.0
-    monkeypatch.setenv(STEP_DELAY_ENV, "0.25")
-    assert step_delay_from_env() == 0.25
+    monkeypatch.delenv(ENGINE_STEP_DELAY_ENV, raising=False)
+    assert fault_plan().engine_step_delay_s == 0.0
+    monkeypatch.setenv(ENGINE_STEP_DELAY_ENV, "0.25")
+    assert fault_plan().engine_step_delay_s == 0.25
     for bad in ("fast", "-1"):
-        monkeypatch.setenv(STEP_DELAY_ENV, bad)
-        with pytest.raises(ValueError, match=STEP_DELAY_ENV):
-            step_delay_from_env()
+        monkeypatch.setenv(ENGINE_STEP_DELAY_ENV, bad)
+        with pytest.raises(ValueError, match=ENGINE_STEP_DELAY_ENV):
+            fault_plan()
     # The delay is spent in every model step: 3 tokens of one request are 3 steps (one prefill, two decodes).
     import time
 
@@ -126,26 +126,23 @@ def test_the_trainers_micro_batch_delay_comes_from_its_variable_and_is_spent_in_
 
     import torch
 
+    from areal_plugins.testing.faults import TRAINER_MICROBATCH_DELAY_ENV
     from areal_plugins.trainer_workers import policy_loss
 
     def fresh(value: str | None) -> float:
-        policy_loss.micro_batch_delay_s.cache_clear()
         if value is None:
-            monkeypatch.delenv(policy_loss.MICRO_BATCH_DELAY_ENV, raising=False)
+            monkeypatch.delenv(TRAINER_MICROBATCH_DELAY_ENV, raising=False)
         else:
-            monkeypatch.setenv(policy_loss.MICRO_BATCH_DELAY_ENV, value)
-        return policy_loss.micro_batch_delay_s()
+            monkeypatch.setenv(TRAINER_MICROBATCH_DELAY_ENV, value)
+        return fault_plan().trainer_microbatch_delay_s
 
-    try:
-        assert fresh(None) == 0.0
-        for bad in ("slow", "-0.5"):
-            with pytest.raises(ValueError, match=policy_loss.MICRO_BATCH_DELAY_ENV):
-                fresh(bad)
-        assert fresh("0.3") == 0.3
-        zeros = torch.zeros(1, 4)
-        started = time.perf_counter()
-        with pytest.raises(ValueError):  # the delay comes first: before the loss looks at its inputs
-            policy_loss.areal_decoupled_policy_loss(zeros, zeros, zeros, torch.ones(1, 4), "token-mean")
-        assert time.perf_counter() - started >= 0.3
-    finally:
-        policy_loss.micro_batch_delay_s.cache_clear()
+    assert fresh(None) == 0.0
+    for bad in ("slow", "-0.5"):
+        with pytest.raises(ValueError, match=TRAINER_MICROBATCH_DELAY_ENV):
+            fresh(bad)
+    assert fresh("0.3") == 0.3
+    zeros = torch.zeros(1, 4)
+    started = time.perf_counter()
+    with pytest.raises(ValueError):  # the delay comes first: before the loss looks at its inputs
+        policy_loss.areal_decoupled_policy_loss(zeros, zeros, zeros, torch.ones(1, 4), "token-mean")
+    assert time.perf_counter() - started >= 0.3

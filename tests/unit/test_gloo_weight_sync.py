@@ -181,7 +181,7 @@ def test_topology_has_one_sender_and_every_rollout_worker(world):
 def test_the_group_address_is_a_port_no_outbound_connection_can_take():
     """The group is built again at every update: its port must not come from the ephemeral range, where any
     outbound connection may take it between the choice and the bind (EADDRINUSE in CI, after 8 updates)."""
-    from areal_plugins.core.ports import LOWEST_PORT, ephemeral_range
+    from areal_plugins.platforms.ports import LOWEST_PORT, ephemeral_range
     from areal_plugins.weight_sync import gloo
 
     engine_class = gloo._make_engine_class()

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from areal_plugins.rollout.base import VALIDATION_KWARG
 from areal_plugins.rollout.cpu.engine import STOP_ABORTED, STOP_COMPLETED, ContinuousBatchingEngine
-from areal_plugins.rollout.holds import FinishFirstGroups
+from areal_plugins.testing.holds import FinishFirstGroups
 
 NO_EOS: list[int] = []
 #: Every request decodes exactly this many tokens: one from its prefill, then one per decode step.

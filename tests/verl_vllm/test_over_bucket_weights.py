@@ -26,7 +26,7 @@ import zmq
 from verl.workers.config import RolloutConfig
 from verl.workers.config.rollout import CheckpointEngineConfig
 
-from areal_plugins.core.ports import free_port_outside_ephemeral_range
+from areal_plugins.platforms.ports import free_port_outside_ephemeral_range
 from areal_plugins.rollout.verl_vllm.adapter import ArealServerAdapter
 from areal_plugins.rollout.verl_vllm.worker_extension import ArealVLLMWorkerExtension
 from areal_plugins.tiny.model import WORKLOADS, random_qwen2

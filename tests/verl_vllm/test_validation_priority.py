@@ -126,8 +126,8 @@ def test_verl_passes_the_rollout_scheduling_policy_to_vllms_engine():
 def server_with_holds(groups: int) -> Any:
     """Our server's state for ``generate`` as ``__init__`` sets it (no engine is launched)."""
     from areal_plugins.rollout.activity import RequestActivity
-    from areal_plugins.rollout.holds import FinishFirstGroups
     from areal_plugins.rollout.verl_vllm.server import ArealVLLMHttpServer
+    from areal_plugins.testing.holds import FinishFirstGroups
 
     server = object.__new__(ArealVLLMHttpServer)
     server._entering_engine = set()

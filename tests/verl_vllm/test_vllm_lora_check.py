@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from areal_plugins.rollout.verl_vllm import worker_extension
+from areal_plugins.testing import faults
 from areal_plugins.weight_sync.adapter_check import check_adapter_reports
 from areal_plugins.weight_sync.checksums import check_loaded_reports, check_weight_reports, tensor_checksum
 from areal_plugins.weight_sync.errors import WeightSyncError
@@ -110,7 +110,7 @@ def test_every_adapter_tensor_is_held_as_sent_and_the_engine_samples_with_it(eng
 def test_a_value_changed_in_the_engines_lora_slot_is_named(engine, monkeypatch):
     _, tensors, peft_config = peft_adapter(LINEAR, seed=2)
     name = f"{PREFIX}.1.mlp.down_proj.lora_A.weight"
-    monkeypatch.setenv(worker_extension.CORRUPT_LOADED_VARIABLE, name)
+    monkeypatch.setenv(faults.CORRUPT_LOADED_ENV, name)
     report = engine.update(tensors, peft_config, adapter_only=True)
     with pytest.raises(
         WeightSyncError,
@@ -122,7 +122,7 @@ def test_a_value_changed_in_the_engines_lora_slot_is_named(engine, monkeypatch):
 def test_a_tensor_corrupted_on_arrival_is_named(engine, monkeypatch):
     _, tensors, peft_config = peft_adapter(LINEAR, seed=3)
     name = f"{PREFIX}.0.self_attn.v_proj.lora_B.weight"
-    monkeypatch.setenv(worker_extension.CORRUPT_VARIABLE, name)
+    monkeypatch.setenv(faults.CORRUPT_RECEIVED_ENV, name)
     report = engine.update(tensors, peft_config, adapter_only=True)
     with pytest.raises(WeightSyncError, match=rf"engine rank 0, update 1: adapter tensor {name} arrived different"):
         checked(report, tensors)
@@ -131,7 +131,7 @@ def test_a_tensor_corrupted_on_arrival_is_named(engine, monkeypatch):
 def test_a_tensor_dropped_on_arrival_stops_the_update_naming_it(engine, monkeypatch):
     _, tensors, peft_config = peft_adapter(LINEAR, seed=4)
     name = f"{PREFIX}.1.self_attn.k_proj.lora_B.weight"
-    monkeypatch.setenv(worker_extension.DROP_VARIABLE, name)
+    monkeypatch.setenv(faults.DROP_RECEIVED_ENV, name)
     with pytest.raises(Exception, match=rf"adapter tensor {name} never arrived, though .*k_proj\.lora_A\.weight did"):
         engine.update(tensors, peft_config, adapter_only=True)
 
@@ -139,7 +139,7 @@ def test_a_tensor_dropped_on_arrival_stops_the_update_naming_it(engine, monkeypa
 def test_a_module_whose_adapter_never_arrived_is_named(engine, monkeypatch):
     _, tensors, peft_config = peft_adapter(LINEAR, seed=5)
     lost = [f"{PREFIX}.0.mlp.up_proj.lora_A.weight", f"{PREFIX}.0.mlp.up_proj.lora_B.weight"]
-    monkeypatch.setenv(worker_extension.DROP_VARIABLE, ",".join(lost))
+    monkeypatch.setenv(faults.DROP_RECEIVED_ENV, ",".join(lost))
     report = engine.update(tensors, peft_config, adapter_only=True)
     with pytest.raises(
         WeightSyncError, match=rf"2 of {ADAPTER_TENSORS} adapter tensors never arrived, e\.g\. {lost[0]}"
@@ -151,7 +151,7 @@ def test_an_adapter_loaded_under_another_modules_name_is_named(engine, monkeypat
     _, tensors, peft_config = peft_adapter(["q_proj", "v_proj"], seed=6)  # k_proj (v_proj's shape) has no adapter
     v, k = f"{PREFIX}.0.self_attn.v_proj", f"{PREFIX}.0.self_attn.k_proj"
     renames = [f"{v}.lora_{half}.weight={k}.lora_{half}.weight" for half in "AB"]
-    monkeypatch.setenv(worker_extension.RENAME_VARIABLE, ",".join(renames))
+    monkeypatch.setenv(faults.RENAME_RECEIVED_ENV, ",".join(renames))
     report = engine.update(tensors, peft_config, adapter_only=True)
     with pytest.raises(WeightSyncError, match=rf"adapter tensor {v}\.lora_A\.weight was loaded under the name {k}"):
         checked(report, tensors)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from areal_plugins.patches import vllm_cpu_moe_reload
 
-from areal_plugins.rollout.verl_vllm import worker_extension
+from areal_plugins.testing import faults
 from areal_plugins.weight_sync.checksums import check_loaded_reports, check_weight_reports, tensor_checksum
 from areal_plugins.weight_sync.errors import WeightSyncError
 from tests.verl_vllm.extension_engine import ExtensionEngine, started
@@ -111,7 +111,7 @@ def test_every_expert_tensor_is_compared_and_the_engine_samples_with_them(engine
 def test_a_value_changed_in_an_expert_parameter_after_loading_is_named(engine, monkeypatch, layer, parameter):
     _, sent = trainer_update(seed=2)
     name = EXPERT_PARAMETER.format(layer=layer, parameter=parameter)
-    monkeypatch.setenv(worker_extension.CORRUPT_LOADED_VARIABLE, name)
+    monkeypatch.setenv(faults.CORRUPT_LOADED_ENV, name)
     report = engine.update(sent)
     with pytest.raises(WeightSyncError, match=rf"worker rank 0: parameter {name} holds after loading something other"):
         check_loaded_reports([report], "replica 0")
@@ -121,7 +121,7 @@ def test_an_expert_tensor_under_a_name_no_expert_has_is_named(engine, monkeypatc
     """vLLM's expert loader loads a name its mapping does not match into nothing, and says nothing."""
     _, sent = trainer_update(seed=3)
     lost = "model.layers.0.mlp.experts.3.down_proj.weight"
-    monkeypatch.setenv(worker_extension.RENAME_VARIABLE, f"{lost}={lost.replace('.3.', '.4.')}")
+    monkeypatch.setenv(faults.RENAME_RECEIVED_ENV, f"{lost}={lost.replace('.3.', '.4.')}")
     report = engine.update(sent)
     with pytest.raises(WeightSyncError, match=r"received 1 tensors that no engine parameter holds .* e\.g\. .*\.4\."):
         check_loaded_reports([report], "replica 0")
@@ -131,7 +131,7 @@ def test_an_expert_tensor_under_a_name_no_expert_has_is_named(engine, monkeypatc
 def test_an_expert_tensor_lost_on_the_way_is_named_by_the_transport_check_not_taken_for_a_bad_load(engine, monkeypatch):
     _, sent = trainer_update(seed=4)
     lost = "model.layers.1.mlp.experts.2.up_proj.weight"
-    monkeypatch.setenv(worker_extension.DROP_VARIABLE, lost)
+    monkeypatch.setenv(faults.DROP_RECEIVED_ENV, lost)
     report = engine.update(sent)
     compared = check_loaded_reports([report], "replica 0")  # w13 of layer 1 lacks a source: not compared
     assert EXPERT_PARAMETER.format(layer=1, parameter="w13_weight") in compared["loaded_not_compared_examples"]

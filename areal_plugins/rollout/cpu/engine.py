@@ -26,8 +26,8 @@ import torch
 from areal_plugins.rollout.base import Generated
 from areal_plugins.rollout.cpu import lora
 from areal_plugins.rollout.cpu.experts import fuse_expert_tensors
-from areal_plugins.rollout.holds import FinishFirstGroups
 from areal_plugins.rollout.prompt_seeds import PromptSeeds
+from areal_plugins.testing.holds import FinishFirstGroups
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class ContinuousBatchingEngine:
             depend on the batch's shapes in the last bits: measured up to 4e-6 in a log-prob on the tiny model).
             What a replay of an asynchronous run needs; costs the batching.
         holds: for tests, the requests of which prompt groups finish under each weight version; the others are held
-            until aborted or new weights load (:mod:`areal_plugins.rollout.holds`). None: every request runs.
+            until aborted or new weights load (:mod:`areal_plugins.testing.holds`). None: every request runs.
         step_delay_s: for tests, seconds added to every model step (prefill or decode), to run a test suite with
             the engines slower than the trainer; 0 in use.
         routed_experts: record the experts a mixture-of-experts model routes each token to, as verl's vLLM server
@@ -157,7 +157,7 @@ class ContinuousBatchingEngine:
         tens of thousands of training requests are in flight, and a validation queued behind them lasted as long as
         draining them). The running batch is not preempted: its requests keep their slots, and their KV caches, to
         their end, so a validation request waits at most until the first of them ends (vLLM's ``priority`` policy
-        does the same; docs/backends.md). It is never held (:mod:`~areal_plugins.rollout.holds`), and takes no
+        does the same; docs/backends.md). It is never held (:mod:`~areal_plugins.testing.holds`), and takes no
         group among the ones that finish; an abort cuts it like any request, and its tokens carry their versions."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import logging
-import os
 from typing import Any
 
 import torch
 
-from areal_plugins.core.speed_knobs import seconds_from_env
 from areal_plugins.rollout.base import (
     RolloutServer,
     record_replica_event,
@@ -30,17 +27,9 @@ from areal_plugins.rollout.base import (
 from areal_plugins.rollout.cpu import lora
 from areal_plugins.rollout.cpu.engine import ContinuousBatchingEngine
 from areal_plugins.rollout.cpu.experts import held_tensor
-from areal_plugins.rollout.holds import FinishFirstGroups
+from areal_plugins.testing.faults import fault_plan
+from areal_plugins.testing.holds import finish_first_groups
 from areal_plugins.weight_sync.errors import WeightSyncError
-
-#: Seconds added to every model step of the engine, for running the tests with slow engines (0: off).
-STEP_DELAY_ENV = "AREAL_TEST_ENGINE_STEP_DELAY_S"
-#: Fault injection for tests, as for verl's vllm (rollout/verl_vllm/worker_extension.py): ``NAME`` or ``NAME@K``: from
-#: this server's K-th weight update on (default 1; the base weights and each adapter count as one update each), the
-#: first value of the received tensor NAME is changed by +1 before loading, as a bad transport would.
-CORRUPT_VARIABLE = "AREAL_CORRUPT_RECEIVED_WEIGHT"
-
-logger = logging.getLogger(__name__)
 
 
 def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
@@ -50,22 +39,6 @@ def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
         digest.update(name.encode())
         digest.update(state_dict[name].detach().to(torch.float32).contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
-
-
-def corrupted_on_arrival(tensors: dict[str, torch.Tensor], update: int) -> dict[str, torch.Tensor]:
-    """``tensors`` with :data:`CORRUPT_VARIABLE`'s tensor changed (a copy of it) if it names one for ``update``."""
-    name, _, first = os.environ.get(CORRUPT_VARIABLE, "").partition("@")
-    if not name or name not in tensors or update < int(first or 1):
-        return tensors
-    changed = tensors[name].detach().clone()
-    changed.view(-1)[0] += 1.0
-    logger.warning("fault injection (%s): tensor %s changed on arrival, update %d", CORRUPT_VARIABLE, name, update)
-    return {**tensors, name: changed}
-
-
-def step_delay_from_env() -> float:
-    """:data:`STEP_DELAY_ENV` as seconds; a value that is not a number >= 0 is refused, naming the variable."""
-    return seconds_from_env(STEP_DELAY_ENV)
 
 
 class CPURolloutServer(RolloutServer):
@@ -84,7 +57,7 @@ class CPURolloutServer(RolloutServer):
             log-probs bit for bit whatever else is in flight.
         finish_groups_per_version: for tests that need requests cut by a weight update on any machine: only the
             first this many prompt groups of each weight version finish, the others are held after
-            ``hold_others_at_token`` tokens (:mod:`areal_plugins.rollout.holds`). None: every request runs.
+            ``hold_others_at_token`` tokens (:mod:`areal_plugins.testing.holds`). None: every request runs.
         hold_others_at_token: see ``finish_groups_per_version``.
         routed_experts: verl's ``rollout.enable_rollout_routing_replay``: every response carries the experts a
             mixture-of-experts model routed each token to (``TokenOutput.routed_experts``, as verl's vLLM server
@@ -92,8 +65,9 @@ class CPURolloutServer(RolloutServer):
         lora_adapter: the trainer trains a LoRA adapter and sends it alone (``actor_rollout_ref.model.lora_rank >
             0`` with ``lora.merge: false``; the replica sets it): sleep keeps the base weights, which verl sends once.
 
-    The environment variable ``AREAL_TEST_ENGINE_STEP_DELAY_S`` (seconds, default 0) adds that much to every model
-    step: the test suite run with slow engines (CONTRIBUTING.md, test tiers).
+    The tests' fault plan (:mod:`areal_plugins.testing.faults`) may slow every model step
+    (``AREAL_TEST_ENGINE_STEP_DELAY_S``: the test suite run with slow engines, CONTRIBUTING.md) and change what
+    arrives of each weight update, as a bad transport would.
     """
 
     backend_name = "areal_cpu"
@@ -143,9 +117,7 @@ class CPURolloutServer(RolloutServer):
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
             eos_ids.append(tokenizer.eos_token_id)
-        holds = None
-        if finish_groups_per_version is not None:
-            holds = FinishFirstGroups(int(finish_groups_per_version), int(hold_others_at_token))
+        holds = finish_first_groups(finish_groups_per_version, hold_others_at_token)
         self.engine = ContinuousBatchingEngine(
             model.eval(),
             eos_ids,
@@ -153,7 +125,7 @@ class CPURolloutServer(RolloutServer):
             seed=seed,
             batch_invariant=batch_invariant,
             holds=holds,
-            step_delay_s=step_delay_from_env(),
+            step_delay_s=fault_plan().engine_step_delay_s,
             routed_experts=routed_experts,
         )
         self.response_length = response_length
@@ -239,7 +211,7 @@ class CPURolloutServer(RolloutServer):
         """Load new weights between decode steps; return the version and weights checksum now served. Under LoRA this
         is verl's base sync (the base weights, once): the adapter, if any, is left as it is."""
         self.updates += 1
-        state_dict = corrupted_on_arrival(state_dict, self.updates)
+        state_dict = dict(fault_plan().received(state_dict.items(), self.updates))  # tests' faults (testing/faults.py)
         await asyncio.to_thread(self.engine.load_state_dict, state_dict, version)
         self.global_steps = version
         served = self.engine.base_state_dict()
@@ -261,7 +233,7 @@ class CPURolloutServer(RolloutServer):
         return the version and this engine's report of each adapter tensor as it arrived and as its LoRA layer holds
         it after loading (:func:`~areal_plugins.rollout.cpu.lora.adapter_report`)."""
         self.updates += 1
-        tensors = corrupted_on_arrival(tensors, self.updates)
+        tensors = dict(fault_plan().received(tensors.items(), self.updates))  # tests' faults (testing/faults.py)
         unplaced = await asyncio.to_thread(self.engine.load_adapter, tensors, peft_config, version)
         self.global_steps = version
         held = self.engine.adapter_tensors()

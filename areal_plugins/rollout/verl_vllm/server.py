@@ -15,18 +15,12 @@ from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, 
 
 from areal_plugins.rollout.activity import RequestActivity
 from areal_plugins.rollout.base import SEED_FIELD, VALIDATION_KWARG, VALIDATION_PRIORITY
-from areal_plugins.rollout.holds import FinishFirstGroups
 from areal_plugins.rollout.prompt_seeds import PromptSeeds
+from areal_plugins.testing.holds import FinishFirstGroups, holds_from_custom
 
 EXTENSION_CLASS = "areal_plugins.rollout.verl_vllm.worker_extension.ArealVLLMWorkerExtension"
 #: ``actor_rollout_ref.rollout.custom.<this>: true`` seeds each request by its prompt (rollout/prompt_seeds.py).
 SEEDED_SAMPLING_KEY = "areal_seeded_sampling"
-#: For tests (``rollout.custom.<this>: N``): under each weight version only the first ``N`` prompt groups' requests
-#: finish; every other request stops after ``areal_hold_others_at_token`` tokens (default 1) and is held until the
-#: next abort, which returns it as aborted with those tokens (rollout/holds.py; areal_cpu's engine option, here at
-#: the server, since vLLM's scheduler is verl's).
-FINISH_GROUPS_KEY = "areal_finish_groups_per_version"
-HOLD_AT_TOKEN_KEY = "areal_hold_others_at_token"
 
 #: This generate call's mark among the requests entering the engine. A call and the engine's ``add_request`` it
 #: awaits run in one asyncio task, so both see it; two calls that share a request id do not share a mark.
@@ -51,7 +45,8 @@ class ArealVLLMHttpServer(vLLMHttpServer):
     out, the victim is the running request of the highest (priority, arrival), a training request. It is never held.
     """
 
-    #: The test-only holds (FINISH_GROUPS_KEY); None: every request runs to its end. Set in ``__init__``.
+    #: The tests' holds (``rollout.custom.areal_finish_groups_per_version``, testing/holds.py: areal_cpu's engine
+    #: option, here at the server, since vLLM's scheduler is verl's); None: every request runs to its end.
     holds: FinishFirstGroups | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -65,8 +60,7 @@ class ArealVLLMHttpServer(vLLMHttpServer):
         # Each replica its own seeds (as areal_cpu's servers): the k-th answers to one prompt on two replicas differ.
         seed = int(self.config.seed) + int(self.replica_rank)
         self.prompt_seeds = PromptSeeds(seed) if custom.get(SEEDED_SAMPLING_KEY) else None
-        groups = custom.get(FINISH_GROUPS_KEY)
-        self.holds = None if groups is None else FinishFirstGroups(int(groups), int(custom.get(HOLD_AT_TOKEN_KEY, 1)))
+        self.holds = holds_from_custom(custom)
         self._release_held = asyncio.Event()  # set by the next abort: the held requests return, cut
 
     def _get_worker_extension_cls(self) -> str:

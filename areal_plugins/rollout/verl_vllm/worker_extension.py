@@ -34,26 +34,8 @@ import torch
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
 from areal_plugins.rollout.verl_vllm.loaded_weights import ReceivedTensor, loaded_report
+from areal_plugins.testing.faults import fault_plan
 from areal_plugins.weight_sync.split_tensors import Joiner
-
-#: Fault injection for tests: ``NAME`` or ``NAME@K``: from this worker's K-th update on (default 1), the first
-#: received value of tensor NAME is changed by +1, as a bad transport would.
-CORRUPT_VARIABLE = "AREAL_CORRUPT_RECEIVED_WEIGHT"
-#: The same for the engine's parameter NAME after loading, as a bad load would (for a LoRA adapter: the trainer's
-#: tensor name, in the slot the forward pass reads).
-CORRUPT_LOADED_VARIABLE = "AREAL_CORRUPT_LOADED_WEIGHT"
-#: ``NAME[,NAME...]`` or ``...@K``: from this worker's K-th update on, the named tensors are dropped on arrival, as a
-#: lossy transport would.
-DROP_VARIABLE = "AREAL_DROP_RECEIVED_WEIGHT"
-#: ``NAME=OTHER[,NAME=OTHER...]`` or ``...@K``: tensor NAME arrives as OTHER, as a transport that mixes up names
-#: would.
-RENAME_VARIABLE = "AREAL_RENAME_RECEIVED_WEIGHT"
-
-
-def corruption_target(setting: str, update: int) -> str:
-    """The tensor a fault-injection setting (``NAME`` or ``NAME@K``) names for this update ("" when none)."""
-    name, _, first = setting.partition("@")
-    return name if update >= int(first or 1) else ""
 
 
 class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
@@ -104,8 +86,8 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
         from areal_plugins.rollout.verl_vllm.loaded_adapter import adapter_report, corrupt_slot, held_adapter
 
         manager = self.model_runner.lora_manager._adapter_manager
-        corrupt = corruption_target(os.environ.get(CORRUPT_LOADED_VARIABLE, ""), self.areal_updates)
-        if corrupt:  # fault injection (tests): one value the forward pass reads
+        corrupt = fault_plan().loaded_target(self.areal_updates)
+        if corrupt:  # fault injection (tests: testing/faults.py): one value the forward pass reads
             corrupt_slot(manager, corrupt)
         held = held_adapter(manager, list(self.areal_adapter_received))
         scaling = float(PEFTHelper.from_dict(dict(peft_config)).vllm_lora_scaling_factor)
@@ -117,8 +99,8 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
     def _report_loaded(self, model: Any) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 
-        corrupt = corruption_target(os.environ.get(CORRUPT_LOADED_VARIABLE, ""), self.areal_updates)
-        if corrupt:  # fault injection (tests): one value of the engine's parameter changed after the load
+        corrupt = fault_plan().loaded_target(self.areal_updates)
+        if corrupt:  # fault injection (tests: testing/faults.py): one value of the engine's parameter changed
             with torch.no_grad():
                 dict(model.named_parameters())[corrupt].view(-1)[0] += 1.0
         vllm_config = self.model_runner.vllm_config
@@ -178,22 +160,12 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
             )
 
     def _record(self, weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """Checksum what arrived (after the tests' fault injection); what arrived, to load."""
-        corrupt = corruption_target(os.environ.get(CORRUPT_VARIABLE, ""), self.areal_updates)
-        drop = set(corruption_target(os.environ.get(DROP_VARIABLE, ""), self.areal_updates).split(","))
-        renames = corruption_target(os.environ.get(RENAME_VARIABLE, ""), self.areal_updates)
-        renamed = dict(pair.partition("=")[::2] for pair in renames.split(",") if pair)
-        arrived = []
-        for name, tensor in weights:
-            if name in drop:  # fault injection (tests): lost on the way
-                continue
-            name = renamed.get(name, name)  # fault injection (tests): arrives under another name
-            if name == corrupt:  # fault injection (tests): one received value changed, as a bad transport would
-                tensor.view(-1)[0] += 1.0
+        """Checksum what arrived (after the tests' fault injection: testing/faults.py); what arrived, to load."""
+        arrived = fault_plan().received(weights, self.areal_updates)
+        for name, tensor in arrived:
             received = ReceivedTensor.of(tensor, self._engine_dtype())
             self.areal_received_tensors[name] = received
             self.areal_received[name] = received.checksum
-            arrived.append((name, tensor))
         return arrived
 
     def _engine_dtype(self) -> torch.dtype:

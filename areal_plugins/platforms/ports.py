@@ -5,6 +5,9 @@ Binding port 0 draws from the ephemeral range, the same range every outbound con
 taken in between, and the store fails with ``EADDRINUSE`` (seen in CI on two busy cores, for verl's trainer port
 and for areal_gloo's group, which is built again at every weight update). A port below the ephemeral range is
 never handed out to a connection.
+
+The CPU platform's process groups take their ports here: verl's trainer group (patches/master_port.py) and
+``areal_gloo``'s weight-sync store (weight_sync/gloo.py), which run on machines without GPUs.
 """
 
 from __future__ import annotations

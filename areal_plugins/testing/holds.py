@@ -15,9 +15,23 @@ continued after an interruption arrives as prompt + partial output (under a new 
 per call), and a later turn of an episode as the whole conversation so far: each keeps the group whose prompt it
 starts with. (Every prompt ends with the chat template's assistant header, so no fresh prompt starts with another.)
 The engine keeps every group's prompt for its lifetime: a few kB per group, for test runs.
+
+verl's ``vllm`` server holds requests the same way (rollout/verl_vllm/server.py: vLLM's scheduler is verl's, so the
+server cuts a held request's ``max_tokens`` and waits for the next abort), asked by
+``actor_rollout_ref.rollout.custom.areal_finish_groups_per_version: N`` and ``areal_hold_others_at_token``
+(:func:`holds_from_custom`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+#: ``rollout.custom.<this>: N`` (verl's ``vllm``): under each weight version only the first ``N`` prompt groups'
+#: requests finish; every other request stops after ``areal_hold_others_at_token`` tokens (default 1) and is held
+#: until the next abort, which returns it as aborted with those tokens.
+FINISH_GROUPS_KEY = "areal_finish_groups_per_version"
+HOLD_AT_TOKEN_KEY = "areal_hold_others_at_token"
 
 
 class FinishFirstGroups:
@@ -67,3 +81,17 @@ class FinishFirstGroups:
             self._finishing.add(group)
             return False
         return True
+
+
+def finish_first_groups(groups_per_version: Any, hold_at_token: Any = 1) -> FinishFirstGroups | None:
+    """The holds a server's options ask for (``areal_cpu``'s ``finish_groups_per_version`` and
+    ``hold_others_at_token``), or None when ``groups_per_version`` is None: every request runs to its end."""
+    if groups_per_version is None:
+        return None
+    return FinishFirstGroups(int(groups_per_version), int(hold_at_token))
+
+
+def holds_from_custom(custom: Mapping[str, Any]) -> FinishFirstGroups | None:
+    """The holds verl's ``vllm`` server's ``rollout.custom`` asks for (:data:`FINISH_GROUPS_KEY`,
+    :data:`HOLD_AT_TOKEN_KEY`), or None: every request runs to its end."""
+    return finish_first_groups(custom.get(FINISH_GROUPS_KEY), custom.get(HOLD_AT_TOKEN_KEY, 1))
