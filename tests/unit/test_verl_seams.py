@@ -108,6 +108,8 @@ SEAMS: dict[str, tuple[str, ...] | None] = {
         "use_dynamic_bsz_balance",
         "force_group_size",
     ),
+    # patches/fsdp_router_replay.py wraps it and reads the engine's ``module`` and ``use_ulysses_sp``.
+    "verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead.prepare_model_inputs": ("self", "micro_batch"),
     "verl.workers.engine.fsdp.transformer_impl:prepare_micro_batches": (
         "data",
         "dp_group",
