@@ -29,7 +29,7 @@ recipes' short answers). ``--quick`` (addition, 8 prompts per step, sync and asy
 2 repeats, 4 steps) is the smoke version, under 10 minutes on 2 cores.
 
 ``--workload gpu-shaped --case paper-1.5b``: the engines are the paced stand-in decoding as the case's GPU engines
-do (``areal_plugins/bench/gpu_shaped.py``: the planner's decode model, the case's answer lengths times
+do (``tools/areal_bench/gpu_shaped.py``: the planner's decode model, the case's answer lengths times
 ``--length-scale``), so they use no CPU worth counting and the trainer (the recipes' tiny model) has the cores to
 itself, as it has its GPUs on a cluster. Its time scale makes a synchronous step here divide between generation
 and training as the case's does: from ``--trainer-step-s``, or measured first by a 3-step synchronous run
@@ -58,12 +58,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import areal_bench
 from repeats import spread
 
 from areal_plugins.records.writer import read_jsonl
 
 if TYPE_CHECKING:
-    from areal_plugins.bench.gpu_shaped import TimeScale
+    from areal_bench.gpu_shaped import TimeScale
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -86,7 +87,7 @@ def sync_poll_overrides(poll_s: float) -> list[str]:
     if poll_s == VERL_POLL_S:
         return []
     return [
-        "trainer.v1.sampler.custom_sampler.path=${areal_package_path:bench/baseline_sampler.py}",
+        "trainer.v1.sampler.custom_sampler.path=pkg://areal_bench.baseline_sampler",
         "trainer.v1.sampler.custom_sampler.name=PollingReplayBuffer",
         f"+trainer.v1.sampler.sampler_kwargs.poll_interval_s={poll_s}",
     ]
@@ -445,8 +446,8 @@ def gpu_shaped_overrides(
 ) -> list[str]:
     """The gpu-shaped workload's engine keys: the case, its scales, answers capped at the case's cap x scale, and
     the engines' KV cache where one is given (a smaller engine than the case's)."""
-    from areal_plugins.bench.gpu_shaped import case as find_case
-    from areal_plugins.bench.gpu_shaped import scaled_lengths
+    from areal_bench.gpu_shaped import case as find_case
+    from areal_bench.gpu_shaped import scaled_lengths
 
     _, _, cap = scaled_lengths(find_case(case, "--case").workload, length_scale)
     key = "++actor_rollout_ref.rollout.engine_kwargs.areal_paced"
@@ -468,10 +469,10 @@ def gpu_shaped_time_scale(
     prompt_tokens: float,
     kv_capacity_tokens: float | None = None,
 ) -> TimeScale:
-    """:func:`areal_plugins.bench.gpu_shaped.time_scale_for` for the bench's batch on one stand-in engine (every
+    """:func:`areal_bench.gpu_shaped.time_scale_for` for the bench's batch on one stand-in engine (every
     row's rollout pool: the colocated replica, or the separate pool's one slot)."""
-    from areal_plugins.bench.gpu_shaped import StandInShape, time_scale_for
-    from areal_plugins.bench.gpu_shaped import case as find_case
+    from areal_bench.gpu_shaped import StandInShape, time_scale_for
+    from areal_bench.gpu_shaped import case as find_case
 
     shape = StandInShape(prompts, answers, round(prompt_tokens), length_scale, 1, kv_capacity_tokens)
     return time_scale_for(find_case(case, "--case"), trainer_step_s, shape)
@@ -523,6 +524,7 @@ def run_one(
         f"actor_rollout_ref.rollout.seed={seed}",
         *workload_overrides,
         *config.overrides,
+        *areal_bench.run_overrides(os.environ),  # the stand-ins in every process of the run
         "--run-dir",
         str(run_dir),
         "--tiny-dir",
@@ -533,7 +535,14 @@ def run_one(
     if metrics.exists():  # a rerun into the same directory must not count the old steps
         metrics.rename(run_dir / "metrics.previous.jsonl")
     with CpuSampler(metrics) as cpu:
-        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=areal_bench.run_environment(os.environ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         cpu.root_pid = process.pid
         with forwarding_signals(process):
             process.communicate()
@@ -664,11 +673,9 @@ def calibrated_gpu_shaped(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from areal_plugins.bench.gpu_shaped import CASES
-    from areal_plugins.bench.paced_engine import DEFAULT_LENGTH_SCALE
-    from areal_plugins.rollout.verl_registration import BENCH_ENV
+    from areal_bench.gpu_shaped import CASES
+    from areal_bench.paced_engine import DEFAULT_LENGTH_SCALE
 
-    os.environ[BENCH_ENV] = "1"  # the paced engine (areal_paced) is a benchmark's stand-in: opt in
     parser = argparse.ArgumentParser(prog="tools/bench.py", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--quick",

@@ -10,7 +10,7 @@ What runs is the async trainer's rollout side with the model taken out (docs/res
 - rollout workers (Ray actors standing for verl's ``AgentLoopWorkerTQ``): per prompt group, ``n`` calls of our
   :class:`InterruptibleLLMClient` through verl's own load balancer, and the trajectories written to TransferQueue
   with the tags verl's agent loop writes;
-- engines: :class:`areal_plugins.bench.paced_engine.PacedRolloutServer` Ray actors, sized as our trainer sizes
+- engines: :class:`areal_bench.paced_engine.PacedRolloutServer` Ray actors, sized as our trainer sizes
   them (``rollout/server_slots.py``), that return tokens at ``--tokens-per-s`` per request with no model.
 
 It measures, per configuration (B prompts x n answers, η, engines): the driver's CPU seconds per step and per 1k
@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import areal_bench
 from repeats import spread
 
 REPO = Path(__file__).resolve().parents[1]
@@ -339,7 +340,14 @@ class RayRig:
         self.ray = ray
         # Our actors ask for no CPU; TransferQueue's two and the load balancer need one each to be scheduled.
         # More logical CPUs would make Ray start idle worker processes for nothing.
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        # The engines' class is the bench's (tools/areal_bench): Ray ships that package to the workers.
+        ray.init(
+            address="local",
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env=areal_bench.runtime_env(),
+        )
         storage = {"num_data_storage_units": tq_storage_units, "total_storage_size": 400_000}
         tq.init(OmegaConf.create({"backend": {"SimpleStorage": storage}}))
         self.store = tq
@@ -362,7 +370,7 @@ class RayRig:
         self.ray.get([worker.stats.remote() for worker in self.workers])
 
     def start_engines(self, count: int, tokens_per_s: float, slots: int) -> None:
-        from areal_plugins.bench.paced_engine import PacedRolloutServer
+        from areal_bench.paced_engine import PacedRolloutServer
 
         if not self.workers:
             self._start_rollout_side()
@@ -422,7 +430,7 @@ class LocalRig:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
 
     def start_engines(self, count: int, tokens_per_s: float, slots: int) -> None:
-        from areal_plugins.bench.paced_engine import PacedRolloutServer
+        from areal_bench.paced_engine import PacedRolloutServer
 
         self.engines = [PacedRolloutServer(tokens_per_s=tokens_per_s, replica_rank=i) for i in range(count)]
         self._balancer.add_servers({f"paced-{i}": LocalHandle(e) for i, e in enumerate(self.engines)})
@@ -1047,9 +1055,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> dict[str, Any]:
-    from areal_plugins.rollout.verl_registration import BENCH_ENV
-
-    os.environ[BENCH_ENV] = "1"  # the paced engine (areal_paced) is a benchmark's stand-in: opt in
     args = parse_args(argv)
     if args.table:
         result = json.loads(args.table.read_text())

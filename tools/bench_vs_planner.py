@@ -1,6 +1,6 @@
 """The planner held against the GPU-shaped bench: ``python tools/bench_vs_planner.py runs/bench-gpu/bench.json``.
 
-The stand-in's engines *are* the planner's decode model (``areal_plugins/bench/gpu_shaped.py``), so the planner's
+The stand-in's engines *are* the planner's decode model (``tools/areal_bench/gpu_shaped.py``), so the planner's
 simulator, given the same engines, batch and answer lengths and each row's **measured** trainer seconds per step,
 should predict each row's speedup over synchronous verl. What it then tests is the rest of the model: the
 pipeline (the staleness bound, interruption and the KV cache recomputed after it, colocated engines asleep while
@@ -55,7 +55,7 @@ def row_mode(name: str, overrides: list[str]) -> tuple[str, float, int] | None:
 
 
 def _stand_in(bench: dict, engines: int, separate: bool):
-    from areal_plugins.bench.gpu_shaped import StandInShape, case, stand_in_cluster
+    from areal_bench.gpu_shaped import StandInShape, case, stand_in_cluster
 
     scale = bench["time_scale"]
     prompts, answers = bench["batch"]["prompts"], bench["batch"]["answers"]

@@ -27,8 +27,8 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.__version__.spl
   echo "setup: installing torch==$TORCH_VERSION (CPU build where one is available)"
   .venv/bin/python -m pip install --quiet "torch==$TORCH_VERSION"
 fi
-echo "setup: installing areal_plugins (editable) with verl 0.9.1 and dev tools"
-.venv/bin/python -m pip install --quiet -e ".[dev]"
+echo "setup: installing areal_plugins (editable) with verl 0.9.1, the CPU demo's extra and dev tools"
+.venv/bin/python -m pip install --quiet -e ".[dev,cpu-demo]"
 .venv/bin/python - <<'PY'
 # Import what a CPU run imports, with the CPU platform on, so a missing dependency fails here, not mid-run.
 import os

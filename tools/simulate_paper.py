@@ -19,9 +19,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from repeats import spread
-
-from areal_plugins.planning.calibration import (
+from areal_bench.paper import (
     PAPER_ASYNC_STEP_S,
     PAPER_ETA,
     PAPER_GPUS,
@@ -32,13 +30,13 @@ from areal_plugins.planning.calibration import (
     PAPER_TABLE1,
     PAPER_THROUGHPUT_BY_ETA,
     PAPER_WORKLOAD,
-    STEPS,
-    WARMUP,
     fit_efficiency,
     paper_cluster,
-    paper_sync_generating_gpus,
     predict_table1,
 )
+from repeats import spread
+
+from areal_plugins.planning.calibration import STEPS, WARMUP, paper_sync_generating_gpus
 from areal_plugins.planning.cluster_sim import Workload, simulate_async, simulate_sync
 from areal_plugins.planning.hardware import Efficiency
 
@@ -127,7 +125,8 @@ SPLITS = {"1.5b": (128, (64, 80, 96, 112)), "7b": (192, (96, 120, 144, 168))}
 
 def splits(efficiency: Efficiency, work: Workload, seeds: int) -> dict:
     """Throughput and speedup by rollout:trainer split, η = 4, against the paper's 3:1 (its Table 1 runs)."""
-    from areal_plugins.planning.calibration import sync_step_s
+    from areal_bench.paper import sync_step_s
+
     from areal_plugins.planning.cluster_sim import Cluster
     from areal_plugins.planning.hardware import GPUS, MODELS
 

@@ -147,7 +147,7 @@ class DecodeCost:
     One decode step of ``running`` sequences holding ``context`` tokens of KV cache reads the weights and that
     cache at ``bandwidth`` and does 2 FLOPs per matmul parameter per sequence at ``flops``, after a fixed
     ``step_latency`` (every layer's launches and scheduling). The cluster simulator (:class:`Engine`) and the
-    bench's GPU-shaped engine stand-in (``areal_plugins/bench/paced_engine.py``) both call these methods: the
+    bench's GPU-shaped engine stand-in (``tools/``, not in the package) both call these methods: the
     stand-in sleeps what the planner computes.
     """
 

@@ -89,8 +89,6 @@ class RolloutServer(abc.ABC):
         re-submits it as prompt + partial output). ``kwargs[VALIDATION_KWARG]``: a validation request, which a
         backend declaring ``validation_first`` admits ahead of the training backlog.
         """
-        from verl.workers.rollout.replica import TokenOutput
-
         validation = bool(kwargs.pop(VALIDATION_KWARG, False))
         params = dict(sampling_params)
         params.setdefault("ignore_eos", self.ignore_eos)  # as verl's vLLM server does
@@ -102,13 +100,23 @@ class RolloutServer(abc.ABC):
             out = Generated([], [], [], "aborted")
         else:
             out = await self._generate(prompt_ids, max_tokens, params, request_id, validation=validation)
-        return TokenOutput(
+        return self._token_output(
             token_ids=out.token_ids,
             log_probs=out.logprobs if params.get("logprobs") else None,
             stop_reason=out.stop_reason,
             routed_experts=out.routed_experts,
             extra_fields=version_fields(self.served_version, out.versions, out.seed),
         )
+
+    def _token_output(self, **fields: Any) -> Any:
+        """What :meth:`generate` returns, built from ``fields`` (the keywords of verl's ``TokenOutput``).
+
+        verl's ``TokenOutput``. A server whose process must not import verl (a stand-in without a model) returns
+        an object with the same fields instead; verl's client and ours read only those.
+        """
+        from verl.workers.rollout.replica import TokenOutput
+
+        return TokenOutput(**fields)
 
     @abc.abstractmethod
     async def _generate(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 from typing import Any
 
 import ray
@@ -26,22 +27,40 @@ from areal_plugins.weight_sync.errors import WeightSyncError
 
 logger = logging.getLogger(__name__)
 
-#: ``actor_rollout_ref.rollout.name`` -> ``module:Class`` of its server (imported on first use).
-#: Benchmarks' stand-ins are added (:func:`backends`) only in processes that inherit :data:`BENCH_ENV` = ``1``.
+#: ``actor_rollout_ref.rollout.name`` -> ``module:Class`` of its server (imported on first use). Ours; another
+#: package adds its own with :func:`register_backend`.
 BACKENDS = {
     "areal_cpu": "areal_plugins.rollout.cpu.server:CPURolloutServer",
-}
-#: Set to ``1`` by the benchmarks under ``tools/`` (their Ray workers inherit it): registers :data:`BENCH_BACKENDS`.
-BENCH_ENV = "AREAL_BENCH_BACKENDS"
-#: No model: tokens at a fixed rate, for benchmarks of the control plane through verl's trainers.
-BENCH_BACKENDS = {
-    "areal_paced": "areal_plugins.bench.paced_engine:VerlPacedServer",
 }
 
 
 def backends() -> dict[str, str]:
-    """Our backends in this process: :data:`BACKENDS`, and the benchmarks' where :data:`BENCH_ENV` asks for them."""
-    return BACKENDS | BENCH_BACKENDS if os.environ.get(BENCH_ENV) == "1" else dict(BACKENDS)
+    """The rollout backends known in this process: ours and those added by :func:`register_backend`."""
+    return dict(BACKENDS)
+
+
+def register_backend(name: str, server: str) -> None:
+    """Serve rollout backend ``name`` (``actor_rollout_ref.rollout.name``) with ``server``, ``module:Class`` of a
+    :class:`~areal_plugins.rollout.base.RolloutServer` subclass, in this process; idempotent.
+
+    Every process that builds a replica or an adapter must know the backend: verl's driver, its TaskRunner, the
+    trainer workers. A module that calls this and is named in ``VERL_USE_EXTERNAL_MODULES`` (in the Ray job's
+    ``runtime_env``) runs in each of them at ``import verl``, before verl's registries are read; a registry imported
+    already is told here.
+
+    Raises:
+        ValueError: ``name`` served by another class already.
+    """
+    known = BACKENDS.get(name)
+    if known is not None and known != server:
+        raise ValueError(f"rollout backend {name!r} is served by {known} already; pick another name than {server}'s")
+    BACKENDS[name] = server
+    adapters = getattr(sys.modules.get("verl.workers.rollout.base"), "_ROLLOUT_REGISTRY", None)
+    if adapters is not None:
+        adapters[(name, "async")] = ADAPTER_FQN
+    replicas = getattr(sys.modules.get("verl.workers.rollout.replica"), "RolloutReplicaRegistry", None)
+    if replicas is not None:
+        replicas.register(name, lambda: __getattr__("ArealRolloutReplica"))
 
 
 ADAPTER_FQN = f"{__name__}.ArealServerAdapter"
@@ -55,13 +74,12 @@ ENGINE_OPTIONS = ("num_threads", "max_batch_size", "batch_invariant")
 def server_class(backend: str) -> type[RolloutServer]:
     """The server class of ``backend`` (one of :data:`BACKENDS`)."""
     known = backends()
-    if backend in BENCH_BACKENDS and backend not in known:
-        raise ValueError(
-            f"rollout backend {backend!r} is a benchmark's stand-in with no model (areal_plugins.bench): set "
-            f"{BENCH_ENV}=1 in the environment that starts the run (tools/bench*.py do), or pick a real engine"
-        )
     if backend not in known:
-        raise ValueError(f"unknown areal rollout backend {backend!r}; ours: {', '.join(known)}")
+        raise ValueError(
+            f"unknown areal rollout backend {backend!r}; known in this process: {', '.join(known)} (a backend of "
+            "another package is known where its module called register_backend: name that module in "
+            "VERL_USE_EXTERNAL_MODULES for every process of the run)"
+        )
     module, _, name = known[backend].partition(":")
     return getattr(importlib.import_module(module), name)
 

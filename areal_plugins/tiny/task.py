@@ -11,6 +11,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from areal_plugins.tiny import cpu_demo_module
+
 DATA_SOURCE = "areal/addition"
 #: One token in the tiny tokenizer, repeated as the long-tail workload's "thinking" before the answer.
 THINK_TOKEN = " ."
@@ -61,8 +63,7 @@ def write_dataset(
     out_dir: Path, train_size: int, test_size: int, seed: int, max_operand: int = 9, data_source: str = DATA_SOURCE
 ) -> dict[str, Path]:
     """Write ``train.parquet`` and ``test.parquet`` of sums of operands up to ``max_operand``; return their paths."""
-    import pandas as pd
-
+    pd = cpu_demo_module("pandas", "the tiny task's data (parquet files)")
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for split, size, split_seed in (("train", train_size, seed), ("test", test_size, seed + 1)):

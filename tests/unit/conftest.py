@@ -61,3 +61,24 @@ def replica_lists(server_manager):
 
     checkpoints = CheckpointEngineManager(CheckpointEngineConfig(backend="naive"), None, server_manager.get_replicas())
     return ReplicaLists(lambda: server_manager, lambda: checkpoints), checkpoints
+
+
+@pytest.fixture
+def paced_backend(monkeypatch):
+    """The bench's paced engine (``tools/areal_bench``) as rollout backend ``areal_paced``, for one test only: our
+    backends and any of verl's rollout registries imported already are restored afterwards."""
+    import sys
+
+    from areal_plugins.rollout import verl_registration
+
+    monkeypatch.setattr(verl_registration, "BACKENDS", dict(verl_registration.BACKENDS))
+    adapters = getattr(sys.modules.get("verl.workers.rollout.base"), "_ROLLOUT_REGISTRY", None)
+    if adapters is not None:  # restored as it was (without the name) afterwards
+        monkeypatch.setitem(adapters, ("areal_paced", "async"), verl_registration.ADAPTER_FQN)
+    replicas = getattr(sys.modules.get("verl.workers.rollout.replica"), "RolloutReplicaRegistry", None)
+    if replicas is not None:
+        monkeypatch.setitem(replicas._registry, "areal_paced", None)
+    from areal_bench import verl_backend
+
+    verl_backend.register()
+    return verl_backend.BACKEND

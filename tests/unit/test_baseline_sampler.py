@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 
 
 def make(sampler_kwargs: dict):
-    from areal_plugins.bench.baseline_sampler import PollingReplayBuffer
+    from areal_bench.baseline_sampler import PollingReplayBuffer
 
     return PollingReplayBuffer(
         trainer_mode="sync",

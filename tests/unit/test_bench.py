@@ -211,9 +211,6 @@ def gpu_shaped_bench(tmp_path, monkeypatch, *extra: str) -> tuple[list[tuple[str
         return {"s_per_1k_tokens": 1.0, "step_s_median": 1.0, "final_reward": 0.0, "wall_s": 10.0,
                 "overlap_bound": 1.5, "train_s_median": 2.5, "prompt_len_mean": 20.0}  # fmt: skip
 
-    from areal_plugins.rollout.verl_registration import BENCH_ENV
-
-    monkeypatch.setenv(BENCH_ENV, "1")  # main() opts in; monkeypatch restores the environment after the test
     monkeypatch.setattr(bench, "run_one", fake_run)
     monkeypatch.setattr(bench, "plot", lambda bench_json, out: None)
     argv = ["--workload", "gpu-shaped", "--steps", "3", "--repeats", "1", "--etas", "2", "--placements",
@@ -223,7 +220,7 @@ def gpu_shaped_bench(tmp_path, monkeypatch, *extra: str) -> tuple[list[tuple[str
 
 
 def test_the_gpu_shaped_bench_measures_the_trainer_first_and_runs_every_row_at_that_time_scale(tmp_path, monkeypatch):
-    from areal_plugins.bench.gpu_shaped import StandInShape, case, time_scale_for
+    from areal_bench.gpu_shaped import StandInShape, case, time_scale_for
 
     runs, result = gpu_shaped_bench(tmp_path, monkeypatch)
     (calibration, *rows) = runs
@@ -310,7 +307,7 @@ def test_the_gpu_shaped_trainer_gets_every_core_in_every_placement():
 
 
 def test_a_smaller_engine_reaches_the_stand_in_the_time_scale_and_the_planner(tmp_path, monkeypatch):
-    from areal_plugins.bench.gpu_shaped import StandInShape, case, time_scale_for
+    from areal_bench.gpu_shaped import StandInShape, case, time_scale_for
 
     key = "++actor_rollout_ref.rollout.engine_kwargs.areal_paced"
     assert f"{key}.kv_capacity_tokens=1500.0" in bench.gpu_shaped_overrides("paper-1.5b", 1 / 64, 2.0, 1500.0)

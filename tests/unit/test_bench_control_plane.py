@@ -1,5 +1,5 @@
 """The control-plane bench (tools/bench_control_plane.py): its arithmetic on hand-derived values, the paced engine
-stand-in it drives (areal_plugins/bench/paced_engine.py), and a tiny run that produces a row (no Ray)."""
+stand-in it drives (tools/areal_bench/paced_engine.py), and a tiny run that produces a row (no Ray)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import asyncio
 import json
 
 import pytest
+from areal_bench.paced_engine import PacedRolloutServer
 
-from areal_plugins.bench.paced_engine import PacedRolloutServer
 from tests.unit.tool_scripts import load_tool
 
 bench = load_tool("bench_control_plane")
@@ -93,8 +93,7 @@ def test_the_paced_engine_aborts_with_partial_output_parks_new_requests_and_serv
     asyncio.run(scenario())
 
 
-def test_a_tiny_local_run_produces_a_row(tmp_path, monkeypatch):
-    monkeypatch.setenv("AREAL_BENCH_BACKENDS", "1")  # what main() sets; undone after the test, not left to the next
+def test_a_tiny_local_run_produces_a_row(tmp_path):
     out_file = tmp_path / "control_plane.json"
     printed: list[str] = []
     argv = [
@@ -114,18 +113,17 @@ def test_a_tiny_local_run_produces_a_row(tmp_path, monkeypatch):
     assert "| 4x2 eta=1 engines=2 | 1 × 2 |" in printed[-1]
 
 
-def test_areal_paced_is_built_from_verls_replica_arguments_and_declares_no_weights(monkeypatch):
+def test_areal_paced_is_built_from_verls_replica_arguments_and_declares_no_weights(paced_backend):
     """rollout.name=areal_paced (the bench's paced workload): our replica's constructor arguments build it, its rate
     is its own engine option (refused for areal_cpu), and areal_async refuses it unless both weight capabilities
     are waived, since it holds no weights."""
+    from areal_bench.paced_engine import VerlPacedServer
     from omegaconf import OmegaConf
 
-    from areal_plugins.bench.paced_engine import VerlPacedServer
     from areal_plugins.config.settings import ArealConfigError
     from areal_plugins.rollout.capabilities import check_backend_capabilities
-    from areal_plugins.rollout.verl_registration import BENCH_ENV, engine_options, server_class
+    from areal_plugins.rollout.verl_registration import engine_options, server_class
 
-    monkeypatch.setenv(BENCH_ENV, "1")  # the benchmarks' opt-in, as tools/bench*.py set it
     cls = server_class("areal_paced")
     assert cls is VerlPacedServer
     rollout = OmegaConf.create({"name": "areal_paced", "engine_kwargs": {"areal_paced": {"tokens_per_s": 250.0}}})

@@ -63,7 +63,6 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
         "RENAME_RECEIVED_ENV": "AREAL_RENAME_RECEIVED_WEIGHT",
         "ENGINE_STEP_DELAY_ENV": "AREAL_TEST_ENGINE_STEP_DELAY_S",
         "TRAINER_MICROBATCH_DELAY_ENV": "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
-        "BENCH_ENV": "AREAL_BENCH_BACKENDS",
     }
     # A read names its variable at the call: os.environ's.
     read = re.compile(r"os\.environ(?:\.get\(|\[)\s*([A-Z_]+|\"[A-Z_]+\")")
@@ -93,8 +92,6 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
         "AREAL_RENAME_RECEIVED_WEIGHT",
         "AREAL_TEST_ENGINE_STEP_DELAY_S",
         "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
-        # The benchmarks' opt-in to their engine stand-in: tools/ set it before the run's local Ray starts.
-        "AREAL_BENCH_BACKENDS",
     }
     expected = {
         "AREAL_RUN_DIR",
@@ -107,7 +104,6 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
         "AREAL_RENAME_RECEIVED_WEIGHT",
         "AREAL_TEST_ENGINE_STEP_DELAY_S",
         "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
-        "AREAL_BENCH_BACKENDS",
     }
     assert names == expected  # found by grep, listed by hand
     assert names - set_by_verl - set_by_tests <= set(cluster_env.JOB_ENV_VARS)

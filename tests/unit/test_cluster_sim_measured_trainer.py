@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from areal_bench.paper import paper_cluster
 
-from areal_plugins.planning.calibration import paper_cluster
 from areal_plugins.planning.cluster_sim import Workload, simulate_async, simulate_sync
 from areal_plugins.planning.plan import PAPER_FIT
 

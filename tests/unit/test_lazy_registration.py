@@ -41,8 +41,8 @@ print(json.dumps({
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    # The benchmarks' opt-in too: a test that ran a benchmark's main() in this process may have left it set.
-    unset = ("VERL_USE_EXTERNAL_PLUGINS", "VERL_PLATFORM", "AREAL_BENCH_BACKENDS")
+    # VERL_USE_EXTERNAL_MODULES: the benchmarks name their stand-in's module there (tools/areal_bench).
+    unset = ("VERL_USE_EXTERNAL_PLUGINS", "VERL_PLATFORM", "VERL_USE_EXTERNAL_MODULES")
     environment = {k: v for k, v in os.environ.items() if k not in unset}
     environment.update(env)
     return subprocess.run(
@@ -63,12 +63,14 @@ def test_every_name_is_registered_once_verl_imports_its_registry() -> None:
     assert registered == {
         "trainers": ["ArealAsyncTrainer", "ArealPPOTrainerSync"],
         "losses": ["areal_decoupled", "areal_decoupled_loglinear"],
-        "adapters": ["areal_cpu"],  # the benchmarks' paced engine only where they opt in (below)
+        "adapters": ["areal_cpu"],  # the benchmarks' paced engine only where they register it (below)
         "replicas": ["ArealRolloutReplica"],
         "engine": True,
         "platform": True,
     }
-    benchmark = json.loads(_run(_REGISTERED, AREAL_BENCH_BACKENDS="1").stdout)
+    import areal_bench  # a bench's run: verl imports the bench's module before our plugin, in every process
+
+    benchmark = json.loads(_run(_REGISTERED, **areal_bench.run_environment({})).stdout)
     assert benchmark["adapters"] == ["areal_cpu", "areal_paced"]
     assert benchmark["replicas"] == ["ArealRolloutReplica", "ArealRolloutReplica"]
 

@@ -13,9 +13,9 @@ import time
 from statistics import NormalDist
 
 import pytest
+from areal_bench import gpu_shaped
+from areal_bench.paced_engine import GpuShapedDecode, PacedRolloutServer, VerlPacedServer, gpu_shaped_pacer
 
-from areal_plugins.bench import gpu_shaped
-from areal_plugins.bench.paced_engine import GpuShapedDecode, PacedRolloutServer, VerlPacedServer, gpu_shaped_pacer
 from areal_plugins.planning.cluster_sim import Cluster, Workload
 from areal_plugins.planning.hardware import GPU, DecodeCost, Efficiency, ModelShape
 
@@ -246,12 +246,11 @@ def test_the_stand_in_does_no_work_per_token():
 # ---------------------------------------------------------------------- as verl builds it
 
 
-def test_verls_replica_builds_the_gpu_shaped_engine_from_its_engine_kwargs(monkeypatch):
+def test_verls_replica_builds_the_gpu_shaped_engine_from_its_engine_kwargs(paced_backend):
     from omegaconf import OmegaConf
 
-    from areal_plugins.rollout.verl_registration import BENCH_ENV, engine_options
+    from areal_plugins.rollout.verl_registration import engine_options
 
-    monkeypatch.setenv(BENCH_ENV, "1")
 
     kwargs = {"case": "paper-1.5b", "time_scale": 10.0, "length_scale": 0.125, "kv_capacity_tokens": 500}
     rollout = OmegaConf.create({"name": "areal_paced", "engine_kwargs": {"areal_paced": kwargs}})

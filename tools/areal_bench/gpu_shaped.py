@@ -49,7 +49,8 @@ class GpuCase:
 
 
 def _paper_1_5b() -> GpuCase:
-    from areal_plugins.planning.calibration import PAPER_WORKLOAD, paper_cluster, paper_sync_generating_gpus
+    from areal_bench.paper import PAPER_WORKLOAD, paper_cluster
+    from areal_plugins.planning.calibration import paper_sync_generating_gpus
     from areal_plugins.planning.plan import PAPER_FIT
 
     cluster = paper_cluster(PAPER_FIT)

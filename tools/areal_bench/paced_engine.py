@@ -22,10 +22,10 @@ case's log-normal scaled down; a request that continues after an abort prefills 
 It sleeps between events (an answer finishing, a request arriving, an abort) and does no work per token, so the
 trainer has the cores to itself.
 
-Two differences from a real server, both for the cost of starting many of them on a small machine:
-:meth:`PacedRolloutServer.generate` returns :class:`PacedOutput`, which has the fields of verl's ``TokenOutput``
-(our client and verl's read only those), so that an engine process never imports verl (10 s of CPU and 580 MB
-each); and the first arrival of each prompt (``prompt_ids[0]``, the bench's group index) is stamped, for
+Two differences from a real server, both for the cost of starting many of them on a small machine: its
+:meth:`~areal_plugins.rollout.base.RolloutServer._token_output` returns :class:`PacedOutput`, which has the fields of
+verl's ``TokenOutput`` (our client and verl's read only those), so that an engine process never imports verl (10 s of
+CPU and 580 MB each); and the first arrival of each prompt (``prompt_ids[0]``, the bench's group index) is stamped, for
 :meth:`PacedRolloutServer.take_arrivals`.
 """
 
@@ -39,7 +39,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from areal_plugins.rollout.base import Generated, RolloutServer, token_budget, version_fields
+from areal_plugins.rollout.base import Generated, RolloutServer
 from areal_plugins.weight_sync.errors import WeightSyncError
 
 if TYPE_CHECKING:
@@ -388,34 +388,17 @@ class PacedRolloutServer(RolloutServer):
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        request_id: str,
-        image_data: Any = None,
-        video_data: Any = None,
-        audio_data: Any = None,
-        **kwargs: Any,
-    ) -> PacedOutput:
-        """:meth:`RolloutServer.generate`, returning :class:`PacedOutput` instead of verl's ``TokenOutput``."""
+    async def generate(self, prompt_ids: list[int], *args: Any, **kwargs: Any) -> PacedOutput:
+        """:meth:`RolloutServer.generate` (its arguments), with the first arrival of each prompt stamped, before the
+        gate (:meth:`take_arrivals`)."""
         if prompt_ids:
             self._arrivals.setdefault(int(prompt_ids[0]), time.time())
-        params = dict(sampling_params)
-        media = bool(image_data or video_data or audio_data)
-        max_tokens = token_budget(
-            self.backend_name, prompt_ids, params, self.max_model_len, self.response_length, media
-        )
-        if not await self._wait_for_gate():
-            out = Generated([], [], [], "aborted")
-        else:
-            out = await self._generate(prompt_ids, max_tokens, params, request_id)
-        return PacedOutput(
-            token_ids=out.token_ids,
-            log_probs=out.logprobs if params.get("logprobs") else None,
-            stop_reason=out.stop_reason,
-            extra_fields=version_fields(self.served_version, out.versions, out.seed),
-        )
+        output: PacedOutput = await super().generate(prompt_ids, *args, **kwargs)
+        return output
+
+    def _token_output(self, **fields: Any) -> PacedOutput:
+        """:class:`PacedOutput` instead of verl's ``TokenOutput``: the engine's process never imports verl."""
+        return PacedOutput(**fields)
 
     async def _generate(
         self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any], request_id: str, validation: bool = False
@@ -505,7 +488,7 @@ class VerlPacedServer(PacedRolloutServer):
     fewer) at ``engine_kwargs.areal_paced.tokens_per_s``; the constant token is not an end of sequence, so each
     answer runs to the limit, as the longest answers of a batch do.
 
-    With ``case`` (a name of :data:`areal_plugins.bench.gpu_shaped.CASES`): :class:`GpuShapedDecode` as one of the
+    With ``case`` (a name of :data:`areal_bench.gpu_shaped.CASES`): :class:`GpuShapedDecode` as one of the
     case's engines, its answers ``length_scale`` times the case's (set ``rollout.response_length`` to the case's
     cap times the scale, ``tools/bench.py --workload gpu-shaped`` does), ``time_scale`` seconds here per second
     there, its KV cache the case engine's (``kv_capacity_tokens`` overrides it), the lengths seeded by the replica's
@@ -576,8 +559,8 @@ def gpu_shaped_pacer(
 ) -> GpuShapedDecode:
     """:class:`GpuShapedDecode` as one engine of the GPU case named ``case``, its answers ``length_scale`` times
     the case's, ``time_scale`` seconds here per second there."""
-    from areal_plugins.bench.gpu_shaped import case as find_case
-    from areal_plugins.bench.gpu_shaped import scaled_lengths
+    from areal_bench.gpu_shaped import case as find_case
+    from areal_bench.gpu_shaped import scaled_lengths
 
     gpu_case = find_case(case, f"{_KEY}.case")
     try:
