@@ -62,6 +62,8 @@ class CPURolloutServer(RolloutServer):
         routed_experts: verl's ``rollout.enable_rollout_routing_replay``: every response carries the experts a
             mixture-of-experts model routed each token to (``TokenOutput.routed_experts``, as verl's vLLM server
             returns them).
+        test_router_choice_bias: for tests of router replay, ``[expert, bias]``: the routers prefer ``expert`` by
+            ``bias`` (logits) in their choice only (:mod:`areal_plugins.testing.router_bias`). None: as the model is.
         lora_adapter: the trainer trains a LoRA adapter and sends it alone (``actor_rollout_ref.model.lora_rank >
             0`` with ``lora.merge: false``; the replica sets it): sleep keeps the base weights, which verl sends once.
 
@@ -89,6 +91,7 @@ class CPURolloutServer(RolloutServer):
         "batch_invariant",
         "finish_groups_per_version",
         "hold_others_at_token",
+        "test_router_choice_bias",
     )
 
     def __init__(
@@ -107,12 +110,18 @@ class CPURolloutServer(RolloutServer):
         hold_others_at_token: int = 1,
         routed_experts: bool = False,
         lora_adapter: bool = False,
+        test_router_choice_bias: tuple[int, float] | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(max(1, num_threads))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+        if test_router_choice_bias is not None:  # tests: routes that differ from the trainer's by construction
+            from areal_plugins.testing.router_bias import install_router_choice_bias
+
+            expert, bias = test_router_choice_bias
+            install_router_choice_bias(model, int(expert), float(bias))
         eos = model.generation_config.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
