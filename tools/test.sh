@@ -23,7 +23,9 @@ NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mkte
 # workers' first clusters cannot both write it while the other's processes read it (a fresh CI home has none).
 # (stdout is the token itself; stderr says why, should it fail.)
 .venv/bin/ray get-auth-token --generate >/dev/null
-.venv/bin/python -m pytest tests/unit -m "$UNIT" -q -n auto --dist loadfile --durations=5
+# tests/unit/test_gpu_pins.py reads the source of the vLLM a GPU run installs, fetched from the package registry
+# (setup above needs it too): here an unreachable registry fails it instead of skipping it.
+AREAL_GPU_PINS_REQUIRED=1 .venv/bin/python -m pytest tests/unit -m "$UNIT" -q -n auto --dist loadfile --durations=5
 # Unit tests that import verl's vLLM adapter need vLLM itself: in .venv-verl-vllm (made by setup.sh). Those that
 # load the tiny models (LoRA and MoE checks in a real vLLM engine) skip without them: built first (once per machine;
 # the integration tier uses the same folders).

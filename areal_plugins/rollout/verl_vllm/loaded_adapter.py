@@ -63,7 +63,7 @@ def rename_mapper(model: Any) -> Any:
     for method in ("get_rename_mapper", "get_unstacked_mapper"):  # vLLM >= 0.30 / 0.25-0.29
         if hasattr(mapper, method):
             return getattr(mapper, method)()
-    return mapper
+    return mapper  # vLLM 0.24.0: neither; its LoRA loader (WorkerLoRAManager._load_adapter) reads the mapper as it is
 
 
 def held_adapter(manager: Any, received_names: list[str], lora_id: int = VERL_LORA_INT_ID) -> dict[str, Held] | None:

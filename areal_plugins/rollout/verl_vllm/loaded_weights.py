@@ -16,8 +16,8 @@ loads into a parameter on this worker are its sources; vLLM's CPU build repacks 
 layout, a permutation plus zero padding, which keeps the sums.
 
 LoRA: vLLM holds a wrapped layer's base weight under ``base_layer.`` (``qkv_proj.base_layer.weight``); verl 0.9.1's
-FSDP engine sends it without (``verl/utils/fsdp_utils.py``), peft names it with. Names are matched without it, on
-every device.
+FSDP engine sends it without (``verl/utils/fsdp_utils.py``, collect_lora_params), peft names it with. Names are
+matched without it, on every device.
 
 Not compared, and counted as such: parameters the engine keeps in a form that cannot be read back (vLLM's CPU build
 moves linear layers' weights into its kernels' state and leaves the parameter empty), ``qkv_proj`` where tensor
@@ -102,7 +102,7 @@ def fused_experts_on_path(modules: dict[str, Any], parts: list[str]) -> str | No
     """The name of a fused mixture-of-experts module on the path ``parts`` (vLLM's ``FusedMoE``), if any."""
     for end in range(len(parts) - 1, 0, -1):
         module = modules.get(".".join(parts[:end]))
-        if module is not None and "MoE" in type(module).__name__:
+        if module is not None and "MoE" in type(module).__name__:  # vLLM 0.24.0 and 0.30: a MoERunner
             return ".".join(parts[:end])
     return None
 
@@ -143,8 +143,9 @@ class ExpertMapping:
     """vLLM's expert mapping for one fused-experts layer: entries ``(parameter prefix, checkpoint name, physical
     expert, shard)`` per expert, those for tensors sent already stacked (``fused``), and the name its parameter
     names are relative to once a received name's checkpoint part is replaced by the prefix: the layer's
-    ``layer_name`` where the mapping is the layer's own (vLLM 0.30: ``experts.w13_``), the model's root where it is
-    the model's (vLLM 0.24.0: ``experts.routed_experts.w13_``, the model's own parameter names)."""
+    ``layer_name`` where the mapping is the layer's own (vLLM 0.30: ``experts.w13_``, from RoutedExperts'
+    build_expert_params_mapping), the model's root where it is the model's (vLLM 0.24.0: its
+    make_expert_params_mapping's ``experts.routed_experts.w13_``, the parameter's name in the model)."""
 
     per_expert: list[tuple[str, str, int, str]]
     fused: list[tuple[str, str, int, str]]
