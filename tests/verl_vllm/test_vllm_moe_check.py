@@ -93,6 +93,7 @@ def test_every_expert_tensor_is_compared_and_the_engine_samples_with_them(engine
     check_loaded_reports([report], "replica 0")
     loaded = report["loaded"]
     assert loaded["not_held"] == [] and not [name for name in loaded["unchecked"] if "experts" in name]
+    assert loaded["experts"]["parameters"] == loaded["experts"]["compared"] == LAYERS * 2  # w13 and w2 per layer
     for layer in range(LAYERS):
         for parameter in ("w13_weight", "w2_weight"):
             entry = loaded["entries"][EXPERT_PARAMETER.format(layer=layer, parameter=parameter)]
