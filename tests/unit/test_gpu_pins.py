@@ -337,6 +337,7 @@ def test_an_override_must_take_every_call_upstreams_signature_takes():
 def test_an_unreachable_registry_is_told_apart_from_a_version_it_does_not_have(tmp_path, monkeypatch):
     """Only the first skips the pin test; an index without the pinned version fails it."""
     with monkeypatch.context() as env:
+        env.setenv("PIP_CONFIG_FILE", os.devnull)  # no configured index or mirror either
         env.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens on port 9
         env.setenv("PIP_EXTRA_INDEX_URL", "")
         env.setenv("PIP_FIND_LINKS", "")
