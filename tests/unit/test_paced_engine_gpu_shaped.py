@@ -251,7 +251,6 @@ def test_verls_replica_builds_the_gpu_shaped_engine_from_its_engine_kwargs(paced
 
     from areal_plugins.rollout.verl_registration import engine_options
 
-
     kwargs = {"case": "paper-1.5b", "time_scale": 10.0, "length_scale": 0.125, "kv_capacity_tokens": 500}
     rollout = OmegaConf.create({"name": "areal_paced", "engine_kwargs": {"areal_paced": kwargs}})
     options = engine_options(rollout)
