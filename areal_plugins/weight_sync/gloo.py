@@ -22,6 +22,7 @@ receive the whole update first (:meth:`stage`) while the engines generate, and h
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -74,6 +75,7 @@ def _make_engine_class() -> type:
 
     from areal_plugins.weight_sync.gloo_engine import GlooCheckpointEngine
 
+    GlooCheckpointEngine.wire = sys.modules[__name__]
     return CheckpointEngineRegistry.register(BACKEND_NAME)(GlooCheckpointEngine)
 
 

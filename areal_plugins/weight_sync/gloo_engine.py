@@ -3,22 +3,23 @@
 This module imports verl's checkpoint-engine base at its top, so nothing imports it but
 :func:`areal_plugins.weight_sync.gloo.register_gloo_checkpoint_engine`, which verl runs once its registry is
 imported: loading the plugin stays light. The wire format (``_pack``, ``_unpack``, ``buckets``) and the
-timeout are read from :mod:`.gloo` at call time, where the tests replace them.
+timeout stay in :mod:`.gloo`, which hands its module to the class on registration (:attr:`wire`): this module does
+not import its registrar, and a test that replaces a wire function there is seen here.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
+import types
 from collections import deque
 from collections.abc import Generator, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine
 
-from areal_plugins.weight_sync import gloo as wire
 from areal_plugins.weight_sync.checksums import same_checksum, tensor_checksum
 from areal_plugins.weight_sync.errors import WeightSyncError
 
@@ -38,6 +39,9 @@ class GlooCheckpointEngine(CheckpointEngine):
     stages_weights = True
     #: Its in-band checksums are also kept for the manager's check of the leg (weight_sync/checked_transfer.py).
     reports_transfer_checksums = True
+    #: weight_sync/gloo.py (``_pack``, ``_unpack``, ``buckets``, ``TIMEOUT_S``), set by its registration and read at
+    #: call time.
+    wire: ClassVar[types.ModuleType]
 
     def __init__(self, bucket_size: int, is_master: bool = False, **kwargs: Any) -> None:
         self.bucket_size = int(bucket_size)
@@ -93,7 +97,7 @@ class GlooCheckpointEngine(CheckpointEngine):
             return
         import torch.distributed as dist
 
-        timeout = timedelta(seconds=wire.TIMEOUT_S)
+        timeout = timedelta(seconds=self.wire.TIMEOUT_S)
         self._store = dist.TCPStore(
             master["host"], master["port"], world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True
         )
@@ -132,7 +136,7 @@ class GlooCheckpointEngine(CheckpointEngine):
         self.areal_sent = {}
         self.areal_rank = self.rank
         sent, count, pending = 0, 0, None
-        for bucket in wire.buckets(weights, self.bucket_size):  # one bucket of lookahead: the last one says so
+        for bucket in self.wire.buckets(weights, self.bucket_size):  # one bucket of lookahead: the last one says so
             if pending is not None:
                 sent += self._send_bucket(pending, is_last=False)
                 count += 1
@@ -141,7 +145,7 @@ class GlooCheckpointEngine(CheckpointEngine):
         logger.info("areal_gloo: sent %d bytes in %d buckets (version %s)", sent, count + 1, global_steps)
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], is_last: bool) -> int:
-        entries, payload = wire._pack(bucket)
+        entries, payload = self.wire._pack(bucket)
         checksums = [tensor_checksum(tensor) for _, tensor in bucket]  # of what leaves the trainer
         self.areal_sent.update((name, checksum) for (name, _), checksum in zip(bucket, checksums, strict=True))
         self._broadcast_object({"entries": entries, "checksums": checksums, "is_last": is_last})
@@ -197,7 +201,7 @@ class GlooCheckpointEngine(CheckpointEngine):
                 header, payload = self._next_bucket()
                 is_last = header["is_last"]
                 for (name, tensor), sent in zip(
-                    wire._unpack(header["entries"], payload), header["checksums"], strict=True
+                    self.wire._unpack(header["entries"], payload), header["checksums"], strict=True
                 ):
                     received = tensor_checksum(tensor)
                     self.areal_received[name] = received
