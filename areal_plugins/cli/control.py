@@ -22,7 +22,6 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from areal_plugins.records.control_files import CLUSTER_CLEANUP_S, stop_wait_s
 from areal_plugins.records.control_files import SIGTERM_GRACE_S as GRACE_S  # seconds verl gets after SIGTERM
@@ -161,43 +160,21 @@ def kill_run_leftovers(run_dir: Path | str) -> int:
     return killed
 
 
-def nodes_to_clean(nodes: list[dict[str, Any]]) -> list[str]:
-    """The nodes a cluster's cleanup runs a task on: every node Ray reports alive, the head and CPU-only nodes
-    included (a run's engines, reward workers or agent-loop workers may be on any of them); a dead node's
-    processes went with it."""
-    return [str(node["NodeID"]) for node in nodes if node.get("Alive") and node.get("NodeID")]
-
-
 def kill_run_leftovers_on_cluster(address: str, run_dir: Path, timeout_s: float = CLUSTER_CLEANUP_S) -> dict[str, int]:
-    """On a cluster the run joined: one task on every alive node (:func:`nodes_to_clean`) kills the run's processes
-    left there (:func:`kill_run_leftovers`: a process that left its Ray worker's process group outlives the job and
-    holds its GPU's memory). Returns node id -> how many; a node whose task did not answer in ``timeout_s`` is left out
-    and logged."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    """On a cluster the run joined: one task on every alive node (the head and CPU-only nodes included: a run's
+    engines, reward workers or agent-loop workers may be on any of them) kills the run's processes left there
+    (:func:`kill_run_leftovers`: a process that left its Ray worker's process group outlives the job and holds its
+    GPU's memory). Returns node id -> how many; a node whose task did not answer in ``timeout_s`` is left out and
+    logged. This process carries no AREAL_RUN_DIR, nor do the workers of its own job."""
+    from areal_plugins.cli.every_node import on_every_node
 
-    joined = not ray.is_initialized()
-    if joined:  # this process carries no AREAL_RUN_DIR, nor do the workers of its own job
-        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
-    try:
-        task = ray.remote(num_cpus=0, max_retries=0)(kill_run_leftovers)
-        calls = {
-            node: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-                str(run_dir)
-            )
-            for node in nodes_to_clean(ray.nodes())
-        }
-        deadline = time.monotonic() + timeout_s
-        killed: dict[str, int] = {}
-        for node, call in calls.items():
-            try:
-                killed[node] = int(ray.get(call, timeout=max(0.1, deadline - time.monotonic())))
-            except Exception as error:  # the node went meanwhile, or is too busy to answer in time
-                logger.warning("could not look for the run's leftover processes on node %s: %s", node[:8], error)
-        return killed
-    finally:
-        if joined:
-            ray.shutdown()
+    killed: dict[str, int] = {}
+    for answer in on_every_node(address, kill_run_leftovers, str(run_dir), timeout_s=timeout_s):
+        if answer.error is None:
+            killed[answer.node_id] = int(answer.result)
+        else:
+            logger.warning("could not look for the run's leftover processes on node %s: %s", answer.name, answer.error)
+    return killed
 
 
 def end_run_leftovers(run_dir: Path, cluster: str | None) -> int:

@@ -132,10 +132,10 @@ def stops_with_a_checkpoint(config: Any) -> bool:
     (verl's own trainers, ``areal.mode: sync``; a plain verl recipe has no ``areal`` node)."""
     from omegaconf import OmegaConf
 
-    async_trainer = bool(OmegaConf.select(config, "areal.enable", default=False)) and (
-        OmegaConf.select(config, "areal.mode", default="async") == "async"
-    )
-    return async_trainer and float(OmegaConf.select(config, "trainer.save_freq", default=-1) or -1) > 0
+    from areal_plugins.config.settings import areal_settings
+
+    checkpoints = float(OmegaConf.select(config, "trainer.save_freq", default=-1) or -1) > 0
+    return areal_settings(config).async_trainer and checkpoints
 
 
 def train(
@@ -147,6 +147,7 @@ def train(
 
     from areal_plugins.cli.preflight import RecipeRefusedError, run_platform
     from areal_plugins.cli.restarts import RESUME_OVERRIDE, RestartPolicy, SignalLatch
+    from areal_plugins.config.settings import areal_settings
     from areal_plugins.rollout.verl_vllm.cpu_settings import cpu_vllm_overrides, missing_cpu_vllm
 
     recipe = recipe.resolve()
@@ -159,12 +160,17 @@ def train(
         if missing := missing_cpu_vllm(config, platform):
             raise RecipeRefusedError(missing)
         if max_restarts is None:
-            max_restarts = int(OmegaConf.select(config, "areal.max_restarts", default=0) or 0)
+            max_restarts = areal_settings(config).max_restarts
         if max_restarts > 0 and float(OmegaConf.select(config, "trainer.save_freq", default=-1) or -1) <= 0:
             raise RecipeRefusedError(
                 f"--max-restarts {max_restarts} resumes from the last checkpoint, and this recipe writes none: set "
                 "trainer.save_freq to a number of steps (e.g. trainer.save_freq=10), or --max-restarts 0"
             )
+        run_dir = (run_dir or Path("runs") / f"{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+        # Where verl writes checkpoints: ours, unless the user's trainer.default_local_dir (it comes later, so wins).
+        checkpoints = Path(override_value(overrides, "trainer.default_local_dir") or run_dir / "checkpoints")
+        if max_restarts > 0 and address is not None:
+            require_shared_checkpoints(max_restarts, checkpoints, address)
     except RecipeRefusedError as refusal:
         logger.error("refused: %s", refusal)
         return REFUSED_EXIT_CODE
@@ -173,7 +179,6 @@ def train(
         logger.info("trainer.device=%s: verl runs on the CPU platform in every process (VERL_PLATFORM=cpu)", platform)
     for variable, (workload, chosen) in tiny_assets.items():
         env[variable] = str(ensure_tiny_assets(chosen, workload=workload).resolve())
-    run_dir = (run_dir or Path("runs") / f"{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     write_run_args(run_dir, recipe, overrides, tiny_dir)
     fixed = [
         f"--config-path={recipe.parent}",
@@ -181,8 +186,6 @@ def train(
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
         *join_cluster_overrides(address, config.ray_kwargs.ray_init.keys()),
     ]
-    # Where verl writes checkpoints: ours, unless the user's own trainer.default_local_dir (it comes later, so wins).
-    checkpoints = Path(override_value(overrides, "trainer.default_local_dir") or run_dir / "checkpoints")
     policy = RestartPolicy(max_restarts)
     attempt_overrides = list(overrides)
     while True:
@@ -228,6 +231,18 @@ def train(
             return 128 + cancelled
         if RESUME_OVERRIDE not in attempt_overrides:
             attempt_overrides.append(RESUME_OVERRIDE)
+
+
+def require_shared_checkpoints(max_restarts: int, checkpoints: Path, address: str) -> None:
+    """Refuse automatic restarts on a cluster whose nodes do not all see the checkpoint folder
+    (cli/shared_folders.py)."""
+    from areal_plugins.cli.preflight import RecipeRefusedError
+    from areal_plugins.cli.shared_folders import refusal, unshared_nodes
+
+    missing = unshared_nodes(checkpoints, address)
+    if missing:
+        raise RecipeRefusedError(refusal(max_restarts, checkpoints, missing))
+    logger.info("--max-restarts %d: every node of the cluster sees %s", max_restarts, checkpoints)
 
 
 RUN_ARGS_FILE = "run_args.json"

@@ -20,8 +20,8 @@ from areal_plugins.cli.control import (
     kill_run_leftovers,
     leftover_pids,
     new_group_dying_with_parent,
-    nodes_to_clean,
 )
+from areal_plugins.cli.every_node import alive_nodes
 from tests.unit.conftest import wait_until
 
 #: A child that ignores SIGTERM (as a busy verl driver may for a while) and would sleep for a minute; it
@@ -97,7 +97,7 @@ def test_a_clusters_cleanup_runs_on_every_alive_node_the_head_and_cpu_only_nodes
         {"NodeID": "gpu-b", "Alive": False, "Resources": {}},  # lost: its processes went with it
         {"NodeID": "gpu-c", "Alive": True, "Resources": {"CPU": 16.0, "GPU": 8.0}},
     ]
-    assert nodes_to_clean(nodes) == ["head", "gpu-a", "gpu-c"]
+    assert [node for node, _ in alive_nodes(nodes)] == ["head", "gpu-a", "gpu-c"]
 
 
 def test_the_cli_ends_leftovers_on_the_cluster_it_joined_and_only_then(monkeypatch, tmp_path, caplog):
@@ -188,3 +188,21 @@ def test_a_longer_phase_measured_during_the_wait_extends_it(tmp_path):
     write_phase_times(tmp_path, 0.4, [("update", 2.0), ("checkpoint", 0.4)])  # now (2.0 + 0.4) x 1.25 = 3 s
     assert child.wait(timeout=20) == -signal.SIGTERM
     assert time.monotonic() - started >= 2.9
+
+
+def test_a_node_that_reads_no_marker_another_or_none_in_time_does_not_share_the_folder():
+    from areal_plugins.cli.every_node import NodeAnswer
+    from areal_plugins.cli.shared_folders import nodes_without
+
+    answers = [
+        NodeAnswer("aaaaaaaa11", "10.0.0.1", result="token"),
+        NodeAnswer("bbbbbbbb22", "10.0.0.2", result=None),
+        NodeAnswer("cccccccc33", "10.0.0.3", result="other"),
+        NodeAnswer("dddddddd44", "10.0.0.4", error="GetTimeoutError: too slow"),
+    ]
+    assert nodes_without(answers, "token") == [
+        "10.0.0.2 (bbbbbbbb): no such file",
+        "10.0.0.3 (cccccccc): another file",
+        "10.0.0.4 (dddddddd): did not answer (GetTimeoutError: too slow)",
+    ]
+    assert nodes_without(answers[:1], "token") == []
