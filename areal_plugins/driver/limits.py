@@ -129,8 +129,23 @@ def run_limits(
     entry then shows what stands in until it is).
     """
     areal = ArealConfig.from_node(config.get("areal") if hasattr(config, "get") else None)
+    return [
+        *_stall_limits(areal),
+        *_stop_limits(config, areal, longest_phase_s, checkpoint_s),
+        *_reward_limits(config, areal),
+        *_rollout_limits(config, areal, replica_start_s),
+        Limit(
+            "an episode outside the engine at a time (tools, environment)",
+            areal.episodes.environment_timeout_s,
+            RECIPE,
+            "areal.episodes.environment_timeout_s (multi-turn agent loops)",
+        ),
+    ]
+
+
+def _stall_limits(areal: ArealConfig) -> list[Limit]:
+    """The watchdog's: the batch wait, the stall guard and its stop, and a replay's stuck limit."""
     watchdog_s = areal.watchdog_s
-    separate = areal.placement == "separate"
     limits: list[Limit] = []
     add = limits.append
 
@@ -170,12 +185,20 @@ def run_limits(
                 "areal.watchdog_s, with no recorded request of the batch generated meanwhile",
             )
         )
+    return limits
 
+
+def _stop_limits(
+    config: Any, areal: ArealConfig, longest_phase_s: float | None, checkpoint_s: float | None
+) -> list[Limit]:
+    """Stopping a run: Ctrl-C's wait for the checkpointed stop, SIGTERM's grace, the cluster's cleanup."""
+    limits: list[Limit] = []
+    add = limits.append
     checkpoints = int(_select(config, "trainer.save_freq", -1)) > 0 and areal.mode == "async"
     slack = control_files.STOP_WAIT_SLACK
     if checkpoints:
-        phase = longest_phase_s if longest_phase_s is not None else watchdog_s
-        saving = checkpoint_s if checkpoint_s is not None else watchdog_s
+        phase = longest_phase_s if longest_phase_s is not None else areal.watchdog_s
+        saving = checkpoint_s if checkpoint_s is not None else areal.watchdog_s
         measured = longest_phase_s is not None and checkpoint_s is not None
         unmeasured = [
             name for name, value in (("longest phase", longest_phase_s), ("checkpoint", checkpoint_s)) if value is None
@@ -217,7 +240,13 @@ def run_limits(
             (_name(control_files, "CLUSTER_CLEANUP_S"),),
         )
     )
+    return limits
 
+
+def _reward_limits(config: Any, areal: ArealConfig) -> list[Limit]:
+    """The reward service's: one scoring attempt and a scoring process's start (none without the service)."""
+    limits: list[Limit] = []
+    add = limits.append
     reward = areal.reward
     max_tokens = int(_select(config, "data.max_response_length", 0))
     max_chars = max_tokens * sizing.CHARS_PER_TOKEN
@@ -243,10 +272,18 @@ def run_limits(
                 (_name(reward_service, "STARTUP_S"),),
             )
         )
+    return limits
+
+
+def _rollout_limits(config: Any, areal: ArealConfig, replica_start_s: float | None) -> list[Limit]:
+    """The rollout side's: engine statistics, a server's probe, the inbox's drain, a replica's start and end (under
+    ``separate``), an ``areal_gloo`` broadcast."""
+    limits: list[Limit] = []
+    add = limits.append
     add(
         Limit(
             "an engine statistics call",
-            watchdog_s,
+            areal.watchdog_s,
             MEASURED,
             f"areal.watchdog_s until one is measured, then {engine_stats.SLOW_FACTOR:g} x the slowest answered "
             f"(at least {engine_stats.MIN_LIMIT_S:g} s, at most areal.watchdog_s); a late one is counted, not fatal",
@@ -272,7 +309,7 @@ def run_limits(
             (_name(settled_groups, "DRAIN_TIMEOUT_S"),),
         )
     )
-    if separate:
+    if areal.placement == "separate":
         factor = replica_replacement.START_TIMEOUT_FACTOR
         if areal.replica_start_timeout_s is not None:
             start = Limit(
@@ -313,14 +350,6 @@ def run_limits(
                 (_name(gloo, "TIMEOUT_S"),),
             )
         )
-    add(
-        Limit(
-            "an episode outside the engine at a time (tools, environment)",
-            areal.episodes.environment_timeout_s,
-            RECIPE,
-            "areal.episodes.environment_timeout_s (multi-turn agent loops)",
-        )
-    )
     return limits
 
 
