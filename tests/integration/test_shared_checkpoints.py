@@ -40,6 +40,9 @@ def cluster_with_a_private_folder(tmp_path_factory):
     private, shared = base / "node_local", base / "shared"
     private.mkdir()
     shared.mkdir()
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs tmpfs {private}"], capture_output=True)
+    if probe.returncode != 0:  # not root, or namespaces off in this container
+        pytest.skip(f"unshare -m with a tmpfs mount is not permitted here: {probe.stderr.decode().strip()}")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
     ray_cli = str(Path(sys.executable).parent / "ray")
     node = subprocess.Popen(
