@@ -62,34 +62,26 @@ def _verl_driver(config: Any) -> bool:
 
 
 def _token_budget_micro_batches(config: Any) -> bool:
-    node = None if config is None else config.get("areal")
-    if node is None:
-        return False
-    from areal_plugins.config.settings import ArealConfig
+    from areal_plugins.config.settings import areal_settings
 
-    areal = ArealConfig.from_node(node)
+    areal = areal_settings(config)  # no areal node: the defaults, enable false
     return areal.enable and areal.micro_batch.max_tokens is not None
 
 
 def _async_trainer(config: Any) -> bool:
-    node = None if config is None else config.get("areal")
-    if node is None:
-        return False
-    from areal_plugins.config.settings import ArealConfig
+    from areal_plugins.config.settings import areal_settings
 
-    areal = ArealConfig.from_node(node)
-    return areal.enable and areal.mode == "async"
+    return areal_settings(config).async_trainer
 
 
 def _router_replay(config: Any) -> bool:
     """Router replay into the trainer (``enable_rollout_routing_replay`` under ``areal.enable``)."""
-    node = None if config is None else config.get("areal")
-    if node is None:
-        return False
-    from areal_plugins.config.settings import ArealConfig
+    from areal_plugins.config.settings import areal_settings
 
+    if not areal_settings(config).enable:
+        return False
     rollout = (config.get("actor_rollout_ref") or {}).get("rollout") or {}
-    return ArealConfig.from_node(node).enable and bool(rollout.get("enable_rollout_routing_replay", False))
+    return bool(rollout.get("enable_rollout_routing_replay", False))
 
 
 #: (feature, is it enabled for this run?, patch), in the order they are applied.

@@ -32,7 +32,7 @@ from areal_plugins.agent_loop.partial_outputs import (
     snapshot_in_flight,
     write_partials,
 )
-from areal_plugins.config.settings import ArealConfig
+from areal_plugins.config.settings import areal_settings
 from areal_plugins.core.trajectory_rows import output_summary
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class EpisodeAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):  # type: ig
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
-        self.environment_timeout_s = ArealConfig.from_node(config.areal).episodes.environment_timeout_s
+        self.environment_timeout_s = areal_settings(config).episodes.environment_timeout_s
         for tool in self.tools:
             account_tool_calls(tool)
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_plugins.hooks.hookimpl import hookimpl
 
-
-def _settings(config: Any) -> Any:
+if TYPE_CHECKING:
     from areal_plugins.config.settings import ArealConfig
 
-    return ArealConfig.from_node(config.areal)
+
+def _settings(config: Any) -> ArealConfig:
+    from areal_plugins.config.settings import areal_settings
+
+    return areal_settings(config)
 
 
 @hookimpl(trylast=True)
@@ -45,7 +48,7 @@ def areal_make_rollout_manager(
     controller = StalenessController(
         max_staleness=settings.max_staleness,
         batch_size=batch,
-        max_concurrent=settings.max_concurrent_rollouts or (settings.max_staleness + 1) * batch,
+        max_concurrent=settings.concurrent_rollouts(batch),
     )
     return AdmissionLoop(
         controller,

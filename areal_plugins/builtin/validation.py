@@ -7,13 +7,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from areal_plugins.config.settings import ArealConfigError
+from areal_plugins.config.settings import ArealConfigError, areal_settings
 from areal_plugins.hooks.hookimpl import hookimpl
 
 
 @hookimpl(trylast=True)
 def areal_validate_config(config: Any) -> None:
-    areal = config.areal
+    areal = areal_settings(config)
     if not areal.enable:
         return
     actor = config.actor_rollout_ref.actor
@@ -33,7 +33,7 @@ def areal_validate_config(config: Any) -> None:
             "the decoupled objective is a global token mean: set actor_rollout_ref.actor.loss_agg_mode=token-mean "
             f"(got {actor.loss_agg_mode!r}) or areal.loss.decoupled=false"
         )
-    limit = areal.get("max_concurrent_rollouts", None)
+    limit = areal.max_concurrent_rollouts
     if areal.mode == "async" and limit is not None and limit < config.data.train_batch_size:
         raise ArealConfigError(
             f"areal.max_concurrent_rollouts={limit} can never fill a batch of data.train_batch_size="
@@ -48,7 +48,7 @@ def areal_validate_config(config: Any) -> None:
     if areal.mode == "async":
         from areal_plugins.rollout.capabilities import check_backend_capabilities
 
-        check_backend_capabilities(str(rollout.name), list(areal.get("waive_capabilities") or []))
+        check_backend_capabilities(str(rollout.name), list(areal.waive_capabilities))
     if rollout.name == "vllm":  # both modes build our checked vLLM server (rollout/verl_vllm/)
         check_verl_vllm_settings(config)
         if areal.mode == "async":
@@ -65,7 +65,7 @@ def areal_validate_config(config: Any) -> None:
                 "areal.placement=separate needs the size of the rollout pool: set actor_rollout_ref.rollout.nnodes "
                 f"and actor_rollout_ref.rollout.n_gpus_per_node (got {rollout.nnodes} x {rollout.n_gpus_per_node})"
             )
-    budget = (areal.get("micro_batch") or {}).get("max_tokens", None)
+    budget = areal.micro_batch.max_tokens
     longest = config.data.max_prompt_length + config.data.max_response_length
     if budget is not None and not (actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu == budget):
         raise ArealConfigError(
@@ -251,7 +251,7 @@ def check_support_matrix(config: Any) -> None:
     """Refuse the setups of docs/support.md that no test of ours covers, each in one line naming the key to change."""
     from areal_plugins.rollout.capabilities import require_feature
 
-    areal = config.areal
+    areal = areal_settings(config)
     if not areal.enable:
         return
     actor = config.actor_rollout_ref.actor

@@ -166,12 +166,11 @@ def _check_composed(config: Any) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from areal_plugins.config.routing import route_composed_config
-    from areal_plugins.config.settings import ArealConfig
+    from areal_plugins.config.settings import areal_settings
     from areal_plugins.plugin_manager import PluginError
 
     try:
-        node = config.get("areal")
-        areal = ArealConfig.from_node(node) if node is not None else None
+        areal = areal_settings(config)  # no areal node: the defaults, enable false
         route_composed_config(config)
         OmegaConf.resolve(config)
     except ValueError as error:  # ArealConfigError, or a resolver's refusal
@@ -179,7 +178,7 @@ def _check_composed(config: Any) -> None:
     except OmegaConfBaseException as error:
         raise RecipeRefusedError(f"the recipe cannot be resolved: {one_line(error)}") from None
     _verl_validation(config)
-    if areal is not None and areal.enable:
+    if areal.enable:
         from areal_plugins.plugin_manager import Hooks, build_plugin_manager
 
         try:  # the run's plugin selection, in a manager of our own: this process's plugins stay as they are

@@ -146,3 +146,22 @@ def cap_threshold(loss: LossConfig) -> float | str:
     if cap is None:
         return NO_CAP
     return float(cap) if loss.behav_imp_weight_mode == "clamp" else f"1e-12_{float(cap)}"
+
+
+def pin_plugin_selection(config: Any, names: list[str]) -> list[str]:
+    """Write the plugin set chosen here into the config verl hands to its workers; return it.
+
+    The recipe routes ``areal.plugins`` to the reward workers (``reward_kwargs.areal_plugins``); verl may
+    have resolved that copy already, so both are set. A node missing one of ``names`` then fails with
+    an error naming it instead of running without the plugin.
+    """
+    from omegaconf import open_dict
+
+    nodes = [config.areal.plugins]
+    reward_kwargs: Any = config.get("reward", {}).get("custom_reward_function", {}).get("reward_kwargs") or {}
+    if reward_kwargs.get("areal_plugins") is not None:
+        nodes.append(reward_kwargs.areal_plugins)
+    for node in nodes:
+        with open_dict(node):
+            node.include, node.exclude = list(names), []
+    return list(names)

@@ -10,17 +10,26 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import json
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal, get_args
 
-MODES = ("async", "sync")
-PLACEMENTS = ("colocated", "separate")
-PROX_LOGP = ("recompute", "loglinear")
+#: ``areal.mode``; ``areal.placement``; ``areal.loss.prox_logp``: the choices, typed (mypy checks a comparison
+#: or an assignment against them) and listed at run time (``__post_init__`` names them in its refusal).
+Mode = Literal["async", "sync"]
+Placement = Literal["colocated", "separate"]
+ProxLogp = Literal["recompute", "loglinear"]
 #: The same choices as :data:`areal_plugins.core.buffer.ON_STALE` and
 #: :data:`areal_plugins.core.losses.WEIGHT_MODES` (a test ties them; this module stays a leaf).
-ON_STALE = ("wait", "drop", "reissue")
-WEIGHT_MODES = ("mask", "clamp")
+OnStale = Literal["wait", "drop", "reissue"]
+WeightMode = Literal["mask", "clamp"]
+MODES: tuple[str, ...] = get_args(Mode)
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
+PROX_LOGP: tuple[str, ...] = get_args(ProxLogp)
+ON_STALE: tuple[str, ...] = get_args(OnStale)
+WEIGHT_MODES: tuple[str, ...] = get_args(WeightMode)
 
 
 class ArealConfigError(ValueError):
@@ -38,10 +47,10 @@ class LossConfig:
     behav_imp_weight_cap: float | None = field(
         default=5.0, metadata={"help": "cap on w = π_prox/π_behav (> 1), null for none; paper: 5"}
     )
-    behav_imp_weight_mode: str = field(
+    behav_imp_weight_mode: WeightMode = field(
         default="mask", metadata={"help": "mask: drop tokens with w > cap; clamp: use min(w, cap)"}
     )
-    prox_logp: str = field(
+    prox_logp: ProxLogp = field(
         default="recompute",
         metadata={
             "help": "recompute: a forward pass gives π_prox; loglinear: interpolate from per-token versions "
@@ -219,7 +228,7 @@ class ArealConfig:
     """``areal``: switch and settings of areal_plugins."""
 
     enable: bool = field(default=False, metadata={"help": "true turns our features on; false leaves verl as is"})
-    mode: str = field(default="async", metadata={"help": "async or sync training"})
+    mode: Mode = field(default="async", metadata={"help": "async or sync training"})
     max_staleness: int = field(
         default=4,
         metadata={
@@ -227,11 +236,11 @@ class ArealConfig:
             "0 = synchronous; paper: 4-8"
         },
     )
-    placement: str = field(
+    placement: Placement = field(
         default="colocated",
         metadata={"help": "colocated: engines pause while the trainer trains; separate: both run all the time"},
     )
-    on_stale: str = field(
+    on_stale: OnStale = field(
         default="wait",
         metadata={
             "help": "a buffered group beyond η at consumption: wait = train on it, drop = reject, "
@@ -337,6 +346,23 @@ class ArealConfig:
                 f"areal.waive_capabilities must be a list of capability names, e.g. [weight_checksum], got {waived!r}"
             )
 
+    @property
+    def async_trainer(self) -> bool:
+        """Whether the run uses our asynchronous trainer (``areal.enable: true`` with ``areal.mode: async``)."""
+        return self.enable and self.mode == "async"
+
+    def concurrent_rollouts(self, batch_size: int) -> int:
+        """Most prompt groups admitted at once: ``areal.max_concurrent_rollouts``, else (η + 1) x B.
+
+        With η = ``max_staleness`` and B = ``data.train_batch_size`` prompt groups, (η + 1) x B is the staleness
+        bound's capacity at version 0 with nothing accepted, (η + v + 1) x B - (accepted + running) at v = 0
+        (AReaL, arXiv 2505.24298 §5.1; :mod:`areal_plugins.core.staleness`). The one place this default is
+        computed.
+        """
+        if self.max_concurrent_rollouts is not None:
+            return int(self.max_concurrent_rollouts)
+        return (self.max_staleness + 1) * int(batch_size)
+
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> ArealConfig:
         """Build from the plain ``areal:`` mapping; unknown keys fail with the closest valid key."""
@@ -348,7 +374,30 @@ class ArealConfig:
         from omegaconf import OmegaConf
 
         values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-        return cls.from_dict(values)  # type: ignore[arg-type]
+        if cls is not ArealConfig:
+            return cls.from_dict(values)  # type: ignore[arg-type]
+        try:
+            key = json.dumps(values, sort_keys=True)
+        except (TypeError, ValueError):  # not plain data: parsed (and refused) uncached
+            return cls.from_dict(values)  # type: ignore[arg-type]
+        return _parsed(key)
+
+
+@functools.lru_cache(maxsize=32)
+def _parsed(key: str) -> ArealConfig:
+    """:meth:`ArealConfig.from_dict` of a node's JSON text: frozen settings, shared by every reader of that node."""
+    return ArealConfig.from_dict(json.loads(key))
+
+
+def areal_settings(config: Any) -> ArealConfig:
+    """The typed settings of a whole recipe (its ``areal`` node; every default where the node is absent).
+
+    The one way code outside this package's ``config/`` reads ``areal.*`` given the whole verl config: no module
+    reads a raw ``areal`` key (a test holds it), so every default is the one declared here. Parsed once per distinct
+    node: the result is cached by the node's resolved contents, so a node changed in place is parsed again.
+    """
+    node = config.get("areal") if config is not None and hasattr(config, "get") else None
+    return ArealConfig.from_node(node)
 
 
 def _build(cls: type, values: dict[str, Any], path: str) -> Any:

@@ -43,7 +43,7 @@ from areal_plugins.agent_loop.partial_outputs import (
     save_partials,
 )
 from areal_plugins.config.routing import ASYNC_MODE
-from areal_plugins.config.settings import ArealConfig, ArealConfigError
+from areal_plugins.config.settings import ArealConfigError, areal_settings
 from areal_plugins.core.trajectory import keep_every_trajectory
 from areal_plugins.driver.admission import require_single_prompt_fetches
 from areal_plugins.driver.async_checkpoint import (
@@ -123,7 +123,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     """
 
     def __init__(self, config: Any) -> None:
-        self.areal = ArealConfig.from_node(config.areal)
+        self.areal = areal_settings(config)
         backend = str(config.actor_rollout_ref.rollout.name)
         waived = check_backend_capabilities(backend, self.areal.waive_capabilities)  # refuses what is missing
         if waived:

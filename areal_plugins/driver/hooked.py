@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from areal_plugins.config.routing import pin_plugin_selection
+from areal_plugins.config.settings import areal_settings
 from areal_plugins.driver.length_order import order_batch_by_length, pads_micro_batches
 from areal_plugins.driver.worker_calls import apply_patches_in_workers, run_in_workers
 from areal_plugins.plugin_manager import HOOKS, configure_plugins, selected_plugin_names
@@ -15,24 +17,7 @@ from areal_plugins.records.control_files import RunStoppedOnRequestError
 
 logger = logging.getLogger(__name__)
 
-
-def pin_plugin_selection(config: Any, names: list[str]) -> list[str]:
-    """Write the plugin set chosen here into the config verl hands to its workers; return it.
-
-    The recipe routes ``areal.plugins`` to the reward workers (``reward_kwargs.areal_plugins``); verl may
-    have resolved that copy already, so both are set. A node missing one of ``names`` then fails with
-    an error naming it instead of running without the plugin.
-    """
-    from omegaconf import open_dict
-
-    nodes = [config.areal.plugins]
-    reward_kwargs: Any = config.get("reward", {}).get("custom_reward_function", {}).get("reward_kwargs") or {}
-    if reward_kwargs.get("areal_plugins") is not None:
-        nodes.append(reward_kwargs.areal_plugins)
-    for node in nodes:
-        with open_dict(node):
-            node.include, node.exclude = list(names), []
-    return list(names)
+__all__ = ["HookedTrainerMixin", "pin_plugin_selection"]
 
 
 class HookedTrainerMixin:
@@ -56,7 +41,7 @@ class HookedTrainerMixin:
             from areal_plugins.rollout.verl_vllm.server import use_checked_vllm_replicas
 
             use_checked_vllm_replicas(self.config.actor_rollout_ref.rollout)
-        plugins = self.config.areal.plugins
+        plugins = areal_settings(self.config).plugins
         # "All installed" means the driver's machine's plugins: every worker, on any node, loads these.
         include = pin_plugin_selection(self.config, selected_plugin_names(plugins.include, list(plugins.exclude or [])))
         manager = configure_plugins(include=include, exclude=[])

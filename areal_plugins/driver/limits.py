@@ -11,7 +11,7 @@ cannot be added silently.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import areal_plugins.actors.settled_groups as settled_groups
 import areal_plugins.driver.engine_stats as engine_stats
@@ -21,7 +21,10 @@ import areal_plugins.driver.watchdog as watchdog
 import areal_plugins.records.control_files as control_files
 import areal_plugins.rewards.service as reward_service
 import areal_plugins.rewards.sizing as sizing
-from areal_plugins.config.settings import ArealConfig
+from areal_plugins.config.settings import areal_settings
+
+if TYPE_CHECKING:
+    from areal_plugins.config.settings import ArealConfig
 
 #: Where a limit's value comes from.
 RECIPE, MEASURED, DERIVED, CONSTANT = "recipe key", "measured", "derived", "constant"
@@ -100,7 +103,7 @@ def reward_workers(config: Any) -> int:
 def scorers(config: Any, cpu_nodes: int | None, cpus_per_node: int | None) -> tuple[int | None, str, str]:
     """The scoring processes per verl reward worker: ``(count or None, kind, source)``; None: sized at startup, from
     the nodes' CPUs (``cpus_per_node`` not known here)."""
-    areal = ArealConfig.from_node(config.get("areal") if hasattr(config, "get") else None)
+    areal = areal_settings(config)
     configured = areal.reward.num_workers
     if configured is not None:
         return configured, RECIPE, "areal.reward.num_workers"
@@ -128,7 +131,7 @@ def run_limits(
     ``replica_start_s``, ``longest_phase_s``, ``checkpoint_s``: what the run measured so far (None: not yet; the
     entry then shows what stands in until it is).
     """
-    areal = ArealConfig.from_node(config.get("areal") if hasattr(config, "get") else None)
+    areal = areal_settings(config)
     return [
         *_stall_limits(areal),
         *_stop_limits(config, areal, longest_phase_s, checkpoint_s),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_plugins.config.errors import RecipeRefusedError
+from areal_plugins.config.settings import areal_settings
 from areal_plugins.planning.hardware import ModelShape
 from areal_plugins.planning.model_shapes import KnownModel, UnknownModelError, resolve
 from areal_plugins.planning.trainer_memory import TrainerSetup, trainer_memory
@@ -85,8 +86,8 @@ def fit_cluster(config: Any, cluster: Cluster, model_config: Path | None = None)
     """
     trainer = config.trainer
     rollout = config.actor_rollout_ref.rollout
-    areal = config.get("areal") or {}
-    separate = bool(areal.get("enable")) and areal.get("mode") == "async" and areal.get("placement") == "separate"
+    areal = areal_settings(config)
+    separate = areal.async_trainer and areal.placement == "separate"
     for name, per_node in (("trainer.n_gpus_per_node", trainer.n_gpus_per_node),) + (
         (("actor_rollout_ref.rollout.n_gpus_per_node", rollout.n_gpus_per_node),) if separate else ()
     ):
@@ -267,8 +268,8 @@ def _trainer_memory(
     mixed_key = "actor_rollout_ref.actor.fsdp_config.mixed_precision"
     padding_note = ""
     if actor.get("use_dynamic_bsz") and not config.actor_rollout_ref.model.get("use_remove_padding", False):
-        areal_on = bool((config.get("areal") or {}).get("enable"))
-        if not (areal_on and ((config.areal.get("micro_batch") or {}).get("max_tokens") is not None)):
+        areal = areal_settings(config)
+        if not (areal.enable and areal.micro_batch.max_tokens is not None):
             # verl's own token-budget micro-batches count real tokens, then pad each to its longest sequence
             padding_note = (
                 f" (padding not counted: verl pads each micro-batch of up to {tokens} real tokens to its longest "

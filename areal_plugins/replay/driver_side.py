@@ -24,6 +24,7 @@ import ray
 from omegaconf import OmegaConf
 
 from areal_plugins.agent_loop.partial_outputs import PARTIALS_DIR
+from areal_plugins.config.settings import areal_settings
 from areal_plugins.core.buffer import BufferedGroup
 from areal_plugins.core.trajectory_rows import REPLAY_OF
 from areal_plugins.records.compare import METRIC_FIELDS, Divergence, read_metrics, read_samples, same, step_divergence
@@ -67,10 +68,11 @@ def resumed_checkpoint(config: Any) -> Path | None:
     Refused unless colocated: there the checkpoint is taken with the engines asleep, every request cut where the
     record cut it, so what it keeps ends on a recorded request. With ``placement: separate`` the engines keep
     generating under the old weights while the checkpoint is taken, and that output cannot be made again."""
-    from_step = int(OmegaConf.select(config, "areal.replay.from_step", default=0) or 0)
+    settings = areal_settings(config)
+    from_step = settings.replay.from_step
     if from_step == 0:
         return None
-    if OmegaConf.select(config, "areal.placement", default="colocated") != "colocated":
+    if settings.placement != "colocated":
         raise ReplayError(
             "a replay from a checkpoint needs a run recorded with areal.placement=colocated: with separate engines the "
             "requests in flight at the checkpoint were generating under weights the checkpoint does not hold. Replay "
@@ -185,7 +187,7 @@ class ReplayDriver:
     def __init__(self, config: Any, recorded_dir: Path, recorder: RunRecorder) -> None:
         require_replayable(config)
         self.recorded_dir = recorded_dir
-        self.stuck_s = float(OmegaConf.select(config, "areal.watchdog_s", default=900.0))
+        self.stuck_s = float(areal_settings(config).watchdog_s)
         self.recorder = recorder
         answers = int(OmegaConf.select(config, "actor_rollout_ref.rollout.n", default=1) or 1)
         self.schedule = ReplaySchedule.from_run(recorded_dir, answers, resumed_checkpoint(config))

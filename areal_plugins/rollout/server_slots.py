@@ -45,11 +45,10 @@ def bound_requests_from_config(config: Any) -> int:
     trainer's ``areal.max_concurrent_rollouts``, else (η + 1) x batch; a synchronous step's batch) x answers each."""
     from omegaconf import OmegaConf
 
+    from areal_plugins.config.settings import areal_settings
+
     batch = int(OmegaConf.select(config, "data.train_batch_size"))
     answers = int(OmegaConf.select(config, "actor_rollout_ref.rollout.n", default=1) or 1)
-    groups = batch
-    if OmegaConf.select(config, "areal.mode", default="sync") == "async":
-        limit = OmegaConf.select(config, "areal.max_concurrent_rollouts", default=None)
-        eta = int(OmegaConf.select(config, "areal.max_staleness", default=0) or 0)
-        groups = int(limit) if limit is not None else (eta + 1) * batch
+    settings = areal_settings(config)
+    groups = settings.concurrent_rollouts(batch) if settings.mode == "async" else batch
     return groups * answers
