@@ -161,7 +161,7 @@ def get_plugin_manager() -> pluggy.PluginManager:
     """The process-wide manager: every installed plugin until :func:`configure_plugins` selects some.
 
     The run's selection (``areal.plugins``) reaches each process from the composed config: the driver
-    configures itself and the trainer workers (``trainers.hooked``), the reward workers read it from
+    configures itself and the trainer workers (``driver.hooked``), the reward workers read it from
     their ``reward_kwargs`` (``rewards.hooked``).
     """
     global _manager

@@ -7,8 +7,8 @@ seam, and what runs beside them there (admission, supervision, replicas, checkpo
 - ``areal_sync`` (:mod:`.hooked`): verl's synchronous trainer plus our lifecycle hooks.
 
 ``areal.enable: true`` routes ``trainer.v1.trainer_mode`` to one of them (:mod:`areal_plugins.config.routing`).
-The decoupled objective is registered as verl policy losses (:mod:`.policy_loss`); :mod:`.baseline_sampler`
-is the fair synchronous baseline of the benchmarks.
+The decoupled objective is registered as verl policy losses by the trainer workers
+(:mod:`areal_plugins.trainer_workers.policy_loss`).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ list (base.py:464). So an edit of the server manager's list in place next to the
 addition lands twice while the list is still shared, and after the first removal the two managers no longer share
 one. :class:`ReplicaLists` therefore rebuilds the server manager's lists (new objects), calls verl's seam for the
 checkpoint manager, and checks after every change that both hold the same replicas in the same order; the drop of a
-dead replica and the join of a replacement both go through it, so neither half can be forgotten (commit 9a4991b
-called the seam from the replacer only, and the dead replica's worker stayed in the staged sync's group).
+dead replica and the join of a replacement both go through it, so neither half can be forgotten (the dead replica's
+worker would otherwise stay in the staged sync's group).
 """
 
 from __future__ import annotations

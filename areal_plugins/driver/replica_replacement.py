@@ -79,11 +79,6 @@ def free_per_node() -> dict[str, dict[str, float]]:
     return available_resources_per_node()
 
 
-def free_device_count() -> float:
-    """Devices Ray has free now across the cluster (GPUs, or NPUs on Ascend)."""
-    return sum(node.get(device_resource(node), 0.0) for node in free_per_node().values())
-
-
 def placement_shortfall(
     free: dict[str, dict[str, float]], devices_per_node: int, nodes: int, cpus_per_device: float = CPUS_PER_DEVICE
 ) -> str | None:

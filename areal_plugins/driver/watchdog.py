@@ -77,10 +77,6 @@ class StallGuard:
         self._paused = False
         self._done = threading.Event()
 
-    @property
-    def current_limit_s(self) -> float:
-        return self.limit_s
-
     def beat(self, phase: str | None = None) -> None:
         """The trainer moved (its wait, or a phase finished); ``phase``: what it does from now on."""
         self._last_beat = self.clock()

@@ -276,9 +276,6 @@ class CPURolloutServer(RolloutServer):
     async def get_version(self) -> int:
         return self.engine.version
 
-    async def get_weights_checksum(self) -> str:
-        return weights_checksum(self.engine.base_state_dict())
-
     async def get_stats(self) -> dict[str, Any]:
         return {
             "generated_tokens": self.engine.generated_tokens,
