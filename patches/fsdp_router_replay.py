@@ -8,7 +8,8 @@ routers with the micro-batch's recorded routes, laid out as verl just laid out `
 suffix, or right-padded); :mod:`areal_plugins.trainer_workers.router_replay` does the routing. Every forward pass of
 the engine replays: the proximal (old) log-prob pass, the update, and a reference model's pass.
 *Upstream*: no seam in verl 0.9.1 (the FSDP engine has no router-replay hook; VeOmni's engine subclasses it and arms
-its own controller in the same method). *Remove when*: verl's FSDP engine reads ``routed_experts``.
+its own controller in the same method). *Remove when*: verl's FSDP engine reads ``routed_experts``; watch verl issue
+#5392 (open: routing replay under FSDP training) and verl PR #4443 (open: routing replay with SGLang and FSDP).
 
 Selected by ``actor_rollout_ref.rollout.enable_rollout_routing_replay: true`` under ``areal.enable``; the trainer
 applies it inside its worker processes (:func:`areal_plugins.driver.worker_calls.apply_patches_in_workers`).
@@ -21,9 +22,9 @@ import functools
 from typing import Any
 
 from areal_plugins.patches._base import AttributePatch
-from packaging.specifiers import SpecifierSet
 
-SUPPORTED_VERL = SpecifierSet(">=0.9.1,<0.9.2")
+from areal_plugins._compat import SUPPORTED_VERL
+
 TARGETS = (("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead.prepare_model_inputs"),)
 #: The engine attribute holding its model's :class:`~areal_plugins.trainer_workers.router_replay.RouterReplay`.
 REPLAY_ATTRIBUTE = "_areal_router_replay"

@@ -4,7 +4,9 @@
 ``"cpu:gloo,cpu:gloo"``, which torch rejects ("Duplicate device type cpu"). No config or platform
 hook controls the string, so the CPU platform cannot avoid it.
 *Upstream*: no seam exists (verl 0.9.1 ``verl/utils/distributed.py``).
-*Remove when*: verl de-duplicates the device types in that string or lets the platform give it.
+*Remove when*: verl de-duplicates the device types in that string or lets the platform give it; no upstream issue
+yet: watch ``verl/utils/distributed.py`` (verl PR #7512, merged, had ``initialize_global_process_group`` build the
+same ``cpu:gloo,<device>:<backend>`` string as the Ray initializer patched here).
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import functools
 from typing import Any
 
 from areal_plugins.patches._base import AttributePatch
-from packaging.specifiers import SpecifierSet
 
-SUPPORTED_VERL = SpecifierSet(">=0.9.1,<0.9.2")
+from areal_plugins._compat import SUPPORTED_VERL
+
 #: ``engine_workers`` imported the function by name, so its copy is patched too.
 TARGETS = (
     ("verl.utils.distributed", "initialize_global_process_group_ray"),

@@ -11,7 +11,8 @@ passed a ``master_port_range`` of its own, verl's original choice is kept.
 Applied with the CPU platform only (``VERL_PLATFORM=cpu``), in every process, before verl creates its workers.
 *Upstream*: no seam (verl 0.9.1 ``verl/single_controller/ray/base.py``, ``get_master_addr_port``; the worker
 group's ``master_port_range`` is not reachable from a recipe).
-*Remove when*: verl binds the port it hands out until the trainer takes it, or exposes ``master_port_range``.
+*Remove when*: verl binds the port it hands out until the trainer takes it, or exposes ``master_port_range``;
+watch verl issues #3147 and #5889 (open: a worker's ``init_process_group`` fails with ``EADDRINUSE``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 from areal_plugins.patches._base import AttributePatch
-from packaging.specifiers import SpecifierSet
 
+from areal_plugins._compat import SUPPORTED_VERL
 from areal_plugins.platforms.ports import LOWEST_PORT, ephemeral_range, port_outside_ephemeral_range
 
-SUPPORTED_VERL = SpecifierSet(">=0.9.1,<0.9.2")
 MODULE = "verl.single_controller.ray.base"
 __all__ = ["LOWEST_PORT", "MODULE", "apply", "ephemeral_range", "is_applied", "port_outside_ephemeral_range", "revert"]
 

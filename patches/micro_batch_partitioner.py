@@ -12,7 +12,9 @@ name into ``verl.workers.engine.utils``.
 loss normalisation (the engine counts the global batch's tokens before it splits, so the global
 token mean does not depend on the partition) and the restore of the original order (from the index
 lists returned here).
-*Upstream*: no seam in verl 0.9.1. *Remove when*: verl lets the engine config name a partitioner.
+*Upstream*: no seam in verl 0.9.1. *Remove when*: verl lets the engine config name a
+partitioner; no upstream issue yet: watch ``verl/workers/engine/utils.py`` (``rearrange_micro_batches``, replaced
+whole here; verl PRs #7553, merged, and #6735, open, change how verl partitions).
 
 The trainer applies it inside the actor worker processes
 (:func:`areal_plugins.driver.worker_calls.apply_patches_in_workers`).
@@ -26,8 +28,8 @@ import os
 from typing import Any
 
 from areal_plugins.patches._base import AttributePatch
-from packaging.specifiers import SpecifierSet
 
+from areal_plugins._compat import SUPPORTED_VERL
 from areal_plugins.core.microbatch import ffd_allocate, padded_allocate
 
 #: The packing per engine mode: FFD where verl removes padding, runs of like length where it pads.
@@ -35,7 +37,6 @@ ALLOCATORS = {"ffd": ffd_allocate, "padded_runs": padded_allocate}
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VERL = SpecifierSet(">=0.9.1,<0.9.2")
 TARGETS = (("verl.workers.engine.utils", "rearrange_micro_batches"),)
 #: One line per partition, when ``$AREAL_RUN_DIR`` is set: what was packed and how full.
 LOG_NAME = "micro_batches.jsonl"

@@ -8,7 +8,8 @@ except ``validate_config``, which ``main_ppo`` calls on the composed config in t
 starts. Wrapping it routes the config there (:func:`areal_plugins.config.routing.route_composed_config`) or
 stops with the key to change.
 *Upstream*: no seam exists (verl 0.9.1 ``verl/trainer/main_ppo.py`` calls ``validate_config`` directly).
-*Remove when*: verl offers a config-transform hook or an entry point for config groups of plugins.
+*Remove when*: verl offers a config-transform hook or an entry point for config groups of plugins; no upstream
+issue yet: watch ``verl/trainer/main_ppo.py``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import logging
 from typing import Any
 
 from areal_plugins.patches._base import AttributePatch
-from packaging.specifiers import SpecifierSet
+
+from areal_plugins._compat import SUPPORTED_VERL
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VERL = SpecifierSet(">=0.9.1,<0.9.2")
 #: ``main_ppo`` binds the name when it is imported, after ``import verl`` loaded our plugin.
 TARGETS = (("verl.utils.config", "validate_config"),)
 

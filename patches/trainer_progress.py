@@ -9,7 +9,8 @@ the same micro-batches in a list that reports each one as the loop takes it
 (:func:`areal_plugins.actors.progress_board.report_progress`, ``trainer_micro_batches``); nothing else changes.
 Megatron's engine is not covered (verl's megatron engine does not import here); there the guard sees the
 engines, the phases and the weight syncs only.
-*Upstream*: no seam in verl 0.9.1. *Remove when*: verl's engine offers a per-micro-batch callback.
+*Upstream*: no seam in verl 0.9.1. *Remove when*: verl's engine offers a per-micro-batch
+callback; no upstream issue yet: watch ``verl/workers/engine/fsdp/transformer_impl.py`` (``prepare_micro_batches``).
 
 The trainer applies it inside the actor worker processes
 (:func:`areal_plugins.driver.worker_calls.apply_patches_in_workers`).
@@ -22,9 +23,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from areal_plugins.patches._base import AttributePatch
-from packaging.specifiers import SpecifierSet
 
-SUPPORTED_VERL = SpecifierSet(">=0.9.1,<0.9.2")
+from areal_plugins._compat import SUPPORTED_VERL
+
 TARGETS = (("verl.workers.engine.fsdp.transformer_impl", "prepare_micro_batches"),)
 #: The progress counter the stall guard reads.
 KIND = "trainer_micro_batches"

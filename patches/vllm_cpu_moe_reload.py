@@ -13,7 +13,8 @@ update into a model with fused experts.
 *Upstream*: no seam (vLLM 0.30.0 ``model_executor/layers/fused_moe/unquantized_fused_moe_method.py``,
 ``_setup_kernel``: its ``is_weight_update`` branch).
 *Remove when*: vLLM packs the CPU experts on a reload itself; this patch would pack them twice, so it refuses vLLM
-versions it was not checked on.
+versions it was not checked on. Watch vLLM issue #42821 (open: ``model.load_weights`` corrupts the MoE forward on a
+second load, through the same ``_setup_kernel``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ Applied by our vLLM worker extension (rollout/verl_vllm/worker_extension.py) in 
 the engine serves LoRA: nothing else imports vLLM's model code.
 *Upstream*: no seam (verl 0.9.1 ``verl/utils/vllm/utils.py`` ``hijack__load_adapter``; vLLM renamed the method in
 ``vllm/model_executor/models/utils.py``).
-*Remove when*: verl calls ``get_rename_mapper`` (or supports vLLM >= 0.30), or verl's vLLM pin is the CPU build's.
+*Remove when*: verl calls ``get_rename_mapper`` (or supports vLLM >= 0.30), or verl's vLLM pin is the CPU build's;
+watch verl PR #7453 (merged: verl's LoRA sync maps names through vLLM's unstacked mapper, the method vLLM 0.29
+renamed ``get_rename_mapper``).
 """
 
 from __future__ import annotations
@@ -18,13 +20,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
-
-from areal_plugins._compat import check_verl_version
+from areal_plugins._compat import SUPPORTED_VERL, check_verl_version
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VERL = SpecifierSet(">=0.9.1,<0.9.2")
 #: The class patched and the name added (vLLM's ``vllm/model_executor/models/utils.py``).
 TARGET = "vllm.model_executor.models.utils:WeightsMapper"
 OLD_NAME = "get_unstacked_mapper"
