@@ -48,7 +48,6 @@ from areal_plugins.core.trajectory import keep_every_trajectory
 from areal_plugins.driver.admission import require_single_prompt_fetches
 from areal_plugins.driver.async_checkpoint import (
     DrawCounts,
-    checkpoint_before_stopping,
     checkpoint_folder,
     restore_async_state,
     resume_folder,
@@ -57,6 +56,7 @@ from areal_plugins.driver.async_checkpoint import (
 from areal_plugins.driver.engine_stats import EngineStats
 from areal_plugins.driver.hooked import HookedTrainerMixin
 from areal_plugins.driver.limits import format_limits, run_limits
+from areal_plugins.driver.phase_clock import PhaseClock
 from areal_plugins.driver.placements import placement_for
 from areal_plugins.driver.replica_lists import ReplicaLists
 from areal_plugins.driver.replica_pool import ReplicaPool, RolloutServerDiedError, weight_group_rebuilt_each_sync
@@ -65,23 +65,20 @@ from areal_plugins.driver.schedule_source import LiveSchedule, ScheduleSource
 from areal_plugins.driver.step_metrics import (
     admission_metrics,
     consumed_metrics,
+    resume_metrics,
+    run_state_metrics,
     write_accounting,
     write_samples,
     write_step_line,
 )
+from areal_plugins.driver.stop_control import stop_on_request, stop_requested
 from areal_plugins.driver.supervision import Supervisor
 from areal_plugins.hooks.contracts import AdmissionCounters, require_contract
 from areal_plugins.hooks.contracts import RolloutManager as RolloutManagerContract
 from areal_plugins.hooks.contracts import SampleBuffer as SampleBufferContract
 from areal_plugins.plugin_manager import HOOKS
-from areal_plugins.records.control_files import (
-    PHASE_TIMES_FILE,
-    STOP_REQUEST_FILE,
-    PhaseTimes,
-    RunStoppedOnRequestError,
-)
 from areal_plugins.records.sink import start_record_sink
-from areal_plugins.records.writer import RunRecorder, record_exists
+from areal_plugins.records.writer import RunRecorder
 from areal_plugins.replay.driver_side import ReplayDriver
 from areal_plugins.rollout.capabilities import check_backend_capabilities
 
@@ -183,9 +180,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             board=start_progress_board(),  # before verl creates the trainer workers that report to it
         )
         # What the CLI's Ctrl-C waits for: the longest phase and checkpoint measured (cli/control.py).
-        self.phase_times = PhaseTimes(self.areal.watchdog_s)
-        self._phase_started = time.monotonic()
-        self.recorder.write(PHASE_TIMES_FILE, self.phase_times.record())
+        self.phase_clock = PhaseClock(self.areal.watchdog_s, self.recorder)
 
     # ------------------------------------------------------------------ construction
 
@@ -304,31 +299,31 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     # ------------------------------------------------------------------ phase boundaries
 
     def _phase_end(self, phase: str, next_phase: str) -> None:
-        """``phase`` ended: measure it (for the CLI's stop grace), tell the stall guard, look for a stop request."""
-        now = time.monotonic()
-        if self.phase_times.measured(phase, now - self._phase_started):
-            self.recorder.write(PHASE_TIMES_FILE, self.phase_times.record())
-        self._phase_started = now
+        """``phase`` ended: measure it (for the CLI's stop grace) and tell the stall guard what comes next."""
+        self.phase_clock.end(phase)
         self.supervisor.phase(next_phase)
 
-    def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
-        self._phase_end("reward and balance", "old log-probs")
-        batch = super()._compute_old_log_prob(batch, metrics)
-        self._phase_end("old log-probs", "advantages")
-        self._stop_at_boundary(trained=False)
+    def _in_phase(self, phases: tuple[str, str, str], compute: Any, batch: Any, metrics: dict, trained: bool) -> Any:
+        """Run verl's ``compute`` as the middle of ``phases`` (the one before, its own, the one after); a stop
+        requested meanwhile is honoured once it is done (:meth:`_stop_at_boundary`)."""
+        before, phase, after = phases
+        self._phase_end(before, phase)
+        batch = compute(batch, metrics)
+        self._phase_end(phase, after)
+        self._stop_at_boundary(trained=trained)
         return batch
 
+    def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
+        phases = ("reward and balance", "old log-probs", "advantages")
+        return self._in_phase(phases, super()._compute_old_log_prob, batch, metrics, trained=False)
+
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
-        self._phase_end("advantages", "update")
-        batch = super()._update_actor(batch, metrics)
-        self._phase_end("update", "checkpoint")
-        self._stop_at_boundary(trained=True)
-        return batch
+        return self._in_phase(("advantages", "update", "checkpoint"), super()._update_actor, batch, metrics, True)
 
     def _stop_at_boundary(self, trained: bool) -> None:
         """A stop requested by the CLI, honoured at a phase boundary inside a step: ``trained``: this step's
         update is done (it is checkpointed and its line written), else the last finished step is."""
-        if self.recorder.run_dir is None or not record_exists(STOP_REQUEST_FILE, self.recorder.run_dir):
+        if not stop_requested(self.recorder):
             return
         if trained:
             self._write_step_line(self._step_metrics, self.timing_raw, self.global_steps, time.time())
@@ -349,7 +344,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         new_version = self.global_steps
         with marked_timer("update_weights", self.timing_raw, color="red"), self.recorder.span("trainer", "update"):
             self.schedule.finish_version(self.version, self.supervisor.waiting())
-            if self.schedule.pauses_admission_before_update or getattr(self.weight_sync, "before_pause", None) is None:
+            if self.schedule.pauses_admission_before_update or not self.placement.sync_pauses_admission:
                 self.manager.pause()  # else the sync stops it just before the abort (weight_sync/staged.py)
             HOOKS.before_weight_update(version=new_version)
             # Interruption: colocated engines were aborted and put to sleep after sampling; standalone ones are
@@ -373,17 +368,14 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             self.manager.resume(new_version)
         HOOKS.on_weights_updated(version=new_version)
         self._phase_end("weight sync", "validation and metrics")
-        if self.recorder.run_dir is not None and record_exists(STOP_REQUEST_FILE, self.recorder.run_dir):
+        if stop_requested(self.recorder):
             self._write_step_line(self._step_metrics, self.timing_raw, new_version, time.time())
             self._stop_on_request(done=new_version)
 
     def _validate(self) -> dict[str, float]:
-        started = time.monotonic()
-        with self.supervisor.paused():  # validation's generation is judged by nothing else; it may be long
-            result = super()._validate()
-        if self.phase_times.measured("validation", time.monotonic() - started):  # the stop is read after it
-            self.recorder.write(PHASE_TIMES_FILE, self.phase_times.record())
-        return result
+        # Validation's generation is judged by nothing else, and may be long; the stop is read after it.
+        with self.phase_clock.timed("validation"), self.supervisor.paused():
+            return super()._validate()
 
     def fit(self, agent_loop_manager: Any) -> None:
         # Before verl re-issues the prompts in flight: each agent-loop worker knows what the resumed checkpoint kept
@@ -457,7 +449,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 if groups:
                     break
         self._wait_s = time.time() - started
-        self._phase_started = time.monotonic()  # the wait reads the stop every second: not a phase to wait for
+        self.phase_clock.restart()  # the wait reads the stop every second: not a phase to wait for
         self.supervisor.phase("reward and balance")
         self.counts.consumed_groups += len(groups)
         tq.kv_clear(keys=[g.group_id for g in groups], partition_id="train")
@@ -472,10 +464,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     def _save_checkpoint(self) -> None:
         """verl's checkpoint (weights, dataloader, TransferQueue) plus ours, taken at one quiet moment; its time is
         measured for the CLI's stop grace."""
-        started = time.monotonic()
-        self._save_checkpoint_now()
-        if self.phase_times.measured("checkpoint", time.monotonic() - started):
-            self.recorder.write(PHASE_TIMES_FILE, self.phase_times.record())
+        with self.phase_clock.timed("checkpoint"):
+            self._save_checkpoint_now()
 
     def _save_checkpoint_now(self) -> None:
         """verl's checkpoint plus ours.
@@ -509,12 +499,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         """Checkpoint finished step ``done`` (if checkpoints are on), then stop. By default the step before the one
         verl counts (the stop is read in its batch wait, or after its old log-probs: its batch is not trained and
         a resume generates it anew)."""
-        done = self.global_steps - 1 if done is None else done
-        saved = checkpoint_before_stopping(self.config.trainer, done, self._save_checkpoint_of)
-        raise RunStoppedOnRequestError(
-            f"areal: stopped on request (Ctrl-C or SIGTERM) after step {done}{saved}; "
-            "the same command with trainer.resume_mode=auto resumes"
-        )
+        stop_on_request(self.config.trainer, self.global_steps - 1 if done is None else done, self._save_checkpoint_of)
 
     def _save_checkpoint_of(self, step: int) -> None:
         current, self.global_steps = self.global_steps, step
@@ -540,18 +525,12 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         return result
 
     def _write_step_line(self, metrics: dict, timing_raw: dict, global_steps: int, now: float) -> None:
-        metrics["areal/rollout_stats_errors"] = float(self.engine_stats.errors)
-        metrics["areal/rollout_stats_timeouts"] = float(self.engine_stats.timeouts)
-        metrics["areal/rollout_replicas"] = float(len(self.replica_pool.replicas))
-        metrics["areal/rollout_replicas_replaced"] = float(self.replacer.replaced)
-        metrics["areal/rollout_replicas_added"] = float(self.replacer.grown)
+        metrics.update(run_state_metrics(self.engine_stats, len(self.replica_pool.replicas), self.replacer))
         if self._resume_saved is not None:  # after the first step every re-issued answer has asked: stop looking
             continued = end_resumes(self.agent_loop_manager.agent_loop_workers)
             self._resume_counts = {"saved": self._resume_saved, "continued": continued}
             self._resume_saved = None
-        if self._resume_counts is not None:  # tokens the resumed checkpoint kept, and of them continued
-            metrics["areal/resume_saved_tokens"] = float(self._resume_counts["saved"]["tokens"])
-            metrics["areal/resume_continued_tokens"] = float(self._resume_counts["continued"]["tokens"])
+        metrics.update(resume_metrics(self._resume_counts))
         step_s = timing_raw.get("step", 0.0)
         write_step_line(self.recorder, metrics, global_steps, step_s, self._wait_s, self._step_started, now)
 

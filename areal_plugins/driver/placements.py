@@ -24,6 +24,9 @@ class Placement:
     name: str
     #: verl builds engines inside the trainer's workers (``_enable_hybrid_replicas``).
     hybrid_replicas: bool
+    #: Who stops admission at a weight update: the weight sync, just before it aborts the engines (True: after a
+    #: staged transfer, weight_sync/staged.py ``before_pause``), or the trainer before the sync starts (False).
+    sync_pauses_admission: bool = False
     #: Seconds verl took to start this placement's own replicas (``separate``), measured in :meth:`setup`: what a
     #: replica started mid-run is allowed, times a factor (driver/replica_replacement.py). None: none started.
     startup_s: float | None = None
@@ -99,6 +102,7 @@ class Separate(Placement):
                 trainer.manager.pause()
 
         self.checkpoint_manager.before_pause = stop_admission
+        self.sync_pauses_admission = True
         logger.info(
             "areal_async separate: %d standalone rollout replicas, weights by checkpoint engine %s",
             len(self.server_manager.get_replicas()),

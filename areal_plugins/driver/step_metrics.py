@@ -119,6 +119,28 @@ def admission_metrics(manager: Any, buffer: Any) -> dict[str, float]:
     return metrics | {f"areal/{name}": float(getattr(manager, name)) for name in MANAGER_COUNTERS}
 
 
+def run_state_metrics(engine_stats: Any, replicas: int, replacer: Any) -> dict[str, float]:
+    """The rollout side's state at the step line: statistics calls failed and late, replicas serving, replaced
+    (after a death) and added (a node joined)."""
+    return {
+        "areal/rollout_stats_errors": float(engine_stats.errors),
+        "areal/rollout_stats_timeouts": float(engine_stats.timeouts),
+        "areal/rollout_replicas": float(replicas),
+        "areal/rollout_replicas_replaced": float(replacer.replaced),
+        "areal/rollout_replicas_added": float(replacer.grown),
+    }
+
+
+def resume_metrics(counts: dict[str, dict[str, int]] | None) -> dict[str, float]:
+    """Tokens the resumed checkpoint kept and, of them, continued (none for a run that did not resume)."""
+    if counts is None:
+        return {}
+    return {
+        "areal/resume_saved_tokens": float(counts["saved"]["tokens"]),
+        "areal/resume_continued_tokens": float(counts["continued"]["tokens"]),
+    }
+
+
 def write_step_line(
     recorder: Any, metrics: dict, step: int, step_s: float, wait_s: float, started: float, now: float
 ) -> None:
