@@ -36,12 +36,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.debug import marked_timer
 
 from areal_plugins.actors.progress_board import start_progress_board
-from areal_plugins.agent_loop.partial_outputs import (
-    end_resumes,
-    prepare_workers,
-    remove_rotated_partials,
-    save_partials,
-)
+from areal_plugins.agent_loop.partial_outputs import remove_rotated_partials
 from areal_plugins.config.routing import ASYNC_MODE
 from areal_plugins.config.settings import ArealConfigError, areal_settings
 from areal_plugins.core.trajectory import keep_every_trajectory
@@ -55,6 +50,7 @@ from areal_plugins.driver.async_checkpoint import (
 )
 from areal_plugins.driver.engine_stats import EngineStats
 from areal_plugins.driver.hooked import HookedTrainerMixin
+from areal_plugins.driver.kept_outputs import end_resumes, prepare_workers, save_partials
 from areal_plugins.driver.limits import format_limits, run_limits
 from areal_plugins.driver.phase_clock import PhaseClock
 from areal_plugins.driver.placements import placement_for
@@ -379,7 +375,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
 
     def fit(self, agent_loop_manager: Any) -> None:
         # Before verl re-issues the prompts in flight: each agent-loop worker knows what the resumed checkpoint kept
-        # that it can read, and the log says whether every node sees the checkpoint folder (partial_outputs.py).
+        # that it can read, and the log says whether every node sees the checkpoint folder (kept_outputs.py).
         self._resume_saved = prepare_workers(
             str(self.config.trainer.default_local_dir),
             self._resume_from,

@@ -17,14 +17,12 @@ from areal_plugins.agent_loop.partial_outputs import (
     end_resume,
     forget_group,
     prepare_resume,
-    prepare_workers,
-    resumed_counts,
     snapshot_in_flight,
-    storage_report,
     write_partials,
-    write_shared_marker,
 )
 from areal_plugins.core.trajectory_rows import token_digest
+from areal_plugins.driver import kept_outputs
+from areal_plugins.driver.kept_outputs import prepare_workers, resumed_counts, storage_report, write_shared_marker
 
 
 @ray.remote
@@ -296,7 +294,7 @@ def test_the_driver_checks_the_storage_and_tells_each_worker_what_to_continue(lo
     ((name, record),) = recorder.lines
     assert name == "checkpoint_storage.jsonl" and record["shared"] and record["nodes_not_seeing"] == []
     assert not list(checkpoints.glob(".areal_shared_*"))  # the marker is removed
-    assert partial_outputs.end_resumes(workers) == {"requests": 0, "tokens": 0}
+    assert kept_outputs.end_resumes(workers) == {"requests": 0, "tokens": 0}
 
 
 def test_a_marker_is_seen_only_where_its_folder_is(tmp_path):
