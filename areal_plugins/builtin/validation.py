@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from areal_plugins.config.settings import ArealConfigError, areal_settings
+from areal_plugins.config.settings import ArealConfig, ArealConfigError, areal_settings
 from areal_plugins.hooks.hookimpl import hookimpl
 
 
@@ -93,7 +93,7 @@ def vllm_scheduling_policy(rollout: Any) -> str:
 
 def _warn_unless_validation_goes_first(rollout: Any) -> None:
     """Validation requests carry vLLM's highest priority, which only the ``priority`` policy reads (docs/backends.md,
-    Validation goes first); under another one they queue behind the whole training backlog, as before."""
+    Validation goes first); under another one they queue behind the whole training backlog."""
     policy = vllm_scheduling_policy(rollout)
     if policy != "priority":
         logging.getLogger(__name__).warning(
@@ -315,8 +315,15 @@ def check_support_matrix(config: Any) -> None:
             f"a multimodal model ({media} in actor_rollout_ref.model.path)",
             f"train a text-only model, {own}",
         )
-    if areal.mode != "async":
-        return
+    if areal.mode == "async":
+        _check_async_support(areal, actor, rollout, backend, hf_config)
+
+
+def _check_async_support(areal: ArealConfig, actor: Any, rollout: Any, backend: str, hf_config: dict[str, Any]) -> None:
+    """The part of :func:`check_support_matrix` for ``areal.mode: async``: router replay, and a weight transport
+    whose every tensor is checked."""
+    from areal_plugins.rollout.capabilities import require_feature
+
     if bool(rollout.get("enable_rollout_routing_replay", False)):
         require_feature(
             backend,
