@@ -4,6 +4,23 @@ A verl release that moves or re-signs one of them fails here, naming each, inste
 kept complete by the tests below: one reads our source (imports, patch targets), one walks our subclasses of verl's
 classes for the methods we override, one checks the plugin's registry modules. The parameter names are verl
 0.9.1's: change an entry only together with the code that relies on it.
+
+Constructors and factories (:data:`CALLED`): every verl class we build, by a call of ours (``LLMServerManager.create(
+config=..., start_rank=0)`` in ``driver/placements.py``, ``TokenOutput(...)``) or through a subclass of ours whose
+construction reaches verl's ``__init__`` (``StagedCheckpointEngineManager`` -> ``CheckpointEngineManager.__init__``),
+pinned to its parameters; a test walks our source and our subclasses and fails on one not listed.
+
+verl's client, ``LLMServerClient.generate``: ``InterruptibleLLMClient`` (``agent_loop/llm_client.py``) replaces it whole
+and calls verl's once per request of an interrupted call (``_generate_once``). verl's open PR #6865 adds dispatch and
+complete hooks inside ``generate`` and an ``llm_client_class`` key. For our client that would mean: (1) the hooks
+would run once per request, not once per call: a request cut by a weight update would "complete" with the aborted
+partial output, and a hook would never see the merged output (every token, the per-token versions, the summed
+``num_preempted``) our ``generate`` returns; (2) anything verl then does in ``generate`` around the hooks, ours does
+not do once per call; (3) ``llm_client_class`` would be a config seam for what our ``get_llm_client`` override does
+(pinned in :data:`OVERRIDES`), and a recipe setting it under ``areal.enable`` would be overridden by ours, without a
+word, until the validation refuses or routes it. :data:`CLIENT_GENERATE_SELF_REFERENCES` pins what verl's ``generate``
+asks of ``self`` today; a new call there (a hook) fails the test naming it, so that it is handled in ours before a
+verl with it is supported (docs/design.md, How it sits on verl 0.9.1: verl's client and the next release).
 """
 
 from __future__ import annotations
@@ -15,6 +32,7 @@ import inspect
 import pkgutil
 import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +242,118 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     ),
 }
 
+#: verl constructors and factories we call -> their parameters. ``module:Class``: building the class (its
+#: ``__init__``'s parameters, ``self`` left out; a pydantic model's fields); ``module:Class.method``: a factory.
+CALLED: dict[str, tuple[str, ...]] = {
+    # driver/placements.py Separate.setup: LLMServerManager.create(config=config, start_rank=0). create forwards
+    # *args, **kwargs to the class, so the keywords we pass are the class's parameters.
+    "verl.workers.rollout.llm_server:LLMServerManager.create": ("cls", "args", "kwargs"),
+    "verl.workers.rollout.llm_server:LLMServerManager": (
+        "config",
+        "worker_group",
+        "rollout_resource_pool",
+        "start_rank",
+        "load_balancer_cls",
+    ),
+    # driver/async_trainer.py get_llm_client: get_client(client_cls=...), which builds our client with
+    # config= and load_balancer_handle=.
+    "verl.workers.rollout.llm_server:LLMServerManager.get_client": ("self", "client_cls", "kwargs"),
+    "verl.workers.rollout.llm_server:LLMServerClient": ("config", "load_balancer_handle", "kwargs"),
+    # driver/placements.py: StagedCheckpointEngineManager(config=, actor_wg=, replicas=), verl's __init__.
+    "verl.checkpoint_engine.base:CheckpointEngineManager": ("config", "actor_wg", "replicas"),
+    # driver/async_trainer.py _build_replay_buffer: _ArealReplayBuffer(take_train_batch, **these by keyword).
+    "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer": (
+        "trainer_mode",
+        "trainer_config",
+        "max_off_policy_threshold",
+        "max_off_policy_strategy",
+        "sampler_kwargs",
+        "poll_interval",
+        "refill_fn",
+        "filter_groups_metric",
+        "train_batch_size",
+        "gen_batch_size",
+        "max_inflight_gen_batches",
+        "sync_refill_failed_groups",
+    ),
+    # ArealAsyncTrainer / areal_sync: super().__init__(config).
+    "verl.trainer.ppo.v1.trainer_base:PPOTrainer": ("config",),
+    # rollout/verl_registration.py ArealServerAdapter: super().__init__(config, model_config, device_mesh).
+    "verl.workers.rollout.base:BaseRollout": ("config", "model_config", "device_mesh", "args", "kwargs"),
+    # rollout/verl_registration.py ArealRolloutReplica: verl builds it with these (registry loader).
+    "verl.workers.rollout.replica:RolloutReplica": (
+        "replica_rank",
+        "config",
+        "model_config",
+        "gpus_per_node",
+        "is_reward_model",
+        "is_teacher_model",
+        "name_suffix",
+    ),
+    # agent_loop/episode_workers.py: EpisodeAgentLoopWorker.__init__(config, ...) and ArealAgentLoopManager pass
+    # through verl's TQ classes (*args, **kwargs) to these, config first.
+    "verl.trainer.ppo.v1.agent_loop_tq:AgentLoopWorkerTQ": ("args", "_ray_trace_ctx", "kwargs"),
+    "verl.experimental.agent_loop.agent_loop:AgentLoopWorker": (
+        "config",
+        "llm_client",
+        "teacher_client",
+        "reward_loop_worker_handles",
+    ),
+    "verl.trainer.ppo.v1.agent_loop_tq:AgentLoopManagerTQ": ("args", "kwargs"),
+    "verl.experimental.agent_loop.agent_loop:AgentLoopManager": (
+        "config",
+        "llm_client",
+        "teacher_client",
+        "reward_loop_worker_handles",
+    ),
+    # TokenOutput(...) in agent_loop/llm_client.py, partial_outputs.py, replay/agent_loop_side.py, rollout/base.py.
+    "verl.workers.rollout.replica:TokenOutput": (
+        "token_ids",
+        "log_probs",
+        "routed_experts",
+        "stop_reason",
+        "num_preempted",
+        "extra_fields",
+    ),
+    # tiny/calculator.py: FunctionCall(name=, arguments=), QwenContinuousTokenBuilder(tokenizer), ToolParser.register.
+    "verl.experimental.agent_loop.tool_parser:FunctionCall": ("arguments", "name", "tool_call_id"),
+    "verl.experimental.agent_loop.tool_parser:ToolParser.register": ("cls", "name"),
+    "verl.utils.tokenizer.continuous_token:QwenContinuousTokenBuilder": ("tokenizer", "kwargs"),
+    # weight_sync/staged.py: RayWorkerGroup(worker_handles=, ray_cls_with_init=RayClassWithInitArgs(cls=...)).
+    "verl.single_controller.ray:RayWorkerGroup": (
+        "resource_pool",
+        "ray_cls_with_init",
+        "bin_pack",
+        "name_prefix",
+        "detached",
+        "worker_names",
+        "worker_handles",
+        "ray_wait_register_center_timeout",
+        "kwargs",
+    ),
+    "verl.single_controller.ray:RayClassWithInitArgs": ("cls", "args", "kwargs"),
+}
+
+#: The same for verl's vLLM modules (checked where vLLM imports).
+VLLM_CALLED: dict[str, tuple[str, ...]] = {
+    # rollout/verl_vllm/worker_extension.py: BucketedWeightReceiver(zmq_handle=, device=, use_shm=).
+    "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer:BucketedWeightReceiver": (
+        "zmq_handle",
+        "device",
+        "use_shm",
+    ),
+}
+
+#: What verl's ``LLMServerClient.generate`` asks of ``self`` (calls and attributes), which ours replaces whole.
+#: A name added there (PR #6865's dispatch/complete hooks) is a step our ``generate`` skips: handle it in
+#: ``agent_loop/llm_client.py`` first, then add it here.
+CLIENT_GENERATE = "verl.workers.rollout.llm_server:LLMServerClient.generate"
+CLIENT_GENERATE_SELF_REFERENCES: dict[str, frozenset[str]] = {
+    # Routing: which server; ours wraps _acquire_server (OVERRIDES) and calls verl's generate per request.
+    "calls": frozenset({"_acquire_server", "_vllm_request_id", "_release_server"}),
+    "attributes": frozenset({"config"}),
+}
+
 #: The platform's whole interface is overridden (a new device): its methods are PlatformBase's abstract ones.
 PLATFORM_BASE = "verl.plugin.platform.platform_base:PlatformBase"
 
@@ -394,3 +524,143 @@ def test_docs_list_each_private_override_with_why() -> None:
     private = sorted({key.rsplit(".", 1)[1] for key in OVERRIDES if key.rsplit(".", 1)[1].startswith("_")})
     missing = [name for name in private if f"`{name}`" not in body]
     assert not missing, f"docs/design.md's private-override list lacks {missing}"
+
+
+def _class_or_factory(key: str) -> Any:
+    """A :data:`CALLED` key's target: the class (a Ray actor class's own class) or the factory."""
+    module_name, _, qualname = key.partition(":")
+    owner, _, method = qualname.partition(".")
+    target: Any = getattr(importlib.import_module(module_name), owner)
+    target = getattr(target, "__ray_actor_class__", target)
+    return inspect.getattr_static(target, method) if method else target
+
+
+def _called_parameters(key: str) -> tuple[str, ...]:
+    target = _class_or_factory(key)
+    return tuple(inspect.signature(target).parameters) if inspect.isclass(target) else _parameters(target)
+
+
+def _called_moved(pins: dict[str, tuple[str, ...]]) -> list[str]:
+    problems = []
+    for key, expected in pins.items():
+        try:
+            found = _called_parameters(key)
+        except (ImportError, AttributeError) as error:
+            problems.append(f"{key}: gone ({type(error).__name__}: {error})")
+            continue
+        if found != expected:
+            problems.append(f"{key}: parameters {found}, we call it with {expected}")
+    return problems
+
+
+def test_every_verl_constructor_and_factory_we_call_takes_what_we_pass() -> None:
+    problems = _called_moved(CALLED)
+    assert not problems, "verl re-signed constructors or factories areal_plugins calls:\n" + "\n".join(problems)
+
+
+def test_verl_vllm_constructors_take_what_we_pass() -> None:
+    try:
+        importlib.import_module("verl.workers.rollout.vllm_rollout.bucketed_weight_transfer")
+    except Exception as error:  # verl refuses to import it without vLLM (ValueError), a missing dep ImportError
+        pytest.skip(f"verl's vLLM modules do not import here ({type(error).__name__}); run in .venv-verl-vllm")
+    problems = _called_moved(VLLM_CALLED)
+    assert not problems, "verl re-signed vLLM-side constructors areal_plugins calls:\n" + "\n".join(problems)
+
+
+def _our_verl_calls() -> set[str]:
+    """``module:Class`` / ``module:Class.method`` for each verl class our source calls, or calls a method of."""
+    found: set[str] = set()
+    for root in ("areal_plugins", "patches"):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            imported = {
+                alias.asname or alias.name: f"{node.module}:{alias.name}"
+                for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "verl"
+                for alias in node.names
+            }
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.Call):
+                    continue
+                func = node.func
+                if isinstance(func, ast.Name) and func.id in imported:
+                    found.add(imported[func.id])
+                elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in imported:
+                    found.add(f"{imported[func.value.id]}.{func.attr}")
+    classes = set()
+    for key in found:
+        module_name, _, qualname = key.partition(":")
+        owner = qualname.split(".")[0]
+        try:
+            target = getattr(importlib.import_module(module_name), owner)
+        except Exception:  # verl's vLLM modules where vLLM does not import: judged by name (classes are capitalized)
+            target = None
+        if inspect.isclass(target) or hasattr(target, "__ray_actor_class__") or (target is None and owner[0].isupper()):
+            classes.add(key)
+    return classes
+
+
+def _inherited_constructors() -> set[str]:
+    """``module:Class`` of each verl ``__init__`` that building one of our subclasses runs, down to the first that
+    takes more than ``*args, **kwargs`` through."""
+    found = set()
+    for cls in _our_verl_subclasses():
+        for base in cls.__mro__[1:]:
+            if base.__module__.split(".")[0] != "verl" or "__init__" not in vars(base):
+                continue
+            found.add(f"{base.__module__}:{base.__qualname__}")
+            parameters = inspect.signature(vars(base)["__init__"]).parameters.values()
+            passing = {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
+            if any(p.kind not in passing and p.name not in ("self", "_ray_trace_ctx") for p in parameters):
+                break
+    return found
+
+
+def test_every_verl_constructor_and_factory_we_call_is_pinned() -> None:
+    pinned = set(CALLED) | set(VLLM_CALLED) | {key for key, expected in SEAMS.items() if expected is not None}
+    pinned |= {key for key, expected in VLLM_SEAMS.items() if expected is not None}
+    unlisted = sorted((_our_verl_calls() | _inherited_constructors()) - pinned)
+    assert not unlisted, f"add these verl constructors/factories we call to CALLED in {Path(__file__).name}: {unlisted}"
+
+
+def self_references(function: Any) -> dict[str, set[str]]:
+    """The ``self.<name>(...)`` calls and other ``self.<name>`` reads in ``function``'s source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(function))))
+    calls = {
+        node.func.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "self"
+    }
+    reads = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+    }
+    return {"calls": calls, "attributes": reads - calls}
+
+
+def test_verls_client_generate_has_no_step_ours_skips() -> None:
+    """PR #6865's hooks (or any new step) inside verl's ``generate``, which ``InterruptibleLLMClient`` replaces."""
+    found = self_references(_resolve(CLIENT_GENERATE))
+    new = {kind: sorted(found[kind] - CLIENT_GENERATE_SELF_REFERENCES[kind]) for kind in found}
+    assert not any(new.values()), (
+        f"verl's LLMServerClient.generate now also uses self.{new}: agent_loop/llm_client.py replaces it whole and "
+        "calls it once per request, so a hook there runs per request and never sees the merged output. Handle it in "
+        "InterruptibleLLMClient.generate, then add it to CLIENT_GENERATE_SELF_REFERENCES"
+    )
+    gone = {kind: sorted(CLIENT_GENERATE_SELF_REFERENCES[kind] - found[kind]) for kind in found}
+    assert not any(gone.values()), f"verl's LLMServerClient.generate no longer uses self.{gone}: update the pin"
+
+
+def test_the_generate_check_sees_a_new_hook() -> None:
+    class Client:
+        async def generate(self, request_id: str) -> None:
+            server_id, _ = await self._acquire_server(request_id)
+            self._on_dispatch(request_id)
+            self._release_server(server_id)
+
+    found = self_references(Client.generate)
+    assert found["calls"] - CLIENT_GENERATE_SELF_REFERENCES["calls"] == {"_on_dispatch"}
