@@ -91,6 +91,9 @@ NCCL = "verl.checkpoint_engine.nccl_checkpoint_engine:NCCLCheckpointEngine"
 UNQUANTIZED_MOE = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method"
 
 PINS: tuple[Pin | AnyOf, ...] = (
+    # Router replay from verl's vllm: verl turns on vLLM's capture and hands each output's routes to the client.
+    Pin("vllm.engine.arg_utils:EngineArgs.enable_return_routed_experts", "areal_plugins/rollout/capabilities.py:53"),
+    Pin("vllm.outputs:CompletionOutput.routed_experts", "areal_plugins/rollout/capabilities.py:55"),
     # The worker extension (vLLM's worker with verl's extension mixed in).
     Pin(EXTENSION, f"{WE}:34"),
     Override(f"{EXTENSION}.__new__", f"{WE}:47", ours=f"{WE}:ArealVLLMWorkerExtension.__new__"),
@@ -287,20 +290,20 @@ PINS: tuple[Pin | AnyOf, ...] = (
     Pin("verl.checkpoint_engine.base:CheckpointEngineRegistry._registry", f"{CT}:104"),
     Pin("verl.checkpoint_engine.base:CheckpointEngineRegistry.register", f"{CT}:106", call="(backend)", on_class=True),
     # Patches.
-    Pin(MAPPER, f"{LORA_MAPPER}:29"),
+    Pin(MAPPER, f"{LORA_MAPPER}:28"),
     Pin("verl.utils.vllm.utils:VLLMHijack", f"{LORA_MAPPER}:4", contains="get_unstacked_mapper()"),
     Override(
         f"{UNQUANTIZED_MOE}:UnquantizedFusedMoEMethod._setup_kernel",
-        f"{MOE_RELOAD}:60",
+        f"{MOE_RELOAD}:61",
         ours=f"{MOE_RELOAD}:apply._setup_kernel",
         only="cpu",
     ),
-    Pin(f"{UNQUANTIZED_MOE}:UnquantizedFusedMoEMethod.moe_kernel", f"{MOE_RELOAD}:63", only="cpu"),
-    Pin(f"{UNQUANTIZED_MOE}:UnquantizedFusedMoEMethod.unquantized_backend", f"{MOE_RELOAD}:65", only="cpu"),
-    Pin(f"{UNQUANTIZED_MOE}:UnquantizedMoeBackend.CPU", f"{MOE_RELOAD}:65", only="cpu"),
+    Pin(f"{UNQUANTIZED_MOE}:UnquantizedFusedMoEMethod.moe_kernel", f"{MOE_RELOAD}:64", only="cpu"),
+    Pin(f"{UNQUANTIZED_MOE}:UnquantizedFusedMoEMethod.unquantized_backend", f"{MOE_RELOAD}:66", only="cpu"),
+    Pin(f"{UNQUANTIZED_MOE}:UnquantizedMoeBackend.CPU", f"{MOE_RELOAD}:66", only="cpu"),
     Pin(
         "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.process_weights_after_loading",
-        f"{MOE_RELOAD}:66",
+        f"{MOE_RELOAD}:67",
         call="(layer)",
         only="cpu",
     ),

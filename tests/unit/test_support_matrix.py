@@ -190,6 +190,7 @@ def test_a_multimodal_model_is_refused_on_every_backend(models):
     path = f"actor_rollout_ref.model.path={models['<multimodal-model>']}"
     for backend in ("areal_cpu", "vllm"):
         assert "(multimodal)" in refusal([f"actor_rollout_ref.rollout.name={backend}", path])
+    areal_validate_config(compose(RECIPE, ["actor_rollout_ref.rollout.name=vllm", replay]))  # and verl's vllm
 
 
 def test_a_checkpoint_engine_we_cannot_check_is_refused_and_ours_pass():
