@@ -36,6 +36,60 @@ class RolloutsFailingError(RuntimeError):
     """Every recent rollout group failed: the engines or agent-loop workers are broken, not one request."""
 
 
+class SettledReports:
+    """Which groups settled since the last poll: their workers' reports (actors/settled_groups.py), reconciled with a
+    listing of the whole partition every ``reconcile_s`` seconds, so a group whose report never came (its worker
+    died between its status and its report) is found by the next listing.
+
+    Args:
+        drain: returns the groups reported settled since the last call, ``(uid, trajectory keys, their summaries or
+            None)``; None lists the whole partition on every poll.
+        reconcile_s: seconds between two listings of the whole partition, with ``drain``.
+    """
+
+    def __init__(self, drain: Callable[[], list[SettledReport]] | None, reconcile_s: float) -> None:
+        self.drain = drain
+        self.reconcile_s = reconcile_s
+        self.next_listing = 0.0  # monotonic time of the next whole listing: the first poll lists
+        self.listings = 0  # whole listings of the partition
+        self.summaries: dict[str, dict[str, Any]] = {}  # this poll's reported summaries, by trajectory key
+        self._reported: set[str] = set()  # uids whose report this poll drained
+        self._owed: set[str] = set()  # settled before their report came: that report is stale
+
+    def read(self, store: Any, handled: set[str]) -> dict[str, dict[str, Any]]:
+        """Tags by key: of the groups reported settled since the last poll, or of the whole partition (no reports,
+        a listing due, or a reported key gone). Reports are drained before the listing: a group reported before
+        the drain has its final status in TransferQueue already, so the listing cannot miss it. ``handled``: the
+        groups settled already, whose reports are passed over."""
+        reports = self.drain() if self.drain is not None else None
+        self.summaries, self._reported = {}, set()
+        keys: list[str] = []
+        for uid, written, *summaries in reports or ():
+            if uid in self._owed:  # the report of an attempt settled (and maybe re-issued) without it
+                self._owed.discard(uid)
+                continue
+            if uid in handled:
+                continue
+            self._reported.add(uid)
+            keys.extend((uid, *written))
+            if summaries and summaries[0] is not None:
+                self.summaries.update(zip(written, summaries[0], strict=True))
+        if reports is not None and time.monotonic() < self.next_listing:
+            if not keys:
+                return {}
+            tags = read_tags(store, PARTITION, keys)
+            if tags is not None:
+                return tags
+        self.next_listing = time.monotonic() + self.reconcile_s
+        self.listings += 1
+        return (store.kv_list(partition_id=PARTITION) or {}).get(PARTITION, {})
+
+    def settled(self, uid: str) -> None:
+        """``uid`` is settled now: if a listing found it, its report, when it comes, is spent."""
+        if self.drain is not None and uid not in self._reported:
+            self._owed.add(uid)
+
+
 class AdmissionLoop:
     """Keeps the rollout engines fed within the staleness bound, and the buffer filled.
 
@@ -89,16 +143,10 @@ class AdmissionLoop:
         self.failure_limit = failure_limit
         self.reissue = reissue
         self.attempts_per_group = attempts_per_group
-        self.settled_reports = settled_reports
-        self.reconcile_s = reconcile_s
-        self._next_listing = 0.0  # monotonic time of the next whole listing: the first poll lists
+        self.reports = SettledReports(settled_reports, reconcile_s)
         self.polls = 0
-        self.listings = 0  # of them, whole listings of the partition
         self.settled_from_reports = 0  # groups settled from their worker's summaries, rows not read
         self.settled_from_rows = 0  # groups whose rows were read (an accept hook, or no summaries)
-        self._summaries: dict[str, dict[str, Any]] = {}  # this poll's reported summaries, by trajectory key
-        self._reported: set[str] = set()  # uids whose report this poll drained
-        self._reports_owed: set[str] = set()  # settled before their report came: that report is stale
         self._failed_attempts: dict[str, int] = {}
         self._failures_in_a_row = 0
         self._handled: set[str] = set()
@@ -111,6 +159,29 @@ class AdmissionLoop:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.last_progress = time.monotonic()
+
+    @property
+    def settled_reports(self) -> Callable[[], list[SettledReport]] | None:
+        """The drain of settled-group reports (:class:`SettledReports`); None: every poll lists the partition."""
+        return self.reports.drain
+
+    @settled_reports.setter
+    def settled_reports(self, drain: Callable[[], list[SettledReport]] | None) -> None:
+        self.reports.drain = drain
+
+    @property
+    def reconcile_s(self) -> float:
+        """Seconds between two listings of the whole partition, with reports."""
+        return self.reports.reconcile_s
+
+    @reconcile_s.setter
+    def reconcile_s(self, seconds: float) -> None:
+        self.reports.reconcile_s = seconds
+
+    @property
+    def listings(self) -> int:
+        """Of the polls, whole listings of the partition."""
+        return self.reports.listings
 
     # ------------------------------------------------------------------ control (trainer thread)
 
@@ -203,35 +274,8 @@ class AdmissionLoop:
             self.polls += 1
             self._poll_locked()
 
-    def _read_settled(self) -> dict[str, dict[str, Any]]:
-        """Tags by key: of the groups reported settled since the last poll, or of the whole partition (no reports,
-        a listing due, or a reported key gone). Reports are drained before the listing: a group reported before
-        the drain has its final status in TransferQueue already, so the listing cannot miss it."""
-        reports = self.settled_reports() if self.settled_reports is not None else None
-        self._summaries, self._reported = {}, set()
-        keys: list[str] = []
-        for uid, written, *summaries in reports or ():
-            if uid in self._reports_owed:  # the report of an attempt settled (and maybe re-issued) without it
-                self._reports_owed.discard(uid)
-                continue
-            if uid in self._handled:
-                continue
-            self._reported.add(uid)
-            keys.extend((uid, *written))
-            if summaries and summaries[0] is not None:
-                self._summaries.update(zip(written, summaries[0], strict=True))
-        if reports is not None and time.monotonic() < self._next_listing:
-            if not keys:
-                return {}
-            tags = read_tags(self.store, PARTITION, keys)
-            if tags is not None:
-                return tags
-        self._next_listing = time.monotonic() + self.reconcile_s
-        self.listings += 1
-        return (self.store.kv_list(partition_id=PARTITION) or {}).get(PARTITION, {})
-
     def _poll_locked(self) -> None:
-        listing = self._read_settled()
+        listing = self.reports.read(self.store, self._handled)
         trajectory_keys: dict[str, list[str]] = {}
         for key in listing:
             if not listing[key].get("is_prompt", False):
@@ -242,8 +286,7 @@ class AdmissionLoop:
                 continue
             if tag.get("status") in ("finished", "failure"):
                 self._handled.add(uid)
-                if self.settled_reports is not None and uid not in self._reported:
-                    self._reports_owed.add(uid)  # found by a listing: its report, when it comes, is spent
+                self.reports.settled(uid)
                 keys = sorted(trajectory_keys.get(uid, []))
                 inherited = self.polls == 1  # the first look: groups that ended before this start (a resume)
                 settled = self._settle(uid, tag["status"], keys, [listing[k] for k in keys], inherited)
@@ -298,7 +341,7 @@ class AdmissionLoop:
             return "rejected"
         self._failures_in_a_row = 0
         self._failed_attempts.pop(uid, None)
-        summaries = [self._summaries.get(key) for key in keys]
+        summaries = [self.reports.summaries.get(key) for key in keys]
         dropped: list[str]
         if self.accept is None and all(summary is not None for summary in summaries):
             self.settled_from_reports += 1

@@ -373,7 +373,7 @@ def test_with_reports_a_poll_reads_only_the_reported_groups_and_a_listing_finds_
     assert len(loop.buffer) == 1 and loop.controller.accepted == 1
     loop.poll_once()  # nothing reported: nothing read
     assert store.listed == 1 and len(loop.buffer) == 1
-    loop._next_listing = 0.0  # the reconciliation is due
+    loop.reports.next_listing = 0.0  # the reconciliation is due
     loop.poll_once()
     assert store.listed == 2 and len(loop.buffer) == 2  # p1 found by the listing
     taken, _ = loop.buffer.take(2, trainer_version=0)
@@ -468,7 +468,7 @@ def test_a_late_report_of_a_failed_attempt_found_by_a_listing_does_not_settle_th
     loop.settled_reports = lambda: [reports.pop(0) for _ in range(len(reports))]
     loop.poll_once()
     store.finish("p0", [], [], status="failure")  # attempt 1 failed; its report is late
-    loop._next_listing = 0.0
+    loop.reports.next_listing = 0.0
     loop.poll_once()  # the listing finds the failure and re-issues p0
     assert reissued == ["p0"]
     store.finish("p0", [1.0], [[0]])  # attempt 2 finished (key p0_0_0) ...
