@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from areal_plugins.testing import faults
-from areal_plugins.weight_sync.adapter_check import check_adapter_reports
+from areal_plugins.weight_sync.adapter_check import check_adapter_reports, check_base_rechecks
 from areal_plugins.weight_sync.checksums import check_loaded_reports, check_weight_reports, tensor_checksum
 from areal_plugins.weight_sync.errors import WeightSyncError
 from tests.verl_vllm.extension_engine import ExtensionEngine, started
@@ -96,6 +96,8 @@ def test_every_adapter_tensor_is_held_as_sent_and_the_engine_samples_with_it(eng
     report = engine.update(tensors, peft_config, adapter_only=True)
     assert report["loaded"] is None  # no full-weight load: the base layers were left as they were
     assert checked(report, tensors) == {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1}
+    # The base, sent once, re-checked on this adapter update against its checksums kept from that load.
+    assert report["base_recheck"]["changed"] == 0 and check_base_rechecks([report], "replica 0", 1) > 0
     lora_b = report["adapter"][f"{PREFIX}.0.self_attn.q_proj.lora_B.weight"]
     assert lora_b["held"][1] == pytest.approx(2 * lora_b["received"][1])  # alpha / r = 2, merged into lora_B
     # What the slots hold is what the engine samples with: greedy tokens equal peft's own forward with the adapter,
@@ -155,3 +157,33 @@ def test_an_adapter_loaded_under_another_modules_name_is_named(engine, monkeypat
     report = engine.update(tensors, peft_config, adapter_only=True)
     with pytest.raises(WeightSyncError, match=rf"adapter tensor {v}\.lora_A\.weight was loaded under the name {k}"):
         checked(report, tensors)
+
+
+def _set_final_norm_value(worker, value: float | None) -> float:
+    """In the engine's worker: set one value of a base parameter (None: add 1, as a wake that restored it wrong
+    would); its value before."""
+    with torch.no_grad():
+        flat = dict(worker.model_runner.model.named_parameters())["model.norm.weight"].view(-1)
+        before = float(flat[0])
+        flat[0] = before + 1.0 if value is None else value
+    return before
+
+
+def test_a_base_weight_changed_after_the_base_load_is_named_on_the_next_adapter_update(engine):
+    _, tensors, peft_config = peft_adapter(LINEAR, seed=5)
+    original = engine.llm.collective_rpc(_set_final_norm_value, args=(None,))[0]
+    try:
+        report = engine.update(tensors, peft_config, adapter_only=True)
+    finally:
+        engine.llm.collective_rpc(_set_final_norm_value, args=(original,))
+    checked(report, tensors)  # the adapter itself arrived and is held right: its own check cannot see this
+    with pytest.raises(WeightSyncError, match=r"1 LoRA base parameter\(s\) changed .*model\.norm\.weight"):
+        check_base_rechecks([report], "replica 0", 1)
+    # Restored: the next update's re-check passes again.
+    report = engine.update(tensors, peft_config, adapter_only=True)
+    assert check_base_rechecks([report], "replica 0", 2) > 0
+
+
+def test_a_rank_that_kept_no_base_checksums_is_refused():
+    with pytest.raises(WeightSyncError, match="re-checked none of the LoRA base weights"):
+        check_base_rechecks([{"rank": 0, "base_recheck": {"compared": 0, "changed": 0}}], "replica 0", 1)

@@ -24,7 +24,7 @@ from verl.workers.rollout.utils import ensure_async_iterator
 from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
 from areal_plugins.rollout.base import record_weight_sync
-from areal_plugins.weight_sync.adapter_check import check_adapter_reports
+from areal_plugins.weight_sync.adapter_check import check_adapter_reports, check_base_rechecks
 from areal_plugins.weight_sync.checksums import check_loaded_reports, check_weight_reports, tensor_checksum
 from areal_plugins.weight_sync.split_tensors import JOINS_PIECES_KEY, cut_large
 
@@ -79,6 +79,7 @@ class ArealServerAdapter(ServerAdapter):
         (weight_sync/adapter_check.py; each worker's report: rollout/verl_vllm/loaded_adapter.py)."""
         replica = [{**report, "replica": self.replica_rank} for report in reports]
         checked = check_adapter_reports(sent, replica, version, self._workers_per_replica())
+        checked["base_rechecked"] = check_base_rechecks(reports, f"rollout replica {self.replica_rank}", version)
         workers = sorted(int(report["rank"]) for report in reports)
         record_weight_sync(
             self.replica_rank, version, {**checked, "workers": workers, "adapter_only": True}, "update_checked"

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from areal_plugins.weight_sync.checksums import tensor_checksum
+from areal_plugins.weight_sync.checksums import same_sums, tensor_checksum
 
 #: Received tensors that no parameter holds by design: rotary caches vLLM recomputes.
 NEVER_HELD_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -348,3 +348,26 @@ def loaded_report(
         "experts": experts.summary(),
         **parallel,
     }
+
+
+#: The most changed parameters a base re-check names (the count covers them all).
+RECHECK_NAMED = 8
+
+
+def base_kept(loaded: dict[str, Any] | None) -> dict[str, list[float]]:
+    """From a full load's report (:func:`loaded_report`), what to re-check later: every compared parameter's
+    checksum (``tensor_checksum(parameter, positions=False)``) as held right after the load."""
+    return {name: entry["held"] for name, entry in (loaded or {}).get("entries", {}).items()}
+
+
+def recheck_held(model: Any, kept: dict[str, list[float]]) -> dict[str, Any]:
+    """Each kept parameter's checksum now against the one kept (:func:`base_kept`): under LoRA the base is sent
+    once, and the engine sleeps and wakes between updates (verl's vLLM server: level 1, the weights copied to host
+    memory and back), so a wake that restores them wrong would go unseen by the adapter's own check."""
+    parameters = dict(model.named_parameters(remove_duplicate=False))  # a tied lm_head under its own name too
+    changed = [
+        name
+        for name, held in kept.items()
+        if name not in parameters or not same_sums(held, tensor_checksum(parameters[name], positions=False))
+    ]
+    return {"compared": len(kept), "changed": len(changed), "changed_names": sorted(changed)[:RECHECK_NAMED]}

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
-from areal_plugins.rollout.verl_vllm.loaded_weights import ReceivedTensor, loaded_report
+from areal_plugins.rollout.verl_vllm.loaded_weights import ReceivedTensor, base_kept, loaded_report, recheck_held
 from areal_plugins.testing.faults import fault_plan
 from areal_plugins.weight_sync.split_tensors import Joiner
 
@@ -73,11 +73,15 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
         else:
             self._update_weights_on_cpu(use_shm, peft_config)
         self.areal_joiner.finish()
+        self.areal_base_recheck: dict[str, Any] | None = None
         if adapter_only:
             self._require_pairs()
             self._report_adapter(peft_config)
+            # The base, sent once, against its checksums kept from that load (the engine slept and woke since).
+            self.areal_base_recheck = recheck_held(model, getattr(self, "areal_base_kept", {}))
         else:
             self._report_loaded(model)
+            self.areal_base_kept = base_kept(self.areal_loaded)
         return result
 
     def _report_adapter(self, peft_config: Any) -> None:
@@ -211,6 +215,7 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
             "checksums": dict(getattr(self, "areal_received", {})),
             "loaded": getattr(self, "areal_loaded", None),
             "adapter": getattr(self, "areal_adapter", None),
+            "base_recheck": getattr(self, "areal_base_recheck", None),
             "tensor_parallel_size": get_tensor_model_parallel_world_size(),
             "shard_group": list(self._shard_group()),
             "joined": list(joiner.joined) if joiner is not None else [],
