@@ -203,6 +203,25 @@ class ReplayConfig:
 
 
 @dataclass(frozen=True)
+class CheckConfig:
+    """``areal.check``: what ``areal-plugins check`` keeps in reserve on a GPU (docs/guides/sizing.md)."""
+
+    memory_margin_gib: float = field(
+        default=2.0,
+        metadata={
+            "help": "GiB a trainer or engine GPU must keep free beyond every counted term, for what check cannot "
+            "count (the CUDA caching allocator's fragmentation, which depends on allocation order); a GPU that fits "
+            "with less is refused, naming its spare. 0: fit to the byte"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        margin = self.memory_margin_gib
+        if isinstance(margin, bool) or not isinstance(margin, int | float) or margin < 0:
+            raise ArealConfigError(f"areal.check.memory_margin_gib must be GiB >= 0 (0: no margin), got {margin!r}")
+
+
+@dataclass(frozen=True)
 class PluginsConfig:
     """``areal.plugins``: which installed third-party plugins to load."""
 
@@ -300,6 +319,7 @@ class ArealConfig:
     episodes: EpisodesConfig = field(default_factory=EpisodesConfig)
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable, bool):

@@ -40,6 +40,12 @@ GPU_OVERHEAD_GIB = 2.0
 #: eager module loading and 287,047,680 with ``CUDA_MODULE_LOADING=LAZY`` (pytorch/pytorch#86509); the larger,
 #: since cupy and NCCL load kernels of their own.
 CHECKPOINT_ENGINE_CONTEXT_BYTES = 666_632_192
+#: A GPU that fits with less than this many GiB spare beyond every counted term is refused (``ArealConfig.check``,
+#: default 2 GiB; docs/guides/sizing.md says why that number): the CUDA caching allocator can hold memory it cannot
+#: hand out, since a request needs one contiguous free block and live blocks pin the splits around them ("When does
+#: fragmentation occur in the CUDA caching allocator?", pytorch/devlogs, 2026-06-01), and how much depends on the
+#: order of allocations, which no recipe key gives.
+MARGIN_KEY = "areal.check.memory_margin_gib"
 
 
 @dataclass(frozen=True)
@@ -225,6 +231,15 @@ def _engine_memory(
             "actor_rollout_ref.rollout.gpu_memory_utilization or checkpoint_engine.update_weights_bucket_megabytes"
         )
     spare = gpu - total
+    margin = areal_settings(config).check.memory_margin_gib * GIB
+    if not colocated and spare < margin:
+        raise RecipeRefusedError(
+            f"an engine GPU needs vLLM's {vllm_share / GIB:.1f} GiB + {(total - vllm_share) / GIB:.1f} GiB beside it "
+            f"(transfer buckets, the assembled over-bucket tensor, CUDA contexts) = {total / GIB:.1f} GiB: "
+            f"{spare / GIB:.1f} GiB spare of {cluster.gpu_memory_gib:g}, under the {MARGIN_KEY}={margin / GIB:g} GiB "
+            "check keeps for what it cannot count: lower actor_rollout_ref.rollout.gpu_memory_utilization or "
+            f"checkpoint_engine.update_weights_bucket_megabytes, or lower {MARGIN_KEY} (0: fit to the byte)"
+        )
     transfer = (
         f"+ {ENGINE_BUCKETS * bucket / GIB:.1f} GiB of transfer buckets + {assembled / GIB:.1f} GiB assembled "
         f"over-bucket tensor + {context / GIB:.2f} GiB checkpoint-engine context; "
@@ -299,7 +314,14 @@ def _trainer_memory(
         f"{memory.logits / GIB:.1f} GiB {compute} logits of a {tokens}-token micro-batch{padding_note} + "
         f"{memory.activations / GIB:.1f} GiB {compute} activations "
         f"({'with' if setup.gradient_checkpointing else 'without'} gradient checkpointing) + "
-        f"{memory.gathered_unit / GIB:.1f} GiB gathered FSDP unit = {memory.update_peak / GIB:.1f} GiB"
+        + (
+            f"{memory.expert_copies / GIB:.2f} GiB {compute} top-{model.experts_per_token} expert dispatch and combine "
+            f"copies + {memory.router_probs / GIB:.2f} GiB fp32 router probabilities of "
+            + ("the recomputed layer + " if setup.gradient_checkpointing else f"{model.layers} layers + ")
+            if model.experts
+            else ""
+        )
+        + f"{memory.gathered_unit / GIB:.1f} GiB gathered FSDP unit = {memory.update_peak / GIB:.1f} GiB"
     )
     sync = (
         f"{(memory.parameters + memory.optimizer) / GIB:.1f} GiB of parameters and Adam + "
@@ -313,23 +335,35 @@ def _trainer_memory(
     if kept:
         context += f" + {kept / GIB:.1f} GiB vLLM keeps asleep (free_cache_engine=false)"
         overhead += kept
+    at_update = memory.update_peak >= memory.sync_peak
+    remedy = (
+        f"add trainer GPUs (trainer.nnodes x n_gpus_per_node; {setup.shard_gpus} shard the state now), set "
+        "actor_rollout_ref.actor.fsdp_config.offload_policy=true (FSDP2: the state stays on the CPU while training), "
+        "or lower "
+        + (f"{tokens_key} ({tokens} tokens a micro-batch)" if at_update else "update_weights_bucket_megabytes")
+        + ("; or set actor_rollout_ref.rollout.free_cache_engine=true" if kept else "")
+    )
+    phase = f"update ({update}, + {context})" if at_update else f"weight sync ({sync}, + {context})"
     if memory.peak + overhead > gpu:
-        at_update = memory.update_peak >= memory.sync_peak
         raise RecipeRefusedError(
-            f"a trainer GPU needs {(memory.peak + overhead) / GIB:.1f} GiB at the "
-            + (f"update ({update}, + {context})" if at_update else f"weight sync ({sync}, + {context})")
-            + f", more than its {cluster.gpu_memory_gib:g} GiB: add trainer GPUs (trainer.nnodes x n_gpus_per_node; "
-            f"{setup.shard_gpus} shard the state now), set actor_rollout_ref.actor.fsdp_config.offload_policy=true "
-            "(FSDP2: the state stays on the CPU while training), or lower "
-            + (f"{tokens_key} ({tokens} tokens a micro-batch)" if at_update else "update_weights_bucket_megabytes")
-            + ("; or set actor_rollout_ref.rollout.free_cache_engine=true" if kept else "")
+            f"a trainer GPU needs {(memory.peak + overhead) / GIB:.1f} GiB at the {phase}, more than its "
+            f"{cluster.gpu_memory_gib:g} GiB: {remedy}"
         )
-    if not separate and memory.resident_between_updates > awake_free:
+    margin = areal_settings(config).check.memory_margin_gib * GIB
+    if gpu - memory.peak - overhead < margin:
+        raise RecipeRefusedError(
+            f"a trainer GPU needs {(memory.peak + overhead) / GIB:.1f} GiB at the {phase}: "
+            f"{(gpu - memory.peak - overhead) / GIB:.1f} GiB spare of {cluster.gpu_memory_gib:g}, under the "
+            f"{MARGIN_KEY}={margin / GIB:g} GiB check keeps for what it cannot count (allocator fragmentation): "
+            f"{remedy}; or lower {MARGIN_KEY} (0: fit to the byte)"
+        )
+    if not separate and memory.resident_between_updates + margin > awake_free:
         raise RecipeRefusedError(
             f"while the engine is awake, a trainer GPU keeps {memory.resident_between_updates / GIB:.1f} GiB of "
-            f"{dtype} parameters and Adam state beside it, more than the {awake_free / GIB:.1f} GiB the engine "
-            "leaves: set actor_rollout_ref.actor.fsdp_config.param_offload=true and optimizer_offload=true, or "
-            "lower actor_rollout_ref.rollout.gpu_memory_utilization"
+            f"{dtype} parameters and Adam state beside it, + the {MARGIN_KEY}={margin / GIB:g} GiB margin, more than "
+            f"the {awake_free / GIB:.1f} GiB the engine leaves: set "
+            "actor_rollout_ref.actor.fsdp_config.param_offload=true and optimizer_offload=true, or lower "
+            "actor_rollout_ref.rollout.gpu_memory_utilization"
         )
     return [
         f"trainer GPU: update {update}; weight sync {sync}; + {context}: "

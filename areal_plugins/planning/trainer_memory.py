@@ -6,7 +6,8 @@ names its source.
 Two phases peak apart, and the GPU must hold the larger:
 
 - **update** (``actor.update_policy``): parameters, gradients and Adam's two moments, each sharded over the FSDP
-  group, plus the FSDP unit gathered for compute, the micro-batch's activations and its logits;
+  group, plus the FSDP unit gathered for compute, the micro-batch's activations and its logits (and, for a mixture
+  of experts, the dispatch/combine copies and router probabilities of the layers it holds);
 - **weight sync** (after ``optimizer.step``, gradients freed): parameters and Adam, plus the full-size tensor
   verl's ``get_per_tensor_param`` gathers (``DTensor.full_tensor()``) and the checkpoint engine's buckets.
 """
@@ -45,6 +46,29 @@ ACT_FINAL_FP32_ELEMENTS = 1
 #: and the backward recomputes one layer at a time: L·c·h + one layer's activations (Korthikanti et al. §5, full
 #: recompute).
 CHECKPOINT_INPUT_ELEMENTS = 1
+#: A mixture of experts' layer keeps, a token, what transformers 5's Qwen3-MoE forward allocates for autograd beyond
+#: the dense terms above (``models/qwen3_moe/modeling_qwen3_moe.py``; the experts run through
+#: ``integrations/moe.py:grouped_mm_experts_forward``, transformers' default ``experts_implementation``, or the eager
+#: per-expert loop ``Qwen3MoeExperts.forward``, which saves the same two copies):
+#:
+#: - **dispatch**: ``hidden_states[perm // top_k]`` (eager: ``hidden_states[token_idx]`` per expert) copies each token's
+#:   hidden state once per routed expert, k·h elements in the compute dtype, saved as the up projection's input;
+#: - **combine**: the down projection's output, k·h a token, saved by ``proj_out * sample_weights`` (eager:
+#:   ``current_hidden_states * top_k_weights[...]``) for the routing weights' gradient;
+#:
+#: so ``MOE_COPIES`` (2) x k x h x c bytes a token (Qwen3-30B-A3B, bf16: 2 x 8 x 2048 x 2 = 65,536 = 64 KiB). The
+#: gate, up, activation and product of the routed experts are the dense ``ACT_WIDTH_ELEMENTS`` x k·moe_intermediate.
+#: - **router**: ``Qwen3MoeTopKRouter.forward`` computes ``softmax(router_logits, dtype=float)``, whose fp32 output
+#:   (tokens x experts) autograd keeps for the softmax's backward: ``ROUTER_PROB_BYTES`` x experts a token
+#:   (Qwen3-30B-A3B: 512). verl's FSDP path never asks for ``output_router_logits`` (the aux loss), so no layer's
+#:   logits outlive it.
+#:
+#: Both are a layer's: every layer without gradient checkpointing, the one recomputed layer with it. Measured with
+#: autograd's saved-tensor hooks on a Qwen3-MoE built in code (tests/unit/test_trainer_memory.py): a layer grows by
+#: 2·h·c + 4·moe_intermediate·c + ~39 bytes of routing indices per routed expert, and by 4 bytes per expert. Not
+#: counted: those indices (int64 ``perm``, ``inv_perm``, top-k; ~39·k bytes a token a layer, under 1% of the copies).
+MOE_COPIES = 2
+ROUTER_PROB_BYTES = 4
 #: The logits' bytes per token and vocabulary entry at their peak in the backward, by the compute dtype's bytes,
 #: measured on verl's ``logprobs_from_logits_v2`` (the path without flash-attention's cross-entropy, or with
 #: ``VERL_DISABLE_FLASH_ATTN_CE=1``): bf16 keeps one row's ``log_softmax`` output at a time for the backward (2) and
@@ -92,6 +116,8 @@ class TrainerMemory:
     gathered_unit: float
     activations: float
     logits: float
+    expert_copies: float  # a MoE's dispatch and combine copies of the layers it holds (0 for a dense model)
+    router_probs: float  # a MoE's fp32 router probabilities of the layers it holds (0 for a dense model)
     sync_tensor: float
     sync_buckets: float
     resident_between_updates: float
@@ -102,7 +128,7 @@ class TrainerMemory:
 
     @property
     def update_peak(self) -> float:
-        return self.state + self.gathered_unit + self.activations + self.logits
+        return self.state + self.gathered_unit + self.activations + self.logits + self.expert_copies + self.router_probs
 
     @property
     def sync_peak(self) -> float:
@@ -127,8 +153,23 @@ def layer_activation_bytes_per_token(model: ModelShape, compute_bytes: int = 2) 
     )
 
 
+def moe_bytes_per_token(model: ModelShape, compute_bytes: int = 2) -> tuple[int, int]:
+    """A MoE layer's dispatch-and-combine copies and its router probabilities for one token, in bytes (see
+    ``MOE_COPIES``); (0, 0) for a dense model."""
+    if not model.experts:
+        return 0, 0
+    return MOE_COPIES * model.experts_per_token * model.hidden * compute_bytes, ROUTER_PROB_BYTES * model.experts
+
+
+def held_layers(model: ModelShape, gradient_checkpointing: bool) -> int:
+    """The layers whose activations are alive at once in the backward: one (recomputed) with gradient checkpointing,
+    every layer without."""
+    return 1 if gradient_checkpointing else model.layers
+
+
 def activation_bytes_per_token(model: ModelShape, gradient_checkpointing: bool, compute_bytes: int = 2) -> int:
-    """Activations one token leaves for the backward, over every layer and the head (see ``ACT_*``)."""
+    """Activations one token leaves for the backward, over every layer and the head (see ``ACT_*``); a MoE's expert
+    copies and router probabilities are :func:`moe_bytes_per_token`'s, apart."""
     one_layer = layer_activation_bytes_per_token(model, compute_bytes)
     final = (compute_bytes * ACT_FINAL_ELEMENTS + FP32_BYTES * ACT_FINAL_FP32_ELEMENTS) * model.hidden
     if gradient_checkpointing:
@@ -145,6 +186,8 @@ def trainer_memory(model: ModelShape, setup: TrainerSetup) -> TrainerMemory:
     optimizer = 2 * shard * setup.param_bytes * on_gpu  # torch AdamW: exp_avg, exp_avg_sq, like the parameter
     unit = max(model.layer_params, model.vocab * model.hidden)  # verl wraps each layer, embedding and head apart
     tokens = setup.micro_batch_tokens
+    copies, router = moe_bytes_per_token(model, setup.compute_bytes)
+    layers = held_layers(model, setup.gradient_checkpointing)
     return TrainerMemory(
         parameters=parameters,
         gradients=gradients,
@@ -152,6 +195,8 @@ def trainer_memory(model: ModelShape, setup: TrainerSetup) -> TrainerMemory:
         gathered_unit=unit * (GATHERED_UNIT_COPIES * setup.compute_bytes + setup.reduce_bytes),
         activations=tokens * activation_bytes_per_token(model, setup.gradient_checkpointing, setup.compute_bytes),
         logits=tokens * model.vocab * LOGIT_BYTES[setup.compute_bytes],
+        expert_copies=tokens * layers * copies,
+        router_probs=tokens * layers * router,
         sync_tensor=model.largest_tensor_params * setup.param_bytes,
         sync_buckets=TRAINER_BUCKETS * setup.bucket_bytes,
         resident_between_updates=(0.0 if setup.param_offload else parameters)

@@ -113,7 +113,8 @@ def test_weights_and_one_sequence_must_fit_vllms_share(tmp_path, max_model_len, 
         SEPARATE_GPU,
         [f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.rollout.max_model_len={max_model_len}",
          "actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "areal.placement=colocated",
-         "actor_rollout_ref.rollout.free_cache_engine=true", "actor_rollout_ref.rollout.gpu_memory_utilization=0.125"],
+         "actor_rollout_ref.rollout.free_cache_engine=true", "actor_rollout_ref.rollout.gpu_memory_utilization=0.125",
+         "areal.check.memory_margin_gib=0"],  # the counted terms to the byte
     )  # fmt: skip
     cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=8.0)
     if fits:
@@ -135,7 +136,8 @@ def test_transfer_buckets_and_the_checkpoint_engines_context_come_on_top_of_vllm
     config = check_recipe(
         SEPARATE_GPU,
         [f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
-         f"actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes={bucket_mb}"],
+         f"actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes={bucket_mb}",
+         "areal.check.memory_margin_gib=0"],  # the counted terms to the byte
     )  # fmt: skip
     cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=10.0)
     if fits:
@@ -198,6 +200,9 @@ def checked(caplog, *argv: str) -> list[str]:
 
 
 ONE_NODE = ("--nodes", "1", "--gpus-per-node", "8")
+#: The counted terms to the byte: a 7B or 32B on the separate GPU recipe leaves its engine GPU 1.2 GiB beside vLLM's
+#: 0.85 share, its 3 buckets and the assembled fp32 embedding, under the default margin (test_the_margin_*).
+NO_MARGIN = "areal.check.memory_margin_gib=0"
 
 
 def test_a_32b_on_one_engine_and_one_trainer_gpu_is_refused(caplog):
@@ -207,7 +212,7 @@ def test_a_32b_on_one_engine_and_one_trainer_gpu_is_refused(caplog):
     share; the trainer's fp32 parameters, gradients and Adam, 16 bytes each, are 524,204,113,920 bytes = 488.2 GiB
     on its one GPU."""
     line = refused(
-        caplog, str(SEPARATE_GPU), "actor_rollout_ref.model.path=Qwen/Qwen2.5-32B-Instruct",
+        caplog, str(SEPARATE_GPU), "actor_rollout_ref.model.path=Qwen/Qwen2.5-32B-Instruct", NO_MARGIN,
         "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.n_gpus_per_node=1", *ONE_NODE,
     )  # fmt: skip
     assert line.startswith("a trainer GPU needs 533.4 GiB at the update (488.2 GiB of fp32 parameters, gradients")
@@ -219,11 +224,12 @@ def test_a_7b_on_two_trainer_gpus_is_refused_and_on_eight_fits(caplog):
     56.7 GiB of fp32 state + 13.9 GiB logits of the 24,576-token micro-batch + 10.4 GiB activations + 4.1 GiB
     gathered embedding = 85.1 GiB, + 2 GiB of CUDA context, over 79.6. On 8: 14.2 GiB of state, 42.6 GiB."""
     seven = "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B"
-    line = refused(caplog, str(SEPARATE_GPU), seven, "trainer.n_gpus_per_node=2", *ONE_NODE)
+    line = refused(caplog, str(SEPARATE_GPU), seven, NO_MARGIN, "trainer.n_gpus_per_node=2", *ONE_NODE)
     assert line.startswith("a trainer GPU needs 87.1 GiB at the update (56.7 GiB of fp32 parameters")
     caplog.clear()
     lines = checked(
-        caplog, str(SEPARATE_GPU), seven, "trainer.n_gpus_per_node=8", "actor_rollout_ref.rollout.n_gpus_per_node=8",
+        caplog, str(SEPARATE_GPU), seven, NO_MARGIN, "trainer.n_gpus_per_node=8",
+        "actor_rollout_ref.rollout.n_gpus_per_node=8",
         "--nodes", "2", "--gpus-per-node", "8",
     )  # fmt: skip
     trainer = next(line for line in lines if line.startswith("trainer GPU:"))
@@ -328,7 +334,7 @@ def test_fp32_compute_is_sized_and_a_7b_that_fits_in_bf16_no_longer_does(caplog)
     trainer GPUs (tests/unit/test_trainer_memory.py::test_fp32_compute_by_hand counts each term): 15,230,566,400
     of state + 44,845,498,368 logits + 21,293,236,224 activations + 6,539,968,512 gathered unit = 87,909,269,504
     bytes = 81.9 GiB, + 2 GiB of CUDA context = 83.9 GiB, over 79.6; in bf16 (verl's default) 42.6 GiB fits."""
-    seven = ("actor_rollout_ref.model.path=Qwen/Qwen2.5-7B", "trainer.n_gpus_per_node=8",
+    seven = ("actor_rollout_ref.model.path=Qwen/Qwen2.5-7B", "trainer.n_gpus_per_node=8", NO_MARGIN,
              "actor_rollout_ref.rollout.n_gpus_per_node=8", "--nodes", "2", "--gpus-per-node", "8")  # fmt: skip
     fp32 = "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype: fp32, reduce_dtype: fp32}"
     line = refused(caplog, str(SEPARATE_GPU), fp32, *seven)
@@ -367,7 +373,7 @@ def test_an_fp32_engine_holds_fp32_weights_and_kv_cache(tmp_path, max_model_len,
         [f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.rollout.max_model_len={max_model_len}",
          "actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "areal.placement=colocated",
          "actor_rollout_ref.rollout.free_cache_engine=true", "actor_rollout_ref.rollout.gpu_memory_utilization=0.25",
-         "actor_rollout_ref.rollout.dtype=float32"],
+         "actor_rollout_ref.rollout.dtype=float32", NO_MARGIN],
     )  # fmt: skip
     cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=8.0)
     if fits:
@@ -419,3 +425,46 @@ def test_kv_heads_that_tensor_parallel_neither_divides_nor_multiplies(tmp_path, 
         "--nodes", "2", "--gpus-per-node", "8",
     )  # fmt: skip
     assert line.startswith("actor_rollout_ref.rollout.tensor_model_parallel_size=6 neither divides model's 4 KV heads")
+
+
+#: Issue 59's MoE run: Qwen3-30B-A3B, 8 trainer GPUs and 8 engine GPUs (TP 4) on two nodes, a 17,408-token micro-batch.
+A3B = (str(SEPARATE_GPU), "actor_rollout_ref.model.path=Qwen/Qwen3-30B-A3B", "areal.micro_batch.max_tokens=17408",
+       "actor_rollout_ref.rollout.tensor_model_parallel_size=4", "trainer.n_gpus_per_node=8",
+       "actor_rollout_ref.rollout.n_gpus_per_node=8", "--nodes", "2", "--gpus-per-node", "8")  # fmt: skip
+
+
+@pytest.mark.parametrize(("margin", "fits"), [("0.21", True), ("0.22", False), (None, False)])
+def test_the_margin_refuses_a_trainer_that_fits_with_less(caplog, margin, fits):
+    """tests/unit/test_trainer_memory.py counts the update's 83,092,578,304 bytes (77.4 GiB; 76.3 before the recomputed
+    layer's 1,140,850,688 bytes of expert copies and 8,912,896 of router probabilities); + 2 GiB of CUDA context =
+    85,240,061,952 of 79.6 GiB = 85,470,522,982: 230,461,030 bytes = 0.2146 GiB spare. A margin of 0.21 GiB passes,
+    0.22 and the default 2 GiB refuse it, naming the spare and the key."""
+    extra = () if margin is None else (f"areal.check.memory_margin_gib={margin}",)
+    if fits:
+        trainer = next(line for line in checked(caplog, *A3B, *extra) if line.startswith("trainer GPU:"))
+        assert "+ 1.06 GiB bf16 top-8 expert dispatch and combine copies + 0.01 GiB fp32 router probabilities of " \
+               "the recomputed layer + 4.6 GiB gathered FSDP unit = 77.4 GiB" in trainer  # fmt: skip
+        assert trainer.endswith("0.2 GiB spare of 79.6")
+        return
+    line = refused(caplog, *A3B, *extra)
+    assert line.startswith("a trainer GPU needs 79.4 GiB at the update (56.9 GiB of fp32 parameters")
+    expected = f"0.2 GiB spare of 79.6, under the areal.check.memory_margin_gib={float(margin or 2):g} GiB"
+    assert expected in line and line.endswith("or lower areal.check.memory_margin_gib (0: fit to the byte)")
+
+
+def test_the_margin_refuses_an_engine_that_fits_with_less(caplog):
+    """The separate recipe with Qwen2.5-7B: vLLM's 0.85 x 79.6 = 67.66 GiB + ~2 GiB of its context + 3 x 2 GiB buckets
+    + the assembled fp32 embedding 544,997,376 x 4 = 2,179,989,504 bytes (2.03 GiB) + 666,632,192 of the checkpoint
+    engine's context (0.62 GiB) = 78.31 GiB: 1.29 GiB spare, under the default 2 GiB; with no margin it fits."""
+    seven = (str(SEPARATE_GPU), "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B", "trainer.n_gpus_per_node=8",
+             "actor_rollout_ref.rollout.n_gpus_per_node=8", "--nodes", "2", "--gpus-per-node", "8")  # fmt: skip
+    line = refused(caplog, *seven)
+    assert line.startswith("an engine GPU needs vLLM's 67.7 GiB + 10.7 GiB beside it")
+    assert "1.3 GiB spare of 79.6, under the areal.check.memory_margin_gib=2 GiB" in line
+    caplog.clear()
+    assert any("1.3 GiB spare" in line for line in checked(caplog, *seven, NO_MARGIN))
+
+
+def test_a_negative_margin_is_refused_naming_the_key(caplog):
+    line = refused(caplog, *A3B, "areal.check.memory_margin_gib=-1")
+    assert "areal.check.memory_margin_gib must be GiB >= 0" in line

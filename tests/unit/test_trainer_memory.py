@@ -169,3 +169,85 @@ def test_fp32_compute_by_hand():
     assert trainer_memory(QWEN7B, setup(8, reduce_bytes=2)).gathered_unit == 3_269_984_256
     with pytest.raises(ValueError, match="compute_bytes=8"):
         setup(8, compute_bytes=8)
+
+
+#: Qwen3-30B-A3B's published config.json (https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json), the keys
+#: the sizing reads.
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936, "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def test_qwen3_30b_a3b_on_eight_gpus_counts_the_expert_copies_and_the_router():
+    """Issue 59: 8 trainer GPUs, a 17,408-token micro-batch (a 16k answer and its prompt), gradient checkpointing.
+    Parameters: 48 x (attention 18,874,368 + experts 128 x 3 x 2048 x 768 = 603,979,776 + router 2048 x 128 =
+    262,144) + 2 x 151,936 x 2048 = 30,531,911,680; fp32 state 16 B / 8 GPUs = 61,063,823,360. Unit 623,116,288 x 8 =
+    4,984,930,304. Activations (48 x 2 x 2048 + 92,296 + 8 x 2048 = 305,288 a token) x 17,408 = 5,314,453,504.
+    Logits 17,408 x 151,936 x 4 = 10,579,607,552. Until now: 81,942,814,720 = 76.3 GiB. The recomputed layer's
+    dispatch + combine copies: 2 x 8 x 2048 x 2 = 65,536 B a token x 17,408 = 1,140,850,688 (1.06 GiB); its fp32
+    router probabilities 128 x 4 = 512 B a token x 17,408 = 8,912,896. Update peak 83,092,578,304 = 77.4 GiB."""
+    from areal_plugins.planning.model_shapes import shape_from_config
+    from areal_plugins.planning.trainer_memory import moe_bytes_per_token
+
+    moe = shape_from_config(QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B")
+    assert moe_bytes_per_token(moe) == (65_536, 512)
+    memory = trainer_memory(moe, setup(8, micro_batch_tokens=17_408))
+    assert memory.state == 61_063_823_360
+    assert memory.expert_copies == 1_140_850_688 and memory.router_probs == 8_912_896
+    assert memory.update_peak == 83_092_578_304
+    # without gradient checkpointing every one of the 48 layers keeps both
+    plain = trainer_memory(moe, setup(8, micro_batch_tokens=17_408, gradient_checkpointing=False))
+    assert plain.expert_copies == 48 * 1_140_850_688 and plain.router_probs == 48 * 8_912_896
+    # a dense model has neither
+    assert trainer_memory(QWEN7B, setup(8)).expert_copies == trainer_memory(QWEN7B, setup(8)).router_probs == 0
+
+
+def saved_moe_layer_bytes(top_k: int, experts: int, hidden: int = 256, width: int = 128, tokens: int = 256) -> float:
+    """A token's saved bytes per decoder layer of transformers' Qwen3-MoE in bf16 (its default ``grouped_mm`` experts),
+    by autograd's saved-tensor hooks: the difference between 4 and 2 layers, halved."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    def saved(layers: int) -> int:
+        config = Qwen3MoeConfig(hidden_size=hidden, intermediate_size=512, moe_intermediate_size=width,
+                                num_experts=experts, num_experts_per_tok=top_k, num_hidden_layers=layers,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000,
+                                max_position_embeddings=4096, use_cache=False, mlp_only_layers=[])  # fmt: skip
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        model = Qwen3MoeForCausalLM._from_config(config, experts_implementation="grouped_mm").to(torch.bfloat16)
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        kept: dict[int, int] = {}
+
+        def pack(tensor):
+            if tensor.untyped_storage().data_ptr() not in weights:
+                kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model.train()(input_ids=torch.randint(0, 1000, (1, tokens)))
+        return sum(kept.values())
+
+    return (saved(4) - saved(2)) / 2 / tokens
+
+
+def test_the_moe_terms_are_what_transformers_saves():
+    """Two more routed experts a token (top-2 -> top-4) add, a layer, their dispatch and combine copies (2 x h x 2 B)
+    and their gate, up, activation and product (4 x moe_intermediate x 2 B), + ~39 bytes of routing indices each
+    (not counted); 16 more experts add 16 fp32 router probabilities (64 B), + a fraction of a byte of per-layer
+    bookkeeping spread over the tokens."""
+    from areal_plugins.planning.trainer_memory import moe_bytes_per_token
+
+    shape = ModelShape("m", hidden=256, layers=4, heads=4, kv_heads=2, intermediate=512, vocab=1000, head_dim=64,
+                       experts=16, experts_per_token=4, moe_intermediate=128)  # fmt: skip
+    copies_per_expert = moe_bytes_per_token(shape)[0] // 4
+    assert copies_per_expert == 2 * 256 * 2
+    grown_k = saved_moe_layer_bytes(4, 16) - saved_moe_layer_bytes(2, 16)
+    counted = 2 * (copies_per_expert + 4 * 128 * 2)
+    assert counted <= grown_k <= counted + 2 * 48, grown_k
+    grown_experts = saved_moe_layer_bytes(4, 32) - saved_moe_layer_bytes(4, 16)
+    assert grown_experts == pytest.approx(16 * 4, abs=1)
+    assert moe_bytes_per_token(shape)[1] == 16 * 4
