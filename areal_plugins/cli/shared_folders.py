@@ -13,9 +13,8 @@ import secrets
 from pathlib import Path
 
 from areal_plugins.cli.every_node import NodeAnswer, on_every_node
+from areal_plugins.records.control_files import SHARED_FOLDER_PROBE_S
 
-#: Seconds every node has to answer (a task that reads one small file; a node busy starting a run may be slow).
-PROBE_TIMEOUT_S = 30.0
 MARKER_PREFIX = ".areal_shared_folder_probe-"
 
 
@@ -38,7 +37,7 @@ def nodes_without(answers: list[NodeAnswer], token: str) -> list[str]:
     return missing
 
 
-def unshared_nodes(folder: Path, address: str, timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
+def unshared_nodes(folder: Path, address: str, timeout_s: float = SHARED_FOLDER_PROBE_S) -> list[str]:
     """The nodes of the cluster at ``address`` that do not see ``folder`` as this machine does ([] when all do)."""
     folder.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(16)

@@ -243,6 +243,15 @@ def _stop_limits(
             (_name(control_files, "CLUSTER_CLEANUP_S"),),
         )
     )
+    add(
+        Limit(
+            "every node reading the checkpoint folder's marker before a run that restarts itself",
+            control_files.SHARED_FOLDER_PROBE_S,
+            CONSTANT,
+            "one Ray task per node: a worker's start and one small file read, whatever the model",
+            (_name(control_files, "SHARED_FOLDER_PROBE_S"),),
+        )
+    )
     return limits
 
 

@@ -29,6 +29,9 @@ SIGTERM_GRACE_S = 20.0
 #: How long the cleanup tasks on a cluster's nodes get to answer after a run, all together: a task starts a Ray worker
 #: on its node (seconds) and scans that node's processes.
 CLUSTER_CLEANUP_S = 60.0
+#: How long every node of a cluster gets, all together, to read back the checkpoint folder's marker before a run that
+#: restarts itself (cli/shared_folders.py): a task starts a Ray worker on its node and reads one small file.
+SHARED_FOLDER_PROBE_S = 30.0
 
 
 class PhaseTimes:
