@@ -40,8 +40,11 @@ def check(recipe: Path, overrides: list[str], cluster_args: argparse.Namespace) 
         cluster.nodes,
         cluster.gpus_per_node,
     )
-    for line in where:
-        logger.info("  %s", line)
+    for line in where:  # fit_cluster's "warning: ..." lines pass and say what to change
+        if line.startswith("warning: "):
+            logger.warning("%s", line)
+        else:
+            logger.info("  %s", line)
     for line in limit_lines(config, cluster_args.nodes, cluster_args.cpus_per_node):
         logger.info("  %s", line)
     missing = missing_here(config)

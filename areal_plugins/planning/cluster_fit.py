@@ -135,7 +135,8 @@ def fit_cluster(config: Any, cluster: Cluster, model_config: Path | None = None)
     lines.append(_check_positions(config, known))
     _check_heads(known.shape, tp)
     engine, awake_free = _engine_memory(config, cluster, known.shape, tp, transport, colocated=not separate)
-    return lines + engine + _trainer_memory(config, cluster, known.shape, transport, separate, awake_free)
+    trainer_lines = _trainer_memory(config, cluster, known.shape, transport, separate, awake_free)
+    return lines + engine + trainer_lines + checkpoint_lines(config, known.shape)
 
 
 def _check_positions(config: Any, known: KnownModel) -> str:
@@ -369,6 +370,62 @@ def _trainer_memory(
         f"trainer GPU: update {update}; weight sync {sync}; + {context}: "
         f"{(gpu - memory.peak - overhead) / GIB:.1f} GiB spare of {cluster.gpu_memory_gib:g}"
     ]
+
+
+def checkpoint_lines(config: Any, model: ModelShape) -> list[str]:
+    """What the run's checkpoints take on disk: one checkpoint's size, how many verl keeps, the total; a line
+    starting ``warning:`` when it keeps every one.
+
+    verl's FSDP checkpoint (``verl/utils/checkpoint/fsdp_checkpoint_manager.py:310-361``, 0.9.1): every rank saves
+    its shard of the parameters (``model.state_dict()`` under ``SHARDED_STATE_DICT``, in ``fsdp_config.model_dtype``)
+    and of the optimizer's state (``optimizer.state_dict()``: AdamW's ``exp_avg`` and ``exp_avg_sq``, each like the
+    parameter), as ``actor.checkpoint.save_contents`` lists them (model, optimizer, extra by default); the extras
+    (learning-rate scheduler and RNG per rank, the TaskRunner's ``data.pt``, the tokenizer) are kilobytes to
+    megabytes, not counted. verl saves every ``trainer.save_freq`` steps and at the last
+    (``verl/trainer/ppo/v1/trainer_base.py:481-482``) and keeps ``trainer.max_actor_ckpt_to_keep`` of them (null:
+    all; ``trainer_base.py:964-966``).
+    """
+    trainer = config.trainer
+    freq = int(trainer.get("save_freq", -1) or -1)
+    if freq <= 0:
+        return [f"checkpoints: none (trainer.save_freq={freq})"]
+    actor = config.actor_rollout_ref.actor
+    contents = [str(c) for c in (actor.get("checkpoint") or {}).get("save_contents", ["model", "optimizer", "extra"])]
+    param_bytes = _bytes_per_param(
+        actor.fsdp_config.get("model_dtype", "fp32"), "actor_rollout_ref.actor.fsdp_config.model_dtype"
+    )
+    copies = ("model" in contents) + 2 * ("optimizer" in contents)  # parameters; Adam's exp_avg and exp_avg_sq
+    size = model.params * param_bytes * copies
+    what = " + ".join(
+        part
+        for part, present in (
+            (f"parameters {model.params * param_bytes / 1e9:.1f} GB", "model" in contents),
+            (f"Adam m, v {2 * model.params * param_bytes / 1e9:.1f} GB", "optimizer" in contents),
+        )
+        if present
+    )
+    steps = trainer.get("total_training_steps")
+    saves = None if steps is None else int(steps) // freq + (1 if int(steps) % freq else 0)
+    keep = trainer.get("max_actor_ckpt_to_keep")
+    kept = saves if keep is None else (int(keep) if saves is None else min(int(keep), saves))
+    count = (
+        f"all {saves} saves of trainer.total_training_steps={steps} (trainer.max_actor_ckpt_to_keep: null)"
+        if keep is None and saves is not None
+        else "every save (trainer.max_actor_ckpt_to_keep: null; trainer.total_training_steps unset)"
+        if keep is None
+        else f"{kept} kept (trainer.max_actor_ckpt_to_keep={keep})"
+    )
+    total = f"{kept * size / 1e9:.1f} GB" if kept is not None else "growing with every save"
+    lines = [
+        f"checkpoints: {size / 1e9:.1f} GB each ({model.params / 1e9:.2f}B {param_bytes * 8}-bit: {what or 'none'}"
+        f"; verl's extras not counted) every {freq} steps, {count}: {total} on disk, under trainer.default_local_dir"
+    ]
+    if keep is None:
+        lines.append(
+            f"warning: verl keeps every checkpoint of {size / 1e9:.1f} GB ({total}): set "
+            "trainer.max_actor_ckpt_to_keep (e.g. 2: the last and the one before it)"
+        )
+    return lines
 
 
 def missing_here(config: Any) -> list[str]:

@@ -468,3 +468,50 @@ def test_the_margin_refuses_an_engine_that_fits_with_less(caplog):
 def test_a_negative_margin_is_refused_naming_the_key(caplog):
     line = refused(caplog, *A3B, "areal.check.memory_margin_gib=-1")
     assert "areal.check.memory_margin_gib must be GiB >= 0" in line
+
+
+def checkpoint_config(**trainer):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(
+        {
+            "trainer": {"save_freq": 25, "total_training_steps": 400, "max_actor_ckpt_to_keep": None} | trainer,
+            "actor_rollout_ref": {"actor": {"fsdp_config": {"model_dtype": "fp32"},
+                                            "checkpoint": {"save_contents": ["model", "optimizer", "extra"]}}},
+        }
+    )  # fmt: skip
+
+
+def test_checkpoints_on_disk_their_size_count_and_total():
+    """Qwen3-30B-A3B's 30,531,911,680 fp32 parameters: a checkpoint holds them (122,127,646,720 bytes) and Adam's two
+    moments (244,255,293,440): 366,382,940,160 bytes = 366.4 GB (the issue's ~366 GB). 400 steps saved every 25: 16
+    saves, all kept (max_actor_ckpt_to_keep null) = 5,862,127,042,560 bytes, and a warning; 2 kept: 732.8 GB; 410
+    steps: 16 + the last = 17; parameters alone (save_contents [model]): 122.1 GB."""
+    from areal_plugins.planning.cluster_fit import checkpoint_lines
+    from areal_plugins.planning.model_shapes import from_table
+
+    a3b = from_table("Qwen/Qwen3-30B-A3B").shape
+    line, warning = checkpoint_lines(checkpoint_config(), a3b)
+    assert line.startswith("checkpoints: 366.4 GB each (30.53B 32-bit: parameters 122.1 GB + Adam m, v 244.3 GB")
+    assert "all 16 saves of trainer.total_training_steps=400" in line and "5862.1 GB on disk" in line
+    assert (
+        warning.startswith("warning: verl keeps every checkpoint of 366.4 GB") and "max_actor_ckpt_to_keep" in warning
+    )
+    (kept,) = checkpoint_lines(checkpoint_config(max_actor_ckpt_to_keep=2), a3b)
+    assert "2 kept (trainer.max_actor_ckpt_to_keep=2): 732.8 GB on disk" in kept
+    assert "all 17 saves" in checkpoint_lines(checkpoint_config(total_training_steps=410), a3b)[0]
+    model_only = checkpoint_config()
+    model_only.actor_rollout_ref.actor.checkpoint.save_contents = ["model"]
+    assert checkpoint_lines(model_only, a3b)[0].startswith("checkpoints: 122.1 GB each")
+    assert checkpoint_lines(checkpoint_config(save_freq=-1), a3b) == ["checkpoints: none (trainer.save_freq=-1)"]
+
+
+def test_check_warns_when_verl_keeps_every_checkpoint(caplog):
+    with caplog.at_level(logging.INFO):
+        assert cli.main(["check", *A3B, NO_MARGIN]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(w.startswith("warning: verl keeps every checkpoint of 366.4 GB (5862.1 GB)") for w in warnings)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert cli.main(["check", *A3B, NO_MARGIN, "trainer.max_actor_ckpt_to_keep=2"]) == 0
+    assert not any("checkpoint" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
