@@ -18,12 +18,8 @@ from typing import Any
 
 import ray
 import torch
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from areal_plugins.rollout.base import RolloutServer, record_weight_sync
-from areal_plugins.rollout.server_slots import UNBOUNDED_SLOTS, server_concurrency
-from areal_plugins.weight_sync.checksums import tensor_checksum
-from areal_plugins.weight_sync.errors import WeightSyncError
+from areal_plugins.rollout.base import RolloutServer
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +59,7 @@ def register_backend(name: str, server: str) -> None:
         replicas.register(name, lambda: __getattr__("ArealRolloutReplica"))
 
 
-ADAPTER_FQN = f"{__name__}.ArealServerAdapter"
+ADAPTER_FQN = "areal_plugins.rollout.verl_adapter.ArealServerAdapter"
 #: CPU share Ray reserves for each server actor: fractional so that it never starves verl's own
 #: actors on a 2-core machine; torch threads are set separately (``engine_kwargs.<backend>.num_threads``).
 SERVER_NUM_CPUS = 0.1
@@ -164,65 +160,6 @@ def gpu_settings(rollout_config: Any, devices: list[str], hybrid: bool) -> dict[
     }
 
 
-def _replica_class() -> type:
-    from verl.workers.rollout.replica import RolloutMode, RolloutReplica
-
-    class ArealRolloutReplica(RolloutReplica):
-        """A replica of one server actor of the backend ``config.name`` (no accelerator needed)."""
-
-        def rollout_worker_use_gpu(self) -> bool:
-            return False
-
-        async def launch_servers(self) -> None:
-            backend = str(self.config.name)
-            check_capabilities(self.config)
-            options = engine_options(self.config)
-            model_path = getattr(self.model_config, "local_path", None) or self.model_config.path
-            name = server_actor_name(backend, self.replica_rank, self.name_suffix)
-            cls = server_class(backend)
-            server_cls: Any = ray.remote(cls)
-            placement: dict[str, Any] = {}
-            extra: dict[str, Any] = {}
-            if "routed_experts" in cls.capabilities:  # router replay: asked of backends that declare it
-                extra["routed_experts"] = bool(self.config.get("enable_rollout_routing_replay", False))
-            if "lora_adapter_check" in cls.capabilities:  # adapter-only updates: sleep keeps the base weights
-                extra["lora_adapter"] = sends_lora_adapter(self.model_config)
-            if self.workers:  # on the node of this replica's workers (its devices), as verl's vLLM replica does
-                node = str(ray.get(self.workers[0].__ray_call__.remote(_node_id)))
-                placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-                if cls.uses_reserved_gpus:
-                    devices = ray.get([w.__ray_call__.remote(_cuda_devices) for w in self.workers])
-                    hybrid = self.rollout_mode == RolloutMode.HYBRID
-                    gpu = gpu_settings(self.config, [d for ds in devices for d in ds], hybrid)
-                    if gpu is not None:
-                        extra["gpu"] = gpu
-            server: Any = server_cls.options(
-                name=name,
-                num_cpus=SERVER_NUM_CPUS,
-                max_concurrency=server_concurrency(self.max_concurrency, when_unbounded=UNBOUNDED_SLOTS),
-                **placement,
-            ).remote(
-                model_path=model_path,
-                response_length=self.config.response_length,
-                max_model_len=self.config.max_model_len or (self.config.prompt_length + self.config.response_length),
-                max_batch_size=int(options.get("max_batch_size", self.config.max_num_seqs)),
-                num_threads=int(options.get("num_threads", 2)),
-                seed=self.config.seed + self.replica_rank,
-                replica_rank=self.replica_rank,
-                free_cache_engine=bool(self.config.free_cache_engine),
-                ignore_eos=bool(self.config.get("ignore_eos", False)),
-                batch_invariant=bool(options.get("batch_invariant", False)),
-                **{key: value for key, value in options.items() if key not in ENGINE_OPTIONS},  # a backend's own
-                **extra,
-            )
-            await server.get_version.remote()  # surfaces constructor errors here, not at first use
-            self.servers = [server]
-            self._server_handle = server
-            self._server_address = name
-
-    return ArealRolloutReplica
-
-
 def sends_lora_adapter(model_config: Any) -> bool:
     """Whether verl's trainer sends a LoRA adapter alone on each update: FSDP's ``lora_rank > 0`` without
     ``lora.merge`` (verl 0.9.1's ``engine_workers.update_weights``; merged, it sends full weights)."""
@@ -248,92 +185,17 @@ def replica_position(rank: int, rollout_world: int, replica_rank: int = -1) -> t
     return replica, rank % rollout_world == 0
 
 
-def _adapter_class() -> type:
-    from verl.workers.rollout.base import BaseRollout
-
-    class ArealServerAdapter(BaseRollout):
-        """Trainer-side end of the weight sync: gathers full tensors, ships them, verifies the reply.
-
-        ``resume``/``release`` are verl's wake-up and sleep calls of a colocated engine; they reach
-        the server, which acts on them when ``free_cache_engine`` is true (as verl's vLLM adapter does).
-        """
-
-        def __init__(self, config: Any, model_config: Any, device_mesh: Any, *args: Any, **kwargs: Any) -> None:
-            super().__init__(config, model_config, device_mesh)
-            rollout_world = (
-                self.config.tensor_model_parallel_size
-                * self.config.data_parallel_size
-                * self.config.pipeline_model_parallel_size
-            )
-            self.replica_rank, self.is_leader_rank = replica_position(
-                process_rank(), rollout_world, kwargs.get("replica_rank", -1)
-            )
-            self.server_cls = server_class(self.config.name)
-            self._server: Any = None
-
-        def _server_handle(self) -> Any:
-            if self._server is None:
-                self._server = ray.get_actor(server_actor_name(self.config.name, self.replica_rank))
-            return self._server
-
-        async def resume(self, tags: list[str]) -> None:
-            if self.is_leader_rank:
-                await self._server_handle().wake_up.remote(tags=tags)
-
-        async def release(self) -> None:
-            if self.is_leader_rank:
-                await self._server_handle().sleep.remote()
-
-        async def update_weights(self, weights: Any, wire_format: str = "named_tensors", **kwargs: Any) -> None:
-            """verl's ``peft_config`` and ``base_sync_done`` (colocated LoRA, ``engine_workers.update_weights``): with
-            both, the tensors are the adapter alone, loaded by the server's ``update_adapter`` and checked tensor by
-            tensor; with ``peft_config`` alone they are the base weights (sent once), loaded and checked as full
-            weights."""
-            if wire_format != "named_tensors":
-                raise ValueError(f"the {self.config.name} backend takes full named tensors, not {wire_format!r}")
-            # Every rank must drain the generator: producing full tensors is a collective. Checkpoint
-            # engines hand weights over as a generator, some (verl's nccl) as an async one.
-            if hasattr(weights, "__aiter__"):
-                state = {name: tensor.detach().to("cpu", copy=True) async for name, tensor in weights}
-            else:
-                state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
-            peft_config = kwargs.get("peft_config")
-            version = int(kwargs.get("global_steps") or 0)
-            if sends_lora_adapter(self.model_config) and not peft_config:
-                # verl's checkpoint-engine path (placement: separate) sends the base weights without the adapter
-                # (verl issue #7495: the engines sampled from the initial policy for the whole run). Startup refuses
-                # that setup (builtin/validation.py); raised after the drain, so no rank of a transport is left waiting.
-                raise WeightSyncError(
-                    f"rollout replica {self.replica_rank}, update {version}: the trainer trains a LoRA adapter "
-                    f"(actor_rollout_ref.model.lora_rank={self.model_config.lora_rank}) but this update carries no "
-                    "adapter, only base weights: the engines would sample from the base model, not the policy. "
-                    "areal_async sends the adapter with areal.placement=colocated only (docs/design.md, LoRA)"
-                )
-            if not self.is_leader_rank:
-                return
-            where = f"rollout replica {self.replica_rank}"
-            if peft_config and kwargs.get("base_sync_done", False):  # verl's adapter-only update
-                sent = {name: tensor_checksum(tensor) for name, tensor in state.items()}
-                reply = await self._server_handle().update_adapter.remote(state, dict(peft_config), version)
-                checked = self.server_cls.verify_adapter(reply, sent, version, where)
-                record_weight_sync(self.replica_rank, version, {**checked, "adapter_only": True}, "update_checked")
-                return
-            reply = await self._server_handle().update_weights.remote(state, version)
-            self.server_cls.verify_weights(reply, state, version, where)
-
-    return ArealServerAdapter
+#: Our verl classes, each in a module that imports verl's rollout base at its top: imported by name on first use, so
+#: that importing this module does not import verl's worker stack (and they, which import this one, close no cycle).
+CLASS_MODULES = {
+    "ArealServerAdapter": "areal_plugins.rollout.verl_adapter",
+    "ArealRolloutReplica": "areal_plugins.rollout.verl_replica",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # verl imports the adapter by its fully qualified name; build the classes on first use so that
-    # importing this module does not import verl's worker stack.
-    makers = {"ArealServerAdapter": _adapter_class, "ArealRolloutReplica": _replica_class}
-    if name in globals():  # built already (the registry's loader calls this function directly)
-        return globals()[name]
-    if name in makers:
-        cls = makers[name]()
-        globals()[name] = cls
-        return cls
+    if name in CLASS_MODULES:
+        return getattr(importlib.import_module(CLASS_MODULES[name]), name)
     raise AttributeError(name)
 
 
