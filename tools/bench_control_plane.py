@@ -3,7 +3,7 @@
 What runs is the async trainer's rollout side with the model taken out (docs/results/control_plane.md):
 
 - in the driver (this process): :class:`AdmissionLoop` (``driver/admission.py``) with the default
-  :class:`StalenessController` and :class:`SampleBuffer`, polling the real TransferQueue every 50 ms as the
+  :class:`StalenessController` and :class:`OldestFirstBuffer`, polling the real TransferQueue every 50 ms as the
   default rollout manager does (``builtin/async_rollout.py``); a trainer loop that takes batches from the buffer
   as ``ArealAsyncTrainer._take_train_batch`` does, "trains" for ``--train-s`` seconds, then runs the weight
   update's control calls (abort every engine, update, resume) and reads every engine's statistics;
@@ -614,10 +614,10 @@ def timed_admission_loop(*args: Any, **kwargs: Any) -> Any:
 
 
 def timed_buffer(max_staleness: int) -> Any:
-    """Our :class:`SampleBuffer`, noting when it first holds ``want`` groups."""
-    from areal_plugins.core.buffer import SampleBuffer
+    """Our :class:`OldestFirstBuffer`, noting when it first holds ``want`` groups."""
+    from areal_plugins.core.buffer import OldestFirstBuffer
 
-    class TimedBuffer(SampleBuffer):
+    class TimedBuffer(OldestFirstBuffer):
         want = 1
         ready_at: float | None = None
 

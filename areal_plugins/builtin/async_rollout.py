@@ -19,10 +19,10 @@ def _settings(config: Any) -> ArealConfig:
 
 @hookimpl(trylast=True)
 def areal_make_sample_buffer(config: Any) -> Any:
-    from areal_plugins.core.buffer import SampleBuffer
+    from areal_plugins.core.buffer import OldestFirstBuffer
 
     settings = _settings(config)
-    return SampleBuffer(max_staleness=settings.max_staleness, on_stale=settings.on_stale)
+    return OldestFirstBuffer(max_staleness=settings.max_staleness, on_stale=settings.on_stale)
 
 
 @hookimpl(trylast=True)

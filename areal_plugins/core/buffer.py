@@ -11,6 +11,7 @@ thread-safe, no Ray or verl.
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,7 @@ class BufferedGroup:
         return trainer_version - self.head_version
 
 
-class SampleBuffer:
+class OldestFirstBuffer:
     """Accepted groups, handed out oldest head version first.
 
     Args:
@@ -104,3 +105,17 @@ class SampleBuffer:
         """The groups waiting now, in the order they would be handed out."""
         with self._ready:
             return [entry[2] for entry in self._groups]
+
+
+def __getattr__(name: str) -> Any:
+    # The default buffer was called SampleBuffer, the contract's name (hooks/contracts.py) too: the old name still
+    # imports, with a warning naming the new one, for at least one release (CHANGELOG).
+    if name == "SampleBuffer":
+        warnings.warn(
+            "areal_plugins.core.buffer.SampleBuffer is deprecated: the default buffer is OldestFirstBuffer "
+            "(areal_plugins.core.buffer); SampleBuffer names the contract (areal_plugins.SampleBuffer)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return OldestFirstBuffer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,10 +20,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from areal_plugins.actors.settled_groups import SettledReport, read_tags
-from areal_plugins.core.buffer import BufferedGroup, SampleBuffer
+from areal_plugins.core.buffer import BufferedGroup
 from areal_plugins.core.staleness import StalenessController
 from areal_plugins.core.trajectory import Trajectory
 from areal_plugins.core.trajectory_rows import group_trajectories, trajectory_info
+from areal_plugins.hooks.contracts import SampleBuffer
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@
 members of :class:`BackendCapabilities`. These are the whole contract:
 the trainer calls nothing else on them, and checks at startup that an object returned by a plugin has every
 member (:func:`missing_members`), naming what is missing. ``areal_plugins.testing`` checks behaviour too
-(the conformance kit, docs/guides/plugins.md). The defaults: :class:`areal_plugins.core.buffer.SampleBuffer`,
+(the conformance kit, docs/guides/plugins.md). The defaults: :class:`areal_plugins.core.buffer.OldestFirstBuffer`,
 :class:`areal_plugins.driver.admission.AdmissionLoop` and
 :class:`areal_plugins.core.staleness.StalenessController`.
 """

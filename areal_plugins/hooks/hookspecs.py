@@ -61,7 +61,7 @@ def areal_make_sample_buffer(config: DictConfig) -> SampleBuffer | None:
 
     Called from: verl's TaskRunner (the driver), when the async trainer starts training
     (``on_train_begin``), just before ``areal_make_rollout_manager``.
-    Default: ``areal_plugins.builtin.async_rollout``: :class:`~areal_plugins.core.buffer.SampleBuffer`,
+    Default: ``areal_plugins.builtin.async_rollout``: :class:`~areal_plugins.core.buffer.OldestFirstBuffer`,
     oldest head version first, ``areal.on_stale`` applied.
     Since: 0.1.0.
     """

@@ -103,9 +103,9 @@ def check_rollout_manager(
                                   kit.poll_interval_s))
     """
     if make_buffer is None:
-        from areal_plugins.core.buffer import SampleBuffer
+        from areal_plugins.core.buffer import OldestFirstBuffer
 
-        make_buffer = SampleBuffer
+        make_buffer = OldestFirstBuffer
     check = _Checker(make_manager, make_buffer, timeout_s)
     check.members_and_counters()
     check.admission_settling_and_both_stale_paths()

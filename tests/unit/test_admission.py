@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_plugins.core.buffer import SampleBuffer
+from areal_plugins.core.buffer import OldestFirstBuffer
 from areal_plugins.core.staleness import StalenessController
 from areal_plugins.core.trajectory_rows import MissingRolloutFieldError
 from areal_plugins.driver.admission import AdmissionLoop, RolloutsFailingError
@@ -34,7 +34,7 @@ def make_loop(store: InMemoryTransferQueue, eta: int = 1, batch: int = 2):
         return n
 
     controller = StalenessController(max_staleness=eta, batch_size=batch, max_concurrent=100)
-    loop = AdmissionLoop(controller, SampleBuffer(eta), submit, accept_by_hook, poll_interval=0.01, store=store)
+    loop = AdmissionLoop(controller, OldestFirstBuffer(eta), submit, accept_by_hook, poll_interval=0.01, store=store)
     return loop, submitted
 
 
@@ -288,7 +288,7 @@ def test_reissuing_into_a_dead_engine_still_stops_the_loop():
 def test_a_group_past_eta_at_consumption_is_generated_again_not_trained_or_dropped():
     store = InMemoryTransferQueue()
     loop, submitted, reissued = make_reissuing_loop(store, eta=1, batch=1)
-    loop.buffer = SampleBuffer(max_staleness=1, on_stale="reissue")
+    loop.buffer = OldestFirstBuffer(max_staleness=1, on_stale="reissue")
     loop.poll_once()  # (η + 0 + 1) * 1 = 2 groups: p0, p1
     store.finish("p0", [1.0, 0.0], [[0, 0], [0, 1, 2]])  # head version 0
     loop.poll_once()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_plugins.core.buffer import BufferedGroup, SampleBuffer
+from areal_plugins.core.buffer import BufferedGroup, OldestFirstBuffer
 from areal_plugins.core.staleness import StalenessController
 
 OPS = ["submit", "finish_ok", "finish_reject", "consume", "pause", "resume", "checkpoint", "crash"]
@@ -27,7 +27,7 @@ OPS = ["submit", "finish_ok", "finish_reject", "consume", "pause", "resume", "ch
 )
 def test_every_group_is_accounted_for_and_none_trains_beyond_eta(eta, batch, concurrent, on_stale, ops):
     def fresh():
-        return StalenessController(eta, batch, concurrent), SampleBuffer(eta, on_stale=on_stale)
+        return StalenessController(eta, batch, concurrent), OldestFirstBuffer(eta, on_stale=on_stale)
 
     controller, buffer = fresh()
     version, paused, next_id = 0, False, 0

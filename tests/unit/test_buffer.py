@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from areal_plugins.core.buffer import BufferedGroup, SampleBuffer
+from areal_plugins.core.buffer import BufferedGroup, OldestFirstBuffer
 
 
 def group(name: str, *heads: int) -> BufferedGroup:
@@ -15,7 +15,7 @@ def group(name: str, *heads: int) -> BufferedGroup:
 
 
 def test_oldest_head_version_first_ties_by_arrival():
-    buffer = SampleBuffer(max_staleness=4)
+    buffer = OldestFirstBuffer(max_staleness=4)
     for g in (group("a", 3), group("b", 1, 5), group("c", 1), group("d", 2)):
         buffer.put(g)
     taken, dropped = buffer.take(3, trainer_version=5)
@@ -26,14 +26,14 @@ def test_oldest_head_version_first_ties_by_arrival():
 
 
 def test_take_times_out_without_removing_anything():
-    buffer = SampleBuffer(max_staleness=1)
+    buffer = OldestFirstBuffer(max_staleness=1)
     buffer.put(group("a", 0))
     taken, dropped = buffer.take(2, trainer_version=0, timeout=0.05)
     assert taken == [] and dropped == [] and len(buffer) == 1
 
 
 def test_take_wakes_up_when_enough_groups_arrive():
-    buffer = SampleBuffer(max_staleness=1)
+    buffer = OldestFirstBuffer(max_staleness=1)
     threading.Timer(0.05, lambda: [buffer.put(group(n, 0)) for n in "xy"]).start()
     started = time.monotonic()
     taken, _ = buffer.take(2, trainer_version=0, timeout=5)
@@ -43,7 +43,7 @@ def test_take_wakes_up_when_enough_groups_arrive():
 
 @pytest.mark.parametrize("mode", ["drop", "reissue"])
 def test_drop_and_reissue_return_groups_beyond_eta_and_keep_the_rest(mode):
-    buffer = SampleBuffer(max_staleness=1, on_stale=mode)
+    buffer = OldestFirstBuffer(max_staleness=1, on_stale=mode)
     for g in (group("old", 0), group("ok", 2), group("ok2", 3)):
         buffer.put(g)
     # trainer at version 3: staleness old = 3 > 1, ok = 1, ok2 = 0
@@ -57,7 +57,7 @@ def test_drop_and_reissue_return_groups_beyond_eta_and_keep_the_rest(mode):
 
 
 def test_wait_trains_on_over_stale_groups_and_counts_them():
-    buffer = SampleBuffer(max_staleness=1, on_stale="wait")
+    buffer = OldestFirstBuffer(max_staleness=1, on_stale="wait")
     buffer.put(group("old", 0))
     taken, dropped = buffer.take(1, trainer_version=3)
     assert [g.group_id for g in taken] == ["old"] and dropped == []
@@ -67,4 +67,12 @@ def test_wait_trains_on_over_stale_groups_and_counts_them():
 @pytest.mark.parametrize(("eta", "mode"), [(-1, "wait"), (1, "later")])
 def test_bad_settings_are_refused(eta, mode):
     with pytest.raises(ValueError):
-        SampleBuffer(max_staleness=eta, on_stale=mode)
+        OldestFirstBuffer(max_staleness=eta, on_stale=mode)
+
+
+def test_the_default_buffers_old_name_still_imports_with_a_warning_naming_the_new_one():
+    import pytest
+
+    with pytest.warns(DeprecationWarning, match="the default buffer is OldestFirstBuffer"):
+        from areal_plugins.core.buffer import SampleBuffer
+    assert SampleBuffer is OldestFirstBuffer

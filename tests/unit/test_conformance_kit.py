@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_plugins.core.buffer import SampleBuffer
+from areal_plugins.core.buffer import OldestFirstBuffer
 from areal_plugins.core.staleness import StalenessController
 from areal_plugins.driver.admission import AdmissionLoop
 from areal_plugins.hooks.contracts import RolloutManager, missing_members, require_contract
@@ -20,7 +20,7 @@ EXAMPLE_PLUGINS = Path(__file__).resolve().parents[1] / "example_plugin"
 
 @pytest.mark.parametrize("on_stale", ["wait", "drop", "reissue"])
 def test_our_buffer_keeps_the_contract(on_stale):
-    check_sample_buffer(lambda eta: SampleBuffer(eta, on_stale=on_stale))
+    check_sample_buffer(lambda eta: OldestFirstBuffer(eta, on_stale=on_stale))
 
 
 def test_a_buffer_written_from_the_guide_keeps_the_contract(monkeypatch):
@@ -31,7 +31,7 @@ def test_a_buffer_written_from_the_guide_keeps_the_contract(monkeypatch):
     sys.modules.pop("docs_only_fifo_buffer", None)
 
 
-class TimeoutRemoves(SampleBuffer):
+class TimeoutRemoves(OldestFirstBuffer):
     """Hands out what it has at the timeout instead of nothing."""
 
     def take(self, count, trainer_version, timeout=None):
@@ -41,7 +41,7 @@ class TimeoutRemoves(SampleBuffer):
         return taken, stale
 
 
-class Uncounted(SampleBuffer):
+class Uncounted(OldestFirstBuffer):
     """Trains groups past η without counting them."""
 
     def take(self, count, trainer_version, timeout=None):
@@ -50,14 +50,14 @@ class Uncounted(SampleBuffer):
         return taken, stale
 
 
-class NoWait(SampleBuffer):
+class NoWait(OldestFirstBuffer):
     """Never waits for a put: a trainer waiting on it would spin."""
 
     def take(self, count, trainer_version, timeout=None):
         return super().take(count, trainer_version, 0 if timeout is None else min(timeout, 0.01))
 
 
-class Forgetful(SampleBuffer):
+class Forgetful(OldestFirstBuffer):
     """Loses every third group put."""
 
     def put(self, group):
