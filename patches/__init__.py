@@ -5,9 +5,10 @@ sampler, LLM client, verl's vLLM replica and adapter) is registered, not patched
 exists only where verl 0.9.1 has no seam; each says why, where upstream stands and when to delete it.
 
 ``apply_enabled_patches(config)`` is the one entry point: it walks :data:`PATCHES` in order and
-applies each patch whose feature is enabled. Seven exist: the CPU platform's three (selected by
-``VERL_PLATFORM=cpu``, applied at plugin load in every process: gloo, vLLM's CPU build seen as ``vllm``, and
-the trainer's port chosen outside the ephemeral range), the routing of ``areal.enable`` in
+applies each patch whose feature is enabled. Eight exist: the CPU platform's four (selected by
+``VERL_PLATFORM=cpu``, applied at plugin load in every process: gloo, vLLM's CPU build seen as ``vllm``,
+the trainer's port chosen outside the ephemeral range, and verl's FSDP1 engine: its weights broadcast over gloo
+and kept on the CPU), the routing of ``areal.enable`` in
 any recipe (applied at plugin load in verl's ``main_ppo`` driver only) and token-budget micro-batching
 (FFD, or runs of like length where verl pads)
 (selected by ``areal.micro_batch.max_tokens``) and the count of micro-batches the stall guard reads as
@@ -32,6 +33,7 @@ from types import ModuleType
 from typing import Any
 
 from areal_plugins.patches import (
+    fsdp1_cpu,
     fsdp_router_replay,
     gloo_backend,
     master_port,
@@ -93,6 +95,11 @@ PATCHES: tuple[tuple[str, Callable[[Any], bool], ModuleType], ...] = (
         vllm_cpu_distribution,
     ),
     ("cpu platform (VERL_PLATFORM=cpu): the trainer's port outside the ephemeral range", _cpu_platform, master_port),
+    (
+        "cpu platform (VERL_PLATFORM=cpu): verl's FSDP1 engine (weights broadcast over gloo, kept on the CPU)",
+        _cpu_platform,
+        fsdp1_cpu,
+    ),
     ("areal.enable in any recipe (verl's main_ppo driver)", _verl_driver, route_areal_node),
     ("areal.micro_batch.max_tokens", _token_budget_micro_batches, micro_batch_partitioner),
     ("areal_async's stall guard: trainer workers report micro-batches", _async_trainer, trainer_progress),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from areal_plugins.patches import gloo_backend, master_port, trainer_progress, vllm_cpu_distribution
+from areal_plugins.patches import fsdp1_cpu, gloo_backend, master_port, trainer_progress, vllm_cpu_distribution
 
 from areal_plugins import patches
 
@@ -17,7 +17,7 @@ def test_nothing_is_patched_off_the_cpu_platform(monkeypatch):
 
 def test_cpu_platform_needs_the_gloo_patch_and_the_vllm_cpu_alias(monkeypatch):
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
-    assert patches.enabled_patches(None) == [gloo_backend, vllm_cpu_distribution, master_port]
+    assert patches.enabled_patches(None) == [gloo_backend, vllm_cpu_distribution, master_port, fsdp1_cpu]
 
 
 def test_every_patch_module_follows_the_patch_contract():
