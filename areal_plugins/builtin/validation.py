@@ -185,11 +185,12 @@ def check_verl_vllm_settings(config: Any) -> None:
 
 
 #: ``actor_rollout_ref.actor.strategy`` values areal_plugins runs on: its loss (a verl policy-loss registry entry),
-#: its token-budget micro-batching and the trainer-progress patch are checked on verl's FSDP engine
-#: (``verl/workers/engine/fsdp/transformer_impl.py``), and CI trains with FSDP2 only. verl registers ``fsdp``
-#: (FSDP1) on the same engine class, but no run of ours has used it; megatron, veomni, torchtitan, automodel and
-#: fsdp_turbo are other engines whose seams we have not reviewed (docs/support.md).
-TESTED_ACTOR_STRATEGIES = ("fsdp2",)
+#: its token-budget micro-batching and the trainer-progress patch are patched into verl's FSDP engine module
+#: (``verl/workers/engine/fsdp/transformer_impl.py``), whose one class verl registers for both ``fsdp`` (FSDP1,
+#: verl's default) and ``fsdp2`` (``EngineRegistry``, ``backend=["fsdp", "fsdp2"]``). CI trains with both
+#: (docs/support.md, Trainer engines). megatron, veomni, torchtitan, automodel and fsdp_turbo are other engines,
+#: with no CPU build here to run them on.
+TESTED_ACTOR_STRATEGIES = ("fsdp", "fsdp2")
 #: Half-precision spellings verl accepts for the trainer's dtypes (fp32 and bf16 are what CI runs).
 HALF_DTYPES = ("fp16", "float16", "half")
 #: ``config.json`` keys giving a model's experts per layer (what verl's delta_weight_transfer.py reads).
@@ -262,8 +263,8 @@ def check_support_matrix(config: Any) -> None:
     if strategy not in TESTED_ACTOR_STRATEGIES:
         raise ArealConfigError(
             f"actor_rollout_ref.actor.strategy={strategy} is not a trainer engine areal_plugins runs its loss, "
-            f"micro-batching and progress reports on (tested: {', '.join(TESTED_ACTOR_STRATEGIES)}): set "
-            f"actor_rollout_ref.actor.strategy=fsdp2, {own}"
+            f"micro-batching and progress reports on (tested: {', '.join(TESTED_ACTOR_STRATEGIES)}; it has no CPU "
+            f"build to test on here): set actor_rollout_ref.actor.strategy=fsdp2 (or fsdp, verl's default), {own}"
         )
     fsdp = actor.get("fsdp_config") or {}
     for key, value in (

@@ -301,23 +301,39 @@ def pytest_terminal_summary(terminalreporter) -> None:
             terminalreporter.write_line(line)
 
 
+#: The observed run's settings, on the command line as a verl user adds them to verl's own recipe: every ``areal``
+#: key with a leading + (the recipe has no ``areal: default`` in its defaults list; docs/guides/own_recipe.md).
+OBSERVED_AREAL = ("+areal.enable=true", "+areal.max_staleness=2", f"+areal.micro_batch.max_tokens={MICRO_BATCH_TOKENS}")
+
+
 @pytest.fixture(scope="session")
 def observed_run(tiny_dir, tmp_path_factory):
-    """The main recipe (async, η = 2) with the example plugin observing and filtering, FFD micro-batches on.
+    """A stock-shaped verl recipe (``tests/user_recipe.py:stock_recipe``: verl's ``ppo_trainer`` and our CPU body,
+    every other key verl's default, so verl's default trainer engine ``fsdp``, FSDP1) plus :data:`OBSERVED_AREAL`
+    (async, η = 2, token-budget micro-batches), with the example plugin observing and filtering. verl's composed
+    config is kept in ``<run>/hydra/.hydra/config.yaml`` (``hydra.run.dir``).
 
     Returns the per-step metrics, the plugin's event log and the run directory.
     """
+    import json
+    import shutil
+
+    from tests.user_recipe import stock_recipe
+
     tmp_path = tmp_path_factory.mktemp("observed")
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    shutil.copy(REPO / "recipes" / "_cpu_grpo_tiny.yaml", recipes)
+    (recipes / "grpo_cpu_stock.yaml").write_text(stock_recipe())
     log = tmp_path / "observer.jsonl"
-    steps = train_tiny(
-        "grpo_cpu_async.yaml",
-        tmp_path / "run",
-        tiny_dir,
-        OBSERVED_STEPS,
-        f"areal.micro_batch.max_tokens={MICRO_BATCH_TOKENS}",
-        env=with_example_plugin(AREAL_EXAMPLE_OBSERVER_LOG=str(log), AREAL_EXAMPLE_OBSERVER_MIN_REWARD="0.5"),
-    )
-    return steps, read_jsonl(log), tmp_path / "run"
+    run_dir = tmp_path / "run"
+    args = train_args("grpo_cpu_async.yaml", run_dir, tiny_dir, OBSERVED_STEPS, *OBSERVED_AREAL)
+    args[1] = str(recipes / "grpo_cpu_stock.yaml")
+    args.insert(-4, f"hydra.run.dir={run_dir / 'hydra'}")
+    env = with_example_plugin(AREAL_EXAMPLE_OBSERVER_LOG=str(log), AREAL_EXAMPLE_OBSERVER_MIN_REWARD="0.5")
+    run_cli(*args, env=env)
+    steps = [json.loads(line)["data"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return steps, read_jsonl(log), run_dir
 
 
 #: What GPU users run: bf16 mixed precision and packed sequences (the multi-turn pair runs with both on).

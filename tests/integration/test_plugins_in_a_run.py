@@ -7,6 +7,7 @@ import pytest
 from tests.integration.conftest import (
     MICRO_BATCH_TOKENS,
     OBSERVED_STEPS,
+    REPO,
     read_jsonl,
     run_cli,
     train_args,
@@ -14,6 +15,25 @@ from tests.integration.conftest import (
 )
 
 pytestmark = pytest.mark.integration
+
+
+def test_a_stock_shaped_recipe_trains_on_verls_default_engine_fsdp1_with_our_loss_and_micro_batches(observed_run):
+    """The observed run's recipe sets no trainer engine (tests/user_recipe.py:stock_recipe): verl composed its
+    default ``fsdp`` (FSDP1, ``trainer/config/actor/dp_actor.yaml``), and our loss, micro-batching and progress
+    reports ran in it (the micro-batches' own checks: test_micro_batch_partitioner_and_reward_service_metrics)."""
+    import yaml
+
+    steps, _, run_dir = observed_run
+    composed = yaml.safe_load((run_dir / "hydra" / ".hydra" / "config.yaml").read_text())
+    assert "strategy" not in (REPO / "recipes" / "_cpu_grpo_tiny.yaml").read_text().split("# @package")[1]
+    assert composed["actor_rollout_ref"]["actor"]["strategy"] == "fsdp"
+    assert not composed["areal"].keys() - {"enable", "max_staleness", "micro_batch"}  # only what the command line gave
+    assert composed["trainer"]["v1"]["trainer_mode"] == "sync"  # as composed; areal.enable routed it at validation
+    log = (run_dir / "train.log").read_text()
+    assert "areal.enable=true routed trainer.v1.trainer_mode='areal_async'" in log
+    assert all(s["actor/areal/behav_imp_weight_mean"] > 0 for s in steps)  # our decoupled loss, every step
+    packs = read_jsonl(run_dir / "micro_batches.jsonl")
+    assert len(packs) >= OBSERVED_STEPS and all(p["capacity"] == MICRO_BATCH_TOKENS for p in packs)
 
 
 def test_hooks_see_every_weight_version_and_step(observed_run):

@@ -111,6 +111,7 @@ def test_disabled_is_byte_for_byte_verl(tmp_path):
         f"    - file://{RECIPE_DIR}\n"
         "defaults:\n  - ppo_trainer\n  - _cpu_grpo_tiny\n  - _self_\n"
         "trainer:\n  experiment_name: grpo_cpu_sync\n"
+        "actor_rollout_ref:\n  actor:\n    strategy: fsdp2\n  ref:\n    strategy: fsdp2\n"  # as grpo_cpu_sync sets
         # the shared body hands these to the reward worker (reward_kwargs)
         "areal:\n  enable: false\n  reward: {}\n  plugins:\n    include: null\n    exclude: []\n"
     )
