@@ -158,6 +158,14 @@ def _unknown_key_message(recipe: Path, overrides: list[str], full_key: str) -> s
     close = difflib.get_close_matches(leaf, [str(k) for k in keys], n=1)
     where = f"{parent}.{close[0]}" if parent and close else (close[0] if close else None)
     hint = f"did you mean {where}?" if where else f"a new key needs a leading + (+{full_key}=...)"
+    if full_key.startswith("areal.") and not where:
+        # verl's own recipe (or one without our config group) has no areal node until +areal.enable=true adds one.
+        given = next((o.lstrip("+~") for o in overrides if o.lstrip("+~").startswith(f"{full_key}=")), None)
+        hint = (
+            f"the recipe's defaults do not list `areal: default`, so every areal key on the command line takes a "
+            f"leading + as +areal.enable=true does: write +{given or full_key + '=...'} (++ works with or without "
+            "the group; docs/guides/own_recipe.md)"
+        )
     return f"unknown setting {full_key}; {hint}"
 
 
