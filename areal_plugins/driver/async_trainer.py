@@ -141,7 +141,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             start_record_sink(self.recorder.run_dir)
         super().__init__(config)
         self.version = 0  # the policy version the engines serve
-        self.manager: Any = None  # the rollout manager (hooks/contracts.py), built in on_train_begin
+        self.rollout_manager: Any = None  # areal_make_rollout_manager's (hooks/contracts.py), built in on_train_begin
         self.sample_buffer: Any = None
         self.counts = DrawCounts()
         self._submitted_groups = 0  # prompt groups handed to verl's agent loop, counted here, not derived
@@ -260,7 +260,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         # Built here, not in __init__: the plugin set is configured in init() (areal.plugins).
         self.sample_buffer = self.schedule.sample_buffer(self.config)  # a replay's: the record's groups by step
         require_contract(self.sample_buffer, SampleBufferContract, "areal_make_sample_buffer")
-        self.manager = HOOKS.make_rollout_manager(
+        self.rollout_manager = HOOKS.make_rollout_manager(
             config=self.config,
             buffer=self.sample_buffer,
             submit_prompts=self._add_prompts_to_generate,
@@ -270,13 +270,14 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             ),
             reissue_prompts=self._reissue_prompts,
         )
-        require_contract(self.manager, RolloutManagerContract, "areal_make_rollout_manager")
-        require_contract(self.manager.controller, AdmissionCounters, "areal_make_rollout_manager (its controller)")
+        manager = self.rollout_manager
+        require_contract(manager, RolloutManagerContract, "areal_make_rollout_manager")
+        require_contract(manager.controller, AdmissionCounters, "areal_make_rollout_manager (its controller)")
         if self.version > 0:
             folder = resume_folder(self.config.trainer, self.version)
-            self.counts = restore_async_state(folder, self.version, self.manager.controller, self.recorder)
-        self.manager.resume(self.version)
-        self.manager.start()
+            self.counts = restore_async_state(folder, self.version, self.rollout_manager.controller, self.recorder)
+        self.rollout_manager.resume(self.version)
+        self.rollout_manager.start()
         self.engine_stats.start()
         self.supervisor.start()
         logger.info(
@@ -341,7 +342,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         with marked_timer("update_weights", self.timing_raw, color="red"), self.recorder.span("trainer", "update"):
             self.schedule.finish_version(self.version, self.supervisor.waiting())
             if self.schedule.pauses_admission_before_update or not self.placement.sync_pauses_admission:
-                self.manager.pause()  # else the sync stops it just before the abort (weight_sync/staged.py)
+                self.rollout_manager.pause()  # else the sync stops it just before the abort (weight_sync/staged.py)
             HOOKS.before_weight_update(version=new_version)
             # Interruption: colocated engines were aborted and put to sleep after sampling; standalone ones are
             # aborted by the checkpoint manager, before verl's transfers and after a staged one (areal_gloo).
@@ -352,7 +353,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 self.weight_sync.update_weights(new_version)
                 self.replacer.serve(new_version)  # and only then requests
             except Exception:
-                self.manager.pause()  # a sync that failed before stopping admission: nothing more is drawn
+                self.rollout_manager.pause()  # a sync that failed before stopping admission: nothing more is drawn
                 # The step is trained (and may be checkpointed): its line is written before the error stops
                 # the run, so a resume shows no gap.
                 self._write_step_line(self._step_metrics, self.timing_raw, new_version, time.time())
@@ -361,7 +362,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             self.schedule.served(new_version)
             if self.weight_sync.backend == "naive":  # verl's other checkpoint engines resume the replicas themselves
                 self.weight_sync.resume_generation_replicas()
-            self.manager.resume(new_version)
+            self.rollout_manager.resume(new_version)
         HOOKS.on_weights_updated(version=new_version)
         self._phase_end("weight sync", "validation and metrics")
         if stop_requested(self.recorder):
@@ -399,8 +400,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         # Called by HookedTrainerMixin.fit before areal_on_shutdown: no trajectory is admitted after it.
         self.engine_stats.stop()
         self.supervisor.close()
-        if self.manager is not None:
-            self.manager.stop()
+        if self.rollout_manager is not None:
+            self.rollout_manager.stop()
             self._write_accounting()
 
     # ------------------------------------------------------------------ prompts in, samples out
@@ -441,7 +442,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
                 check()
                 groups, stale = self.sample_buffer.take(batch_size, trainer_version, timeout=WAIT_CHECK_S)
                 if stale:  # past η at consumption: the rollout manager owns both of their paths
-                    (self.manager.reissue_stale if self.areal.on_stale == "reissue" else self.manager.drop_stale)(stale)
+                    manager = self.rollout_manager
+                    (manager.reissue_stale if self.areal.on_stale == "reissue" else manager.drop_stale)(stale)
                 if groups:
                     break
         self._wait_s = time.time() - started
@@ -449,7 +451,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         self.supervisor.phase("reward and balance")
         self.counts.consumed_groups += len(groups)
         tq.kv_clear(keys=[g.group_id for g in groups], partition_id="train")
-        metrics = consumed_metrics(groups, trainer_version) | admission_metrics(self.manager, self.sample_buffer)
+        metrics = consumed_metrics(groups, trainer_version)
+        metrics |= admission_metrics(self.rollout_manager, self.sample_buffer)
         write_samples(self.recorder, groups, self.global_steps, trainer_version)
         keys = [key for group in groups for key in group.keys]
         tags = [tag for group in groups for tag in group.tags]
@@ -470,10 +473,10 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         registered in TransferQueue (it would be lost) or registered after the dataloader state was saved
         (it would be drawn twice).
         """
-        if self.manager is None:
+        if self.rollout_manager is None:
             super()._save_checkpoint()
             return
-        with self.manager.quiesce():
+        with self.rollout_manager.quiesce():
             # Ours first: verl writes latest_checkpointed_iteration.txt last, so a crash during the save leaves
             # the previous checkpoint the latest. The output so far of every answer in flight is copied before
             # verl's weights are written (a group settling meanwhile is then finished in TransferQueue and its
@@ -481,7 +484,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             folder = checkpoint_folder(self.config.trainer, self.global_steps)
             os.makedirs(folder, exist_ok=True)
             partials = save_partials(folder, self.agent_loop_manager.agent_loop_workers)
-            save_async_state(folder, self.global_steps, self.counts, self.manager.controller, partials)
+            save_async_state(folder, self.global_steps, self.counts, self.rollout_manager.controller, partials)
             super()._save_checkpoint()
             remove_rotated_partials(self.config.trainer.default_local_dir)
 
@@ -533,7 +536,7 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
     def _write_accounting(self) -> None:
         """Where every submitted rollout group ended up (``areal_accounting.jsonl``)."""
         submitted = self._submitted_groups  # this process's count; the restored groups of a resume excluded
-        write_accounting(self.recorder, self.manager, self.sample_buffer, submitted, self.counts, self.version)
+        write_accounting(self.recorder, self.rollout_manager, self.sample_buffer, submitted, self.counts, self.version)
 
 
 # Registered where it is defined (verl's own trainers use the same decorator), whichever module imports it first.

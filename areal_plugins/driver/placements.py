@@ -64,11 +64,11 @@ class Colocated(Placement):
         # verl's colocated lifecycle: the engines share the devices with training, so they are interrupted
         # and put to sleep (weights and KV caches released under free_cache_engine) until the weight update
         # wakes them with the new weights.
-        trainer.manager.pause()
+        trainer.rollout_manager.pause()
         with trainer.recorder.span("rollout", "paused_for_training"):
             trainer.checkpoint_manager.abort_replicas()
             trainer.checkpoint_manager.sleep_replicas()
-        trainer.manager.suspend_polling()  # nothing finishes while the engines sleep
+        trainer.rollout_manager.suspend_polling()  # nothing finishes while the engines sleep
 
 
 class Separate(Placement):
@@ -98,8 +98,8 @@ class Separate(Placement):
         # The sync stops admission just before it aborts the engines (after a staged transfer: weight_sync/staged.py),
         # not the trainer before the sync; a replay still stops it first (async_trainer.on_step_end).
         def stop_admission() -> None:  # the rollout manager is built later (on_train_begin); the first sync has none
-            if trainer.manager is not None:
-                trainer.manager.pause()
+            if trainer.rollout_manager is not None:
+                trainer.rollout_manager.pause()
 
         self.checkpoint_manager.before_pause = stop_admission
         self.sync_pauses_admission = True

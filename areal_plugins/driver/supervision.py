@@ -119,7 +119,7 @@ class Supervisor:
             if self.recorder.run_dir is not None and record_exists(STOP_REQUEST_FILE, self.recorder.run_dir):
                 self.stop_on_request()
             try:
-                self.trainer.manager.check_alive()
+                self.trainer.rollout_manager.check_alive()
             except RuntimeError:
                 self.liveness.explain()  # raises RunActorDiedError when a dead actor is behind it
                 raise
@@ -133,11 +133,11 @@ class Supervisor:
     def _progress_marker(self) -> tuple:
         """Changes whenever rollout work moves: groups settled, tokens generated."""
         stats = self.engine_stats.read() or {}
-        return (self.trainer.manager.last_progress, stats.get("generated_tokens"))
+        return (self.trainer.rollout_manager.last_progress, stats.get("generated_tokens"))
 
     def _stuck_report(self, waited: float) -> str:
         trainer = self.trainer
-        controller = trainer.manager.controller
+        controller = trainer.rollout_manager.controller
         stats = self.engine_stats.read()
         engines = (
             f"engines: {stats['in_flight']} requests in flight, {stats['generated_tokens']} tokens generated in total"

@@ -154,7 +154,7 @@ def test_a_rollout_server_found_dead_by_the_statistics_look_is_named_with_its_no
     # What fit does before verl's loop (tell the agent-loop workers what a checkpoint kept) has no part here.
     monkeypatch.setattr("areal_plugins.driver.async_trainer.prepare_workers", lambda *args, **kwargs: None)
     trainer = object.__new__(ArealAsyncTrainer)
-    trainer.manager = None
+    trainer.rollout_manager = None
     trainer.config = OmegaConf.create({"trainer": {"default_local_dir": "unused", "save_freq": -1}})
     trainer._resume_from = None
     trainer.recorder = RunRecorder()

@@ -259,7 +259,7 @@ def trainer_stub(calls: list, hybrid: bool) -> SimpleNamespace:
         ),
         placement=SimpleNamespace(hybrid_replicas=hybrid, after_sampling=lambda trainer: calls.append(("sleep",))),
         supervisor=SimpleNamespace(waiting=lambda: None),
-        manager=SimpleNamespace(pause=note("pause"), resume=note("resume")),
+        rollout_manager=SimpleNamespace(pause=note("pause"), resume=note("resume")),
         replica_pool=SimpleNamespace(prune=lambda: None),
         replacer=SimpleNamespace(grow=lambda max_replicas: False, join=lambda: 0, serve=lambda version: None),
         areal=SimpleNamespace(max_rollout_replicas=None),
