@@ -16,7 +16,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from areal_plugins.weight_sync.checksums import check_weight_reports, tensor_checksum
+from areal_plugins.weight_sync.checksums import PendingChecksums, check_weight_reports
 from areal_plugins.weight_sync.errors import WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -36,26 +36,29 @@ class ChecksumsOfTransfer:
     async def send_weights(self, weights: Any, global_steps: Any = None) -> Any:
         self.areal_sent: dict[str, list[float]] = {}
         self.areal_rank = getattr(self, "rank", -1)  # verl's finalize may reset it before the manager asks
-        sent = self.areal_sent
+        pending = PendingChecksums()  # one host copy per update, not one per tensor
 
         def checksummed() -> Any:
             for name, tensor in weights:
                 if self.areal_rank == 0:  # the source; relays and idle ranks only walk the generator
-                    sent[name] = tensor_checksum(tensor)
+                    pending.add(name, tensor)
                 yield name, tensor
 
-        return await super().send_weights(checksummed(), global_steps)  # type: ignore[misc]
+        result = await super().send_weights(checksummed(), global_steps)  # type: ignore[misc]
+        self.areal_sent.update(pending.resolve())
+        return result
 
     async def receive_weights(self, global_steps: Any = None) -> AsyncIterator[Any]:
         from verl.workers.rollout.utils import ensure_async_iterator
 
         self.areal_received: dict[str, list[float]] = {}
         self.areal_rank = getattr(self, "rank", -1)
+        pending = PendingChecksums()
         async for name, tensor in ensure_async_iterator(super().receive_weights(global_steps)):  # type: ignore[misc]
-            checksum = tensor_checksum(tensor)  # before the transport reuses its buffer
-            self.areal_received[name] = checksum
-            tensor.areal_checksum = checksum  # the server adapter's checksum of what it passes on: not taken twice
+            pending.add(name, tensor)  # queued before the transport reuses its buffer (PendingChecksums)
+            tensor.areal_pending_checksums = pending  # the server adapter's checksum of what it passes on: not twice
             yield name, tensor
+        self.areal_received.update(pending.resolve())
 
     def areal_transfer_checksums(self) -> dict[str, Any]:
         return transfer_report(self)

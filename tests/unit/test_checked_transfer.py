@@ -68,9 +68,10 @@ def test_an_intact_transfer_passes_and_hands_on_every_tensor_unchanged():
     assert check_transfer_reports(trainer, rollout, "nccl") == 2
     assert trainer[1]["sent"] == {}  # only the source rank checksums what it sends
     assert set(delivered[1]) == {"embed", "norm"}
-    # each delivered tensor carries its checksum, so the server adapter does not take it again
+    # each delivered tensor carries its (pending) checksum, so the server adapter does not take it again
     for name, tensor in delivered[2].items():
-        assert tensor.areal_checksum == rollout[1]["received"][name] == tensor_checksum(tensor)
+        carried = tensor.areal_pending_checksums.resolve()[name]
+        assert carried == rollout[1]["received"][name] == tensor_checksum(tensor)
 
 
 def test_the_report_keeps_the_rank_verls_finalize_resets():

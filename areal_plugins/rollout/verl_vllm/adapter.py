@@ -25,7 +25,7 @@ from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
 from areal_plugins.rollout.base import record_weight_sync
 from areal_plugins.weight_sync.adapter_check import check_adapter_reports, check_base_rechecks
-from areal_plugins.weight_sync.checksums import check_loaded_reports, check_weight_reports, tensor_checksum
+from areal_plugins.weight_sync.checksums import PendingChecksums, check_loaded_reports, check_weight_reports
 from areal_plugins.weight_sync.split_tensors import JOINS_PIECES_KEY, cut_large
 
 
@@ -47,6 +47,8 @@ class ArealServerAdapter(ServerAdapter):
         if not self._serves_areal():  # verl's adapter, or a rank of our replica that does not read the reports
             return await super().update_weights(self._cut(weights), global_steps, wire_format, **kwargs)
         sent: dict[str, list[float]] = {}
+        pending = PendingChecksums()  # one host copy per update, not one per tensor
+        taken_by_transport: dict[str, PendingChecksums] = {}
 
         async def checksummed() -> Any:
             async for name, tensor in ensure_async_iterator(weights):
@@ -55,10 +57,18 @@ class ArealServerAdapter(ServerAdapter):
                 # A checkpoint engine that checked its leg took it already (areal_gloo, our nccl mixin). Of the
                 # whole tensor, before it is cut: the worker takes its checksum after joining the pieces.
                 known = getattr(tensor, "areal_checksum", None)
-                sent[name] = known if known is not None else tensor_checksum(tensor)
+                if known is not None:
+                    sent[name] = known
+                elif (transport := getattr(tensor, "areal_pending_checksums", None)) is not None:
+                    taken_by_transport[name] = transport
+                else:
+                    pending.add(name, tensor)
                 yield name, tensor
 
         result = await super().update_weights(self._cut(checksummed()), global_steps, wire_format, **kwargs)
+        sent.update(pending.resolve())
+        resolved = {id(transport): transport.resolve() for transport in taken_by_transport.values()}
+        sent.update({name: resolved[id(transport)][name] for name, transport in taken_by_transport.items()})
         if self._has_server:  # every worker has received by now: verl awaits their collective_rpc
             reports = await self.server_handle.areal_weight_reports.remote()
             if kwargs.get("peft_config") and kwargs.get("base_sync_done"):  # verl's adapter-only update (LoRA)
