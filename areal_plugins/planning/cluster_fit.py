@@ -24,6 +24,7 @@ from areal_plugins.config.settings import areal_settings
 from areal_plugins.planning.hardware import ModelShape
 from areal_plugins.planning.model_shapes import KnownModel, UnknownModelError, resolve
 from areal_plugins.planning.trainer_memory import TrainerSetup, trainer_memory
+from areal_plugins.planning.verl_overrides import verl_overrides
 
 GIB = 1024**3
 #: Bytes per parameter of the engine's weights, by verl's ``rollout.dtype``.
@@ -80,7 +81,8 @@ def _place(groups: list[tuple[str, int]], cluster: Cluster) -> None:
 
 
 def fit_cluster(config: Any, cluster: Cluster, model_config: Path | None = None) -> list[str]:
-    """Check ``config`` against ``cluster``; return what would run where, one line each.
+    """Check ``config`` against ``cluster``; return what would run where, one line each (``warning: ...`` for what
+    passes but should change: every checkpoint kept, a value verl overrides at run time).
 
     Args:
         model_config: the model's ``config.json`` (``--model-config``), for a model the table does not hold.
@@ -126,7 +128,7 @@ def fit_cluster(config: Any, cluster: Cluster, model_config: Path | None = None)
     transport = rollout.checkpoint_engine.backend
     lines.append(f"weights: by the {transport!r} checkpoint engine")
     if str(trainer.device) == "cpu":
-        return [*lines, "memory: not checked (trainer.device=cpu: no GPU memory to fit)"]
+        return [*lines, "memory: not checked (trainer.device=cpu: no GPU memory to fit)", *verl_overrides(config, None)]
     try:
         known = resolve(str(config.actor_rollout_ref.model.path), model_config)
     except UnknownModelError as error:
@@ -136,7 +138,8 @@ def fit_cluster(config: Any, cluster: Cluster, model_config: Path | None = None)
     _check_heads(known.shape, tp)
     engine, awake_free = _engine_memory(config, cluster, known.shape, tp, transport, colocated=not separate)
     trainer_lines = _trainer_memory(config, cluster, known.shape, transport, separate, awake_free)
-    return lines + engine + trainer_lines + checkpoint_lines(config, known.shape)
+    overrides = verl_overrides(config, known.shape.max_positions)
+    return lines + engine + trainer_lines + checkpoint_lines(config, known.shape) + overrides
 
 
 def _check_positions(config: Any, known: KnownModel) -> str:

@@ -511,6 +511,9 @@ def test_check_warns_when_verl_keeps_every_checkpoint(caplog):
         assert cli.main(["check", *A3B, NO_MARGIN]) == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(w.startswith("warning: verl keeps every checkpoint of 366.4 GB (5862.1 GB)") for w in warnings)
+    # the GPU recipes' sample counts, which areal.micro_batch.max_tokens (use_dynamic_bsz) leaves unread
+    ignored = "warning: verl ignores actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4, actor_rollout_ref.rollout"
+    assert any(w.startswith(ignored) for w in warnings), warnings
     caplog.clear()
     with caplog.at_level(logging.INFO):
         assert cli.main(["check", *A3B, NO_MARGIN, "trainer.max_actor_ckpt_to_keep=2"]) == 0
