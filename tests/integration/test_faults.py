@@ -313,11 +313,15 @@ def test_a_dead_replica_of_two_costs_capacity_not_the_run(tiny_dir, tmp_path):
     # the run stops at the first step boundary after it served, so it rarely gets far.
     run_dir, most_steps, killed_after = tmp_path / "run", 40, 3
     two_replicas = ("actor_rollout_ref.rollout.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=3")
+    # The trainer on verl's default engine, FSDP1: its updates reach the engines' own pool through areal_gloo's
+    # stages (the observed run, test_plugins_in_a_run.py, covers FSDP1 colocated).
+    fsdp1 = ("actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.ref.strategy=fsdp")
     # Requests are in flight at the kill by construction: every model step of the engines takes at least 0.25 s, so
     # an answer of more than 4 tokens begun after the resume is still being generated 1 s later, on any machine.
     slow_engines = dict(os.environ, AREAL_TEST_ENGINE_STEP_DELAY_S="0.25")
     process = start_cli(
-        *train_args("grpo_cpu_async_separate.yaml", run_dir, tiny_dir, most_steps, *two_replicas), env=slow_engines
+        *train_args("grpo_cpu_async_separate.yaml", run_dir, tiny_dir, most_steps, *two_replicas, *fsdp1),
+        env=slow_engines,
     )
 
     def replica_events() -> list[dict]:
@@ -367,6 +371,7 @@ def test_a_dead_replica_of_two_costs_capacity_not_the_run(tiny_dir, tmp_path):
     synced = [t["version"] for t in transfers]
     assert synced in (list(range(steps)), list(range(steps + 1))), synced
     assert all(t["staged_bytes_per_worker"] > 0 and t["engines_paused_s"] >= 0 for t in transfers), transfers
+    assert "'strategy': 'fsdp'," in log and "'strategy': 'fsdp2'" not in log  # verl's resolved config, printed
     assert len(lost) == 1 and lost[0]["replicas_left"] == 1, lost
     assert metrics[0]["data"]["areal/rollout_replicas"] == 2 and metrics[-1]["data"]["areal/rollout_replicas"] == 2
     assert metrics[-1]["data"]["areal/rollout_replicas_replaced"] == 1
