@@ -32,6 +32,7 @@ def verl_overrides(config: Any, max_positions: int | None) -> list[str]:
             *_batched_tokens(config, max_positions),
             *_checkpoints_kept(config),
             *_padded_batch(config),
+            *_learning_rate_schedule(config),
         )
     ]
 
@@ -126,3 +127,39 @@ def _padded_batch(config: Any) -> list[str]:
         f"{multiple} (verl/trainer/ppo/v1/trainer_base.py:1589-1621): make data.train_batch_size a multiple of "
         "actor_rollout_ref.actor.ppo_mini_batch_size"
     ]
+
+
+def _learning_rate_schedule(config: Any) -> list[str]:
+    """verl's FSDP engine builds the actor's schedule from ``actor.optim`` (``verl/workers/engine/fsdp/
+    transformer_impl.py:503-534``): ``lr_warmup_steps`` > 0 wins over ``lr_warmup_steps_ratio`` (514-516); a
+    ``constant`` schedule never reads ``min_lr_ratio`` (521-522; cosine does, 523-530); and the deprecated
+    ``warmup_style``, when set, replaces ``lr_scheduler_type`` (``verl/workers/config/optimizer.py:117-122``)."""
+    actor = config.actor_rollout_ref.actor
+    if str(actor.get("strategy", "fsdp")) not in ("fsdp", "fsdp2") or actor.get("optim") is None:
+        return []
+    optim = actor.optim
+    key = "actor_rollout_ref.actor.optim"
+    lines = []
+    steps, ratio = optim.get("lr_warmup_steps"), float(optim.get("lr_warmup_steps_ratio", 0.0) or 0.0)
+    if steps is not None and int(steps) > 0 and ratio:
+        lines.append(
+            f"verl ignores {key}.lr_warmup_steps_ratio={ratio:g}: lr_warmup_steps={steps} > 0 wins "
+            f"(verl/workers/engine/fsdp/transformer_impl.py:514-516): set {key}.lr_warmup_steps=-1 to warm up by the "
+            "ratio, or remove the ratio"
+        )
+    style = optim.get("warmup_style")
+    schedule = str(style if style is not None else optim.get("lr_scheduler_type", "constant"))
+    if style is not None and str(style) != str(optim.get("lr_scheduler_type", "constant")):
+        lines.append(
+            f"verl schedules {style!r}, not {key}.lr_scheduler_type={optim.get('lr_scheduler_type')}: the deprecated "
+            f"{key}.warmup_style replaces it (verl/workers/config/optimizer.py:117-122): remove warmup_style and set "
+            "lr_scheduler_type"
+        )
+    min_lr = float(optim.get("min_lr_ratio", 0.0) or 0.0)
+    if schedule == "constant" and min_lr:
+        lines.append(
+            f"verl ignores {key}.min_lr_ratio={min_lr:g}: a constant schedule never decays "
+            f"(verl/workers/engine/fsdp/transformer_impl.py:521-530): set {key}.lr_scheduler_type=cosine, or remove "
+            "min_lr_ratio"
+        )
+    return lines

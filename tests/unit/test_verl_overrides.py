@@ -20,7 +20,9 @@ def recipe(**changes):
                         "remove_previous_ckpt_in_save": False},
             "actor_rollout_ref": {
                 "actor": {"use_dynamic_bsz": False, "ppo_micro_batch_size_per_gpu": None, "ppo_mini_batch_size": 32,
-                          "ulysses_sequence_parallel_size": 1},
+                          "ulysses_sequence_parallel_size": 1, "strategy": "fsdp",
+                          "optim": {"lr_warmup_steps": -1, "lr_warmup_steps_ratio": 0.0, "min_lr_ratio": 0.0,
+                                    "lr_scheduler_type": "constant", "warmup_style": None}},
                 "rollout": {"name": "vllm", "n": 8, "max_model_len": 9216, "log_prob_micro_batch_size_per_gpu": None,
                             "enable_chunked_prefill": True, "max_num_batched_tokens": 8192},
                 "ref": {"log_prob_use_dynamic_bsz": False, "log_prob_micro_batch_size_per_gpu": None},
@@ -101,6 +103,21 @@ def test_a_batch_that_is_no_multiple_of_the_mini_batch_is_padded(batch, sp, padd
     assert f"= {multiple} (" in line and line.endswith("multiple of actor_rollout_ref.actor.ppo_mini_batch_size")
 
 
+def test_the_learning_rate_keys_verl_does_not_read():
+    optim = "actor_rollout_ref__actor__optim__"
+    (line,) = verl_overrides(recipe(**{f"{optim}lr_warmup_steps": 10, f"{optim}lr_warmup_steps_ratio": 0.1}), None)
+    assert line.startswith("warning: verl ignores actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1: ")
+    assert verl_overrides(recipe(**{f"{optim}lr_warmup_steps_ratio": 0.1}), None) == []  # -1: the ratio is read
+    (line,) = verl_overrides(recipe(**{f"{optim}min_lr_ratio": 0.1}), None)
+    assert line.startswith("warning: verl ignores actor_rollout_ref.actor.optim.min_lr_ratio=0.1: a constant schedule")
+    cosine = {f"{optim}min_lr_ratio": 0.1, f"{optim}lr_scheduler_type": "cosine"}
+    assert verl_overrides(recipe(**cosine), None) == []
+    # warmup_style: constant replaces cosine, and then min_lr_ratio is not read either
+    lines = verl_overrides(recipe(**cosine, **{f"{optim}warmup_style": "constant"}), None)
+    assert lines[0].startswith("warning: verl schedules 'constant', not actor_rollout_ref.actor.optim.lr_scheduler")
+    assert lines[1].startswith("warning: verl ignores actor_rollout_ref.actor.optim.min_lr_ratio=0.1")
+
+
 #: (verl file, first and last line cited, text those lines hold): the rules' citations, held against verl's source.
 CITED = [
     ("workers/engine/utils.py", 103, 128, "if use_dynamic_bsz:"),
@@ -113,6 +130,10 @@ CITED = [
     ("trainer/ppo/v1/trainer_base.py", 1589, 1606, "actor_global_mini_batch_size *= self.config.actor_rollout_ref"),
     ("trainer/ppo/v1/trainer_base.py", 1620, 1621, "upsample_batch_to_divisible_size(batch, batch_multiple"),
     ("trainer/ppo/padding_utils.py", 144, 167, "remainder = len(batch) % batch_multiple"),
+    ("workers/engine/fsdp/transformer_impl.py", 514, 516, "num_warmup_steps = int(num_warmup_steps_ratio * total"),
+    ("workers/engine/fsdp/transformer_impl.py", 521, 522, "get_constant_schedule_with_warmup(optimizer=optimizer,"),
+    ("workers/engine/fsdp/transformer_impl.py", 523, 530, "min_lr_ratio=min_lr_ratio"),
+    ("workers/config/optimizer.py", 117, 122, "self.lr_scheduler_type = self.warmup_style"),
 ]  # fmt: skip
 
 
