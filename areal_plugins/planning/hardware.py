@@ -38,6 +38,7 @@ class ModelShape:
     ``head_dim`` None: ``hidden // heads`` (config.json omits it where that holds). ``experts`` > 0: a mixture of
     experts whose every layer routes each token to ``experts_per_token`` of ``experts`` MLPs of
     ``moe_intermediate`` (Qwen3-MoE, Mixtral). ``max_positions``: ``max_position_embeddings``, None where unknown.
+    ``qk_norm``: each attention head's q and k pass an RMSNorm of their own (``model_type`` qwen3, qwen3_moe).
     """
 
     name: str
@@ -53,6 +54,7 @@ class ModelShape:
     experts_per_token: int = 0
     moe_intermediate: int = 0
     max_positions: int | None = None
+    qk_norm: bool = False  # an RMSNorm over each attention head's q and k (Qwen3, Qwen3-MoE)
 
     @property
     def head_size(self) -> int:

@@ -30,6 +30,8 @@ PLANNER_ALIASES = {
 #: Model types whose transformers config class ties the embeddings when config.json does not say (Gemma's do;
 #: Qwen2, Qwen3, Llama and Mistral default to untied).
 _TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3", "gemma3_text")
+#: Model types whose attention normalises each head's q and k (transformers' ``Qwen3Attention.q_norm``, ``k_norm``).
+_QK_NORM = ("qwen3", "qwen3_moe")
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 ASK_FOR_CONFIG = "pass --model-config PATH (the model's config.json, from its hub page or its folder)"
 
@@ -82,6 +84,7 @@ def shape_from_config(config: dict[str, Any], name: str) -> ModelShape:
         # Mixtral's experts are intermediate_size wide; Qwen3-MoE names them moe_intermediate_size
         moe_intermediate=int(text.get("moe_intermediate_size") or text["intermediate_size"]) if experts else 0,
         max_positions=int(positions) if positions else None,
+        qk_norm=model_type in _QK_NORM,
     )
 
 

@@ -27,17 +27,25 @@ from areal_plugins.planning.hardware import ModelShape
 #: compute dtype of ``c`` bytes (bf16: 20·h + 8·I + 4·kv_heads·head_dim + 4·heads + 8; fp32: 32·h + 16·I +
 #: 8·kv_heads·head_dim + 4·heads + 8; tests/unit/test_trainer_memory.py measures both with
 #: ``torch.autograd.graph.saved_tensors_hooks``): in the compute dtype the norms' inputs and outputs, q, the attention
-#: output and the residuals (6 x h), the gated MLP's gate, up, activation and product (4 x I), k and v after the
-#: rotary embedding; always in fp32 the norms' upcast inputs (2 x h, the same tensors as their inputs in fp32), the
-#: attention's log-sum-exp per head, and the norms' two scales (8 bytes). Korthikanti et al. 2022 (arXiv 2205.05198)
-#: §4.1 count 34·h bytes for a bf16 GPT layer of 4h MLP width (attention 11h, norms 4h, MLP 19h), the same order.
-ACT_HIDDEN_ELEMENTS = 6
+#: output and the residuals (6 x h: 4 x h + 2 x heads·head_dim, as q and the attention output are heads x head_dim
+#: wide, which Qwen2's h is and Qwen3's need not be; measured both ways), the gated MLP's gate, up, activation and
+#: product (4 x I), k and v after the rotary embedding; always in fp32 the norms' upcast inputs (2 x h, the same
+#: tensors as their inputs in fp32), the attention's log-sum-exp per head, and the norms' two scales (8 bytes).
+#: Korthikanti et al. 2022 (arXiv 2205.05198) §4.1 count 34·h bytes for a bf16 GPT layer of 4h MLP width (attention
+#: 11h, norms 4h, MLP 19h), the same order.
+ACT_HIDDEN_ELEMENTS = 4
+ACT_QO_ELEMENTS = 2
 ACT_WIDTH_ELEMENTS = 4
 ACT_KV_ELEMENTS = 2
 ACT_FP32_HIDDEN_ELEMENTS = 2
 ACT_FP32_HEAD_ELEMENTS = 1
 ACT_LAYER_CONSTANT = 8
 FP32_BYTES = 4
+#: Qwen3's per-head q and k RMSNorms (``Qwen3Attention.q_norm``, ``k_norm``) keep, a token, their inputs in the
+#: compute dtype, the inputs' fp32 upcasts and one fp32 scale per head: c·(heads + kv_heads)·head_dim +
+#: 4·(heads + kv_heads)·(head_dim + 1) bytes (Qwen3-30B-A3B, bf16: 9,216 + 18,576 = 27,792), measured to the byte on
+#: transformers' Qwen3 in bf16 and fp32 (tests/unit/test_trainer_memory.py).
+QK_NORM_FP32_SCALES = 1
 #: After the layers: the final norm and the output head's input, 2·h elements in the compute dtype + h in fp32 a
 #: token (measured as above: 8·h bytes in bf16, 12·h in fp32).
 ACT_FINAL_ELEMENTS = 2
@@ -141,14 +149,18 @@ class TrainerMemory:
 
 def layer_activation_bytes_per_token(model: ModelShape, compute_bytes: int = 2) -> int:
     """One decoder layer's saved activations for one token, in a compute dtype of ``compute_bytes`` (see ``ACT_*``)."""
+    normed_heads = (model.heads + model.kv_heads) if model.qk_norm else 0
     return (
         compute_bytes
         * (
             ACT_HIDDEN_ELEMENTS * model.hidden
+            + ACT_QO_ELEMENTS * model.heads * model.head_size
             + ACT_WIDTH_ELEMENTS * model.active_mlp_width
             + ACT_KV_ELEMENTS * model.kv_heads * model.head_size
+            + normed_heads * model.head_size
         )
         + FP32_BYTES * (ACT_FP32_HIDDEN_ELEMENTS * model.hidden + ACT_FP32_HEAD_ELEMENTS * model.heads)
+        + FP32_BYTES * normed_heads * (model.head_size + QK_NORM_FP32_SCALES)
         + ACT_LAYER_CONSTANT
     )
 

@@ -427,28 +427,46 @@ def test_kv_heads_that_tensor_parallel_neither_divides_nor_multiplies(tmp_path, 
     assert line.startswith("actor_rollout_ref.rollout.tensor_model_parallel_size=6 neither divides model's 4 KV heads")
 
 
-#: Issue 59's MoE run: Qwen3-30B-A3B, 8 trainer GPUs and 8 engine GPUs (TP 4) on two nodes, a 17,408-token micro-batch.
-A3B = (str(SEPARATE_GPU), "actor_rollout_ref.model.path=Qwen/Qwen3-30B-A3B", "areal.micro_batch.max_tokens=17408",
-       "actor_rollout_ref.rollout.tensor_model_parallel_size=4", "trainer.n_gpus_per_node=8",
-       "actor_rollout_ref.rollout.n_gpus_per_node=8", "--nodes", "2", "--gpus-per-node", "8")  # fmt: skip
+#: Issue 59's MoE run: Qwen3-30B-A3B, 8 trainer GPUs and 8 engine GPUs (TP 4) on two nodes; micro-batches of 16,384
+#: tokens (A3B), or the issue's 17,408 (a 16k answer and its prompt).
+A3B_BASE = (str(SEPARATE_GPU), "actor_rollout_ref.model.path=Qwen/Qwen3-30B-A3B",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=4", "trainer.n_gpus_per_node=8",
+            "actor_rollout_ref.rollout.n_gpus_per_node=8", "--nodes", "2", "--gpus-per-node", "8")  # fmt: skip
+A3B = (*A3B_BASE, "areal.micro_batch.max_tokens=16384")
 
 
-@pytest.mark.parametrize(("margin", "fits"), [("0.21", True), ("0.22", False), (None, False)])
+def test_the_issues_moe_run_no_longer_fits():
+    """tests/unit/test_trainer_memory.py counts the update at 17,408 tokens: 83,718,987,776 bytes (78.0 GiB; the
+    issue's 76.3 left out the expert copies, the router, Qwen3's q/k norms and its 4096-wide q), + 2 GiB of CUDA
+    context = 85,866,471,424, over 79.6 GiB = 85,470,522,982 by 0.37 GiB: refused even with no margin."""
+    with pytest.raises(RecipeRefusedError) as refusal:
+        fit_cluster(check_recipe(REPO / "recipes/gpu/grpo_1.5b_separate.yaml",
+                                 [arg for arg in A3B_BASE if "=" in arg] + ["areal.micro_batch.max_tokens=17408",
+                                                                            NO_MARGIN]),
+                    Cluster(nodes=2, gpus_per_node=8))  # fmt: skip
+    line = str(refusal.value)
+    assert line.startswith("a trainer GPU needs 80.0 GiB at the update (56.9 GiB of fp32 parameters")
+    assert "+ 1.06 GiB bf16 top-8 expert dispatch and combine copies + 0.01 GiB fp32 router probabilities of the " \
+           "recomputed layer + 4.6 GiB gathered FSDP unit = 78.0 GiB" in line  # fmt: skip
+    assert "more than its 79.6 GiB" in line
+
+
+@pytest.mark.parametrize(("margin", "fits"), [("0.59", True), ("0.6", False), (None, False)])
 def test_the_margin_refuses_a_trainer_that_fits_with_less(caplog, margin, fits):
-    """tests/unit/test_trainer_memory.py counts the update's 83,092,578,304 bytes (77.4 GiB; 76.3 before the recomputed
-    layer's 1,140,850,688 bytes of expert copies and 8,912,896 of router probabilities); + 2 GiB of CUDA context =
-    85,240,061,952 of 79.6 GiB = 85,470,522,982: 230,461,030 bytes = 0.2146 GiB spare. A margin of 0.21 GiB passes,
-    0.22 and the default 2 GiB refuse it, naming the spare and the key."""
+    """At 16,384 tokens a token costs 151,936 x 4 (logits) + 341,272 (activations) + 65,536 + 512 (expert copies,
+    router) = 1,015,064 bytes: 16,630,808,576, beside 61,063,823,360 of state and 4,984,930,304 of gathered unit =
+    82,679,562,240 (77.0 GiB); + 2 GiB = 84,827,045,888 of 85,470,522,982: 643,477,094 bytes = 0.599 GiB spare. A
+    margin of 0.59 GiB passes, 0.6 and the default 2 GiB refuse it, naming the spare and the key."""
     extra = () if margin is None else (f"areal.check.memory_margin_gib={margin}",)
     if fits:
         trainer = next(line for line in checked(caplog, *A3B, *extra) if line.startswith("trainer GPU:"))
-        assert "+ 1.06 GiB bf16 top-8 expert dispatch and combine copies + 0.01 GiB fp32 router probabilities of " \
-               "the recomputed layer + 4.6 GiB gathered FSDP unit = 77.4 GiB" in trainer  # fmt: skip
-        assert trainer.endswith("0.2 GiB spare of 79.6")
+        assert "+ 1.00 GiB bf16 top-8 expert dispatch and combine copies + 0.01 GiB fp32 router probabilities of " \
+               "the recomputed layer + 4.6 GiB gathered FSDP unit = 77.0 GiB" in trainer  # fmt: skip
+        assert trainer.endswith("0.6 GiB spare of 79.6")
         return
     line = refused(caplog, *A3B, *extra)
-    assert line.startswith("a trainer GPU needs 79.4 GiB at the update (56.9 GiB of fp32 parameters")
-    expected = f"0.2 GiB spare of 79.6, under the areal.check.memory_margin_gib={float(margin or 2):g} GiB"
+    assert line.startswith("a trainer GPU needs 79.0 GiB at the update (56.9 GiB of fp32 parameters")
+    expected = f"0.6 GiB spare of 79.6, under the areal.check.memory_margin_gib={float(margin or 2):g} GiB"
     assert expected in line and line.endswith("or lower areal.check.memory_margin_gib (0: fit to the byte)")
 
 

@@ -86,14 +86,16 @@ def test_offload_keys():
 def test_a_moe_gathers_its_layer_and_routes_a_tokens_activations_through_k_experts():
     """Qwen3-30B-A3B: a layer's 128 experts (3 x 2048 x 768 each) + attention + router = 623,116,288 parameters,
     larger than the embedding (151,936 x 2048 = 311,164,928): the gathered unit is the layer. A token's MLP
-    activations span its 8 experts' 8 x 768 = 6144 width (a layer: 20 x 2048 + 8 x 6144 + 4 x 4 x 128 + 4 x 32 + 8 =
-    92,296); the largest tensor the sync gathers is the fused
-    gate-and-up experts, 128 x 1536 x 2048 = 402,653,184."""
+    activations span its 8 experts' 8 x 768 = 6144 width. A layer, bf16: 2 x (4 x 2048 + 2 x 32 x 128 (q and the
+    attention output, 4096 wide) + 4 x 6144 + 2 x 4 x 128 + (32 + 4) x 128 (the q/k norms' inputs)) + 4 x (2 x 2048
+    + 32) + 4 x (32 + 4) x 129 (the q/k norms' fp32 upcasts and scales) + 8 = 93,184 + 16,512 + 18,576 + 8 = 128,280;
+    the largest tensor the sync gathers is the fused gate-and-up experts, 128 x 1536 x 2048 = 402,653,184."""
     moe = from_table("Qwen/Qwen3-30B-A3B").shape
     assert moe.layer_params == 18_874_368 + 128 * 3 * 2048 * 768 + 2048 * 128 == 623_116_288
     memory = trainer_memory(moe, setup(8))
     assert memory.gathered_unit == 623_116_288 * 8
-    assert activation_bytes_per_token(moe, gradient_checkpointing=False) == 48 * 92_296 + 8 * 2048
+    assert moe.qk_norm and not QWEN7B.qk_norm
+    assert activation_bytes_per_token(moe, gradient_checkpointing=False) == 48 * 128_280 + 8 * 2048
     assert memory.sync_tensor == 402_653_184 * 4
 
 
@@ -185,10 +187,11 @@ def test_qwen3_30b_a3b_on_eight_gpus_counts_the_expert_copies_and_the_router():
     """Issue 59: 8 trainer GPUs, a 17,408-token micro-batch (a 16k answer and its prompt), gradient checkpointing.
     Parameters: 48 x (attention 18,874,368 + experts 128 x 3 x 2048 x 768 = 603,979,776 + router 2048 x 128 =
     262,144) + 2 x 151,936 x 2048 = 30,531,911,680; fp32 state 16 B / 8 GPUs = 61,063,823,360. Unit 623,116,288 x 8 =
-    4,984,930,304. Activations (48 x 2 x 2048 + 92,296 + 8 x 2048 = 305,288 a token) x 17,408 = 5,314,453,504.
-    Logits 17,408 x 151,936 x 4 = 10,579,607,552. Until now: 81,942,814,720 = 76.3 GiB. The recomputed layer's
-    dispatch + combine copies: 2 x 8 x 2048 x 2 = 65,536 B a token x 17,408 = 1,140,850,688 (1.06 GiB); its fp32
-    router probabilities 128 x 4 = 512 B a token x 17,408 = 8,912,896. Update peak 83,092,578,304 = 77.4 GiB."""
+    4,984,930,304. Logits 17,408 x 151,936 x 4 = 10,579,607,552. Activations (48 x 2 x 2048 + 128,280 (a layer, above)
+    + 8 x 2048 = 341,272 a token) x 17,408 = 5,940,862,976; the issue's 76.3 GiB counted 305,288 a token (q and the
+    attention output as 2048 wide, no q/k norms). The recomputed layer's dispatch + combine copies: 2 x 8 x 2048 x 2
+    = 65,536 B a token x 17,408 = 1,140,850,688 (1.06 GiB); its fp32 router probabilities 128 x 4 = 512 B a token x
+    17,408 = 8,912,896. Update peak 83,718,987,776 = 78.0 GiB."""
     from areal_plugins.planning.model_shapes import shape_from_config
     from areal_plugins.planning.trainer_memory import moe_bytes_per_token
 
@@ -197,7 +200,8 @@ def test_qwen3_30b_a3b_on_eight_gpus_counts_the_expert_copies_and_the_router():
     memory = trainer_memory(moe, setup(8, micro_batch_tokens=17_408))
     assert memory.state == 61_063_823_360
     assert memory.expert_copies == 1_140_850_688 and memory.router_probs == 8_912_896
-    assert memory.update_peak == 83_092_578_304
+    assert memory.activations == 5_940_862_976
+    assert memory.update_peak == 83_718_987_776
     # without gradient checkpointing every one of the 48 layers keeps both
     plain = trainer_memory(moe, setup(8, micro_batch_tokens=17_408, gradient_checkpointing=False))
     assert plain.expert_copies == 48 * 1_140_850_688 and plain.router_probs == 48 * 8_912_896
@@ -251,3 +255,42 @@ def test_the_moe_terms_are_what_transformers_saves():
     grown_experts = saved_moe_layer_bytes(4, 32) - saved_moe_layer_bytes(4, 16)
     assert grown_experts == pytest.approx(16 * 4, abs=1)
     assert moe_bytes_per_token(shape)[1] == 16 * 4
+
+
+def saved_qwen3_layer_bytes(hidden: int, heads: int, kv_heads: int, dtype: str) -> float:
+    """A token's saved bytes per decoder layer of transformers' Qwen3 (head_dim 64, sdpa): 4 layers less 2, halved."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    def saved(layers: int) -> int:
+        config = Qwen3Config(hidden_size=hidden, intermediate_size=768, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64, vocab_size=1000,
+                             max_position_embeddings=4096, use_cache=False, tie_word_embeddings=False)  # fmt: skip
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(config).to(getattr(torch, dtype)).train()
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        kept: dict[int, int] = {}
+
+        def pack(tensor):
+            if tensor.untyped_storage().data_ptr() not in weights:
+                kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(input_ids=torch.randint(0, 1000, (1, 256)))
+        return sum(kept.values())
+
+    return (saved(4) - saved(2)) / 2 / 256
+
+
+@pytest.mark.parametrize(("dtype", "compute_bytes"), [("bfloat16", 2), ("float32", 4)])
+@pytest.mark.parametrize(("hidden", "heads", "kv_heads"), [(256, 4, 2), (256, 8, 2)])
+def test_the_layer_formula_holds_for_qwen3s_qk_norms_and_wide_heads(hidden, heads, kv_heads, dtype, compute_bytes):
+    """Qwen3 normalises each head's q and k, and its heads x head_dim need not be h (8 x 64 = 512 over h = 256, as
+    Qwen3-30B-A3B's 32 x 128 = 4096 over 2048): the layer's saved bytes to the byte, both dtypes."""
+    shape = ModelShape("m", hidden=hidden, layers=4, heads=heads, kv_heads=kv_heads, intermediate=768, vocab=1000,
+                       head_dim=64, qk_norm=True)  # fmt: skip
+    assert saved_qwen3_layer_bytes(hidden, heads, kv_heads, dtype) == layer_activation_bytes_per_token(
+        shape, compute_bytes
+    )
