@@ -18,8 +18,8 @@ FSDP2 (``strategy: fsdp2``) loads the full state dict instead of broadcasting, m
 and runs on the CPU as verl ships it.
 *Upstream*: no seam exists (torch 2.13 ``torch/distributed/fsdp/_init_utils.py``; verl 0.9.1 hard-codes
 ``sync_module_states=True`` and builds the device string itself). *Remove when*: torch checks the process group's
-backend instead of the tensors' device, and verl builds FSDP1's device from the platform (``torch.device(name, id)``
-with a device the platform returns).
+backend instead of the tensors' device, and verl builds FSDP1's device from the platform; no upstream issue yet:
+watch ``torch/distributed/fsdp/_init_utils.py`` and verl's ``verl/utils/fsdp_utils.py``.
 
 Applied at plugin load in every process on the CPU platform (``VERL_PLATFORM=cpu``), with the other CPU patches.
 verl's engine module imports ``load_fsdp_model_to_gpu`` by name when the trainer builds its engine, after the plugin

@@ -136,6 +136,11 @@ SEAMS: dict[str, tuple[str, ...] | None] = {
         "min_num_micro_batch",
         "use_dynamic_bsz_balance",
     ),
+    # patches/fsdp1_cpu.py: FSDP1 (strategy: fsdp) on the CPU platform; torch's check it skips under gloo, verl's
+    # staging it leaves on the CPU.
+    "torch.distributed.fsdp._init_utils:_check_module_states_for_sync_module_states": ("module_states",),
+    "verl.utils.fsdp_utils:load_fsdp_model_to_gpu": ("model",),
+    "verl.utils.fsdp_utils:fsdp_version": ("model",),
 }
 
 #: verl's vLLM modules import only where vLLM does (.venv-verl-vllm); checked there, skipped elsewhere.
