@@ -536,3 +536,16 @@ def test_check_warns_when_verl_keeps_every_checkpoint(caplog):
     with caplog.at_level(logging.INFO):
         assert cli.main(["check", *A3B, NO_MARGIN, "trainer.max_actor_ckpt_to_keep=2"]) == 0
     assert not any("checkpoint" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_the_margin_holds_beside_an_awake_colocated_engine(caplog):
+    """Colocated at gpu_memory_utilization 0.83: vLLM's 66.07 GiB + ~2 GiB leave 11.53 GiB; Qwen2.5-7B's fp32
+    parameters and Adam, 12 x 7,615,283,200 / 8 = 11,422,924,800 bytes = 10.64 GiB, fit beside it, but not with the
+    2 GiB margin (12.64)."""
+    args = (str(REPO / "recipes/gpu/grpo_1.5b_colocated.yaml"), "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.83", *ONE_NODE)  # fmt: skip
+    line = refused(caplog, *args)
+    assert line.startswith("while the engine is awake, a trainer GPU keeps 10.6 GiB of fp32 parameters and Adam state")
+    assert "+ the areal.check.memory_margin_gib=2 GiB margin, more than the 11.5 GiB the engine leaves" in line
+    caplog.clear()
+    checked(caplog, *args, NO_MARGIN)
