@@ -180,7 +180,7 @@ def test_check_prints_the_limits_of_the_recipe(caplog):
                 "8",
                 "--cpus-per-node",
                 "224",
-            ]  # fmt: skip
+            ]
         )
     assert code == 0
     lines = [record.getMessage().strip() for record in caplog.records]
