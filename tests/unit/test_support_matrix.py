@@ -259,3 +259,27 @@ def test_lora_on_a_mixture_of_experts_is_refused_on_either_engine(models):
         line = refusal([f"actor_rollout_ref.rollout.name={engine}", moe, "actor_rollout_ref.model.lora_rank=8"])
         assert "on a mixture-of-experts model (num_experts=4" in line and "lora_rank=0" in line
         areal_validate_config(compose(RECIPE, [f"actor_rollout_ref.rollout.name={engine}", moe]))  # without LoRA
+
+
+def readme_cells() -> list[str]:
+    """The status cells (every column but the first) of the README's support table."""
+    text = (REPO / "README.md").read_text()
+    table = text.split("| setup | `areal_cpu`", 1)[1].split("\n\n", 1)[0]
+    rows = [line for line in table.splitlines()[2:] if line.startswith("|")]
+    return [cell.strip() for row in rows for cell in row.strip("|").split("|")[1:]]
+
+
+def test_every_readme_cell_names_a_test_that_exists_or_a_refusal_the_matrix_lists():
+    tests = {path.stem for path in (REPO / "tests").rglob("test_*.py")}
+    listed = set(documented_refusals())
+    cells = readme_cells()
+    assert len(cells) >= 18, cells
+    for cell in cells:
+        named = re.findall(r"`(test_\w+)`", cell)
+        refused = [found for found in re.findall(r"`([a-z0-9-]+)`", cell) if found in listed]
+        ran = re.search(r"\b(CI|full|seam)\b", cell)
+        assert named or refused or "not run" in cell or cell.startswith("refused (same)"), f"README cell {cell!r}"
+        assert not (ran and not named), f"README cell {cell!r} says it runs but names no test"
+        assert set(named) <= tests, f"README cell {cell!r} names {sorted(set(named) - tests)}, which do not exist"
+        if cell.startswith("refused ("):
+            assert refused or cell == "refused (same)", f"README cell {cell!r} names no refusal docs/support.md lists"
