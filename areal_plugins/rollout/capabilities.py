@@ -50,9 +50,9 @@ VERL_BACKENDS = {
             "lora_adapter_check",  # ours: each worker's LoRA slots read back (rollout/verl_vllm/loaded_adapter.py)
             "moe_weight_check",  # ours: fused expert parameters against their experts' tensors (loaded_weights.py)
             "validation_first",  # ours: validation requests at vLLM's lowest priority (rollout/verl_vllm/server.py)
-            # verl passes enable_return_routed_experts under enable_rollout_routing_replay and returns each output's
-            # routes; vLLM's CPU build routes as transformers does (tests/verl_vllm/test_vllm_routed_experts.py)
-            "routed_experts",
+            # Not "routed_experts": in-process, vLLM's CPU build returns the routes transformers chooses
+            # (tests/verl_vllm/test_vllm_routed_experts.py; enable_return_routed_experts, which verl sets), but through
+            # verl's server they reached the trainer as all zeros (full-tier MoE run, 2026-12-07): not yet found why.
         }
     ),
     "sglang": frozenset({"resume", "weight_update", "version_stamps"}),

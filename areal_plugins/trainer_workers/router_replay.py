@@ -94,6 +94,12 @@ class RouterReplay:
                 f"router replay: the recorded routes name {targets.shape[2]} experts a token, the trainer's routers "
                 f"pick {sorted(top_k)} (num_experts_per_tok differs between engine and trainer)"
             )
+        if targets.shape[2] > 1 and targets.numel() and not bool(targets.ne(0).any()):
+            raise RouterReplayError(
+                f"router replay: every one of the micro-batch's {targets.shape[0]} routes is empty (all zeros): the "
+                "engine returned no routes, so nothing would be replayed; set "
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay=false or use an engine that records them"
+            )
         self._slots = self.layer_slots(int(targets.shape[1]), num_layers)
         self._targets = targets.to(torch.int64)
         self.counts = ReplayCounts()

@@ -163,6 +163,8 @@ def test_routes_that_do_not_fit_the_model_are_refused_naming_why():
             replay.arm(torch.ones(TOKENS, 3, TOP_K, dtype=torch.int64), num_layers=LAYERS)
         with pytest.raises(RouterReplayError, match="num_experts_per_tok"):
             replay.arm(torch.ones(TOKENS, LAYERS, 1, dtype=torch.int64), num_layers=LAYERS)
+        with pytest.raises(RouterReplayError, match="all zeros"):  # an engine that returned no routes
+            replay.arm(torch.zeros(TOKENS, LAYERS, TOP_K, dtype=torch.int64), num_layers=LAYERS)
         replay.arm(torch.ones(TOKENS + 1, LAYERS, TOP_K, dtype=torch.int64), num_layers=LAYERS)
         with pytest.raises(RouterReplayError, match="routes 7 tokens, the recorded routes cover 8"):
             model(input_ids())
