@@ -174,11 +174,15 @@ def test_a_long_generation_is_not_a_stalled_episode(monkeypatch):
     assert asyncio.run(watched_worker(0.3)._run_agent_loop({}, {})) == "episode output"
 
 
-def test_tool_calls_are_timed_and_failures_counted_while_verl_still_sees_them():
+def test_tool_calls_are_timed_and_failures_counted_while_verl_still_sees_them(monkeypatch):
+    from verl.tools import function_tool
     from verl.tools.function_tool import load_function_tools_from_path
 
     import areal_plugins.tiny
 
+    # verl loads the tool by its file path; a test file in this process that imported the module by name registered
+    # the same function under another module: verl's registry refuses the second (its own registry, this test's copy).
+    monkeypatch.setattr(function_tool, "FUNCTION_TOOL_REGISTRY", {})
     (calculator,) = load_function_tools_from_path(str(next(iter(areal_plugins.tiny.__path__)) + "/calculator_tool.py"))
     account_tool_calls(calculator)
     account_tool_calls(calculator)  # wrapping twice must not count twice
