@@ -43,6 +43,18 @@ def other_routes(own: torch.Tensor) -> torch.Tensor:
     return every[keep].view(*own.shape[:2], EXPERTS - TOP_K)
 
 
+def replayed_forward(model, targets):
+    """The model's logits with ``targets`` replayed (hooks removed after), and what the replay counted."""
+    replay = RouterReplay.install(model)
+    try:
+        replay.arm(targets, num_layers=LAYERS)
+        with torch.no_grad():
+            logits = model(input_ids()).logits
+        return logits, replay.take_counts()
+    finally:
+        replay.remove()
+
+
 class Captured:
     """Each layer's router input and the (index, weights) its experts were called with: hooks of the test's own."""
 
@@ -70,14 +82,7 @@ def test_replaying_the_models_own_routes_changes_nothing():
     own = own_routes(model)
     with torch.no_grad():
         plain = model(input_ids()).logits
-    replay = RouterReplay.install(model)
-    try:
-        replay.arm(own, num_layers=LAYERS)
-        with torch.no_grad():
-            replayed = model(input_ids()).logits
-        counts = replay.take_counts()
-    finally:
-        replay.remove()
+    replayed, counts = replayed_forward(model, own)
     assert torch.equal(plain, replayed)
     assert counts.replayed == TOKENS * LAYERS and counts.changed == 0
 
@@ -303,14 +308,7 @@ def test_an_engine_that_routes_otherwise_is_matched_only_with_replay():
     assert flipped > 0, "the bias flipped no route: the construction shows nothing"
     with torch.no_grad():
         unreplayed = trainer(input_ids()).logits
-    replay = RouterReplay.install(trainer)
-    try:
-        replay.arm(recorded, num_layers=LAYERS)
-        with torch.no_grad():
-            replayed = trainer(input_ids()).logits
-        counts = replay.take_counts()
-    finally:
-        replay.remove()
+    replayed, counts = replayed_forward(trainer, recorded)
     assert torch.equal(replayed, out.logits)
     assert not torch.allclose(unreplayed, out.logits)
     assert counts.changed == flipped
