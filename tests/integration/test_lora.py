@@ -125,8 +125,10 @@ def test_lora_on_verls_vllm_checks_every_adapter_update_and_stops_on_a_bad_slot(
     assert_loaded_check_covers_the_tiny_model(base[0]["checksum"])
     # Every adapter update before the corrupted one: all 28 tensors compared on the replica's one vLLM worker.
     assert [r["version"] for r in adapters] == [0, 1], checked
+    # ... and the base re-checked on each: every parameter the base load compared, against what it held then.
+    rechecked = base[0]["checksum"]["loaded_compared"]
     expected = {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1, "workers": [0], "adapter_only": True}
-    assert all(r["checksum"] == expected for r in adapters), adapters
+    assert all(r["checksum"] == {**expected, "base_rechecked": rechecked} for r in adapters), adapters
     actors = {record["class_name"] for record in read_jsonl(run_dir / "ray_actors.jsonl")}
     assert "ArealVLLMHttpServer" in actors, actors
     steps = [json.loads(line)["data"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
