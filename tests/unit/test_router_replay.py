@@ -91,15 +91,10 @@ def test_replaying_the_models_own_routes_changes_nothing():
 def test_replayed_experts_get_the_trainers_own_gate_weights_at_them(norm_topk_prob):
     model = tiny_moe(norm_topk_prob=norm_topk_prob)
     targets = other_routes(own_routes(model))
-    replay = RouterReplay.install(model)
     captured = Captured(model)
     try:
-        replay.arm(targets, num_layers=LAYERS)
-        with torch.no_grad():
-            model(input_ids())
-        counts = replay.take_counts()
+        _, counts = replayed_forward(model, targets)
     finally:
-        replay.remove()
         captured.remove()
     for layer, (hidden, (index, weights)) in enumerate(zip(captured.router_inputs, captured.expert_calls, strict=True)):
         # By hand: softmax over all experts of the router's logits, read at the replayed experts.
@@ -117,15 +112,10 @@ def test_rows_left_unrecorded_route_by_the_trainers_choice():
     own = own_routes(model)
     targets = other_routes(own)
     targets[-1] = 0  # the last token: never fed through the engine, its row left at zero
-    replay = RouterReplay.install(model)
     captured = Captured(model)
     try:
-        replay.arm(targets, num_layers=LAYERS)
-        with torch.no_grad():
-            model(input_ids())
-        counts = replay.take_counts()
+        _, counts = replayed_forward(model, targets)
     finally:
-        replay.remove()
         captured.remove()
     for layer, (index, _weights) in enumerate(captured.expert_calls):
         assert torch.equal(index[:-1], targets[:-1, layer])
