@@ -28,6 +28,8 @@ from areal_plugins._compat import SUPPORTED_VERL
 TARGETS = (("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead.prepare_model_inputs"),)
 #: The engine attribute holding its model's :class:`~areal_plugins.trainer_workers.router_replay.RouterReplay`.
 REPLAY_ATTRIBUTE = "_areal_router_replay"
+#: The engine attribute holding its model's decoder-layer count (the recorded routes' layer axis is checked on it).
+LAYERS_ATTRIBUTE = "_areal_decoder_layers"
 
 
 def arm_from_micro_batch(engine: Any, micro_batch: Any, model_inputs: dict[str, Any], output_args: dict) -> None:
@@ -41,6 +43,7 @@ def arm_from_micro_batch(engine: Any, micro_batch: Any, model_inputs: dict[str, 
     if replay is None:
         replay = router_replay.RouterReplay.install(engine.module)
         setattr(engine, REPLAY_ATTRIBUTE, replay)
+        setattr(engine, LAYERS_ATTRIBUTE, len(decoder_layers(engine.module)))  # counted once, not per micro-batch
     routed = micro_batch.get("routed_experts", None)
     if routed is None:
         raise RouterReplayError(
@@ -57,7 +60,7 @@ def arm_from_micro_batch(engine: Any, micro_batch: Any, model_inputs: dict[str, 
         rows = router_replay.packed_rows(routed, int(output_args.get("pad_size", 0)))
     else:
         rows = router_replay.padded_rows(routed, int(model_inputs["input_ids"].shape[1]))
-    replay.arm(rows, len(decoder_layers(engine.module)))
+    replay.arm(rows, getattr(engine, LAYERS_ATTRIBUTE))
     router_replay.ARMED = replay
 
 
