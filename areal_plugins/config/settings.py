@@ -24,12 +24,15 @@ ProxLogp = Literal["recompute", "loglinear"]
 #: The same choices as :data:`areal_plugins.core.buffer.ON_STALE` and
 #: :data:`areal_plugins.core.losses.WEIGHT_MODES` (a test ties them; this module stays a leaf).
 OnStale = Literal["wait", "drop", "reissue"]
+#: ``areal.weight_update.in_flight``: what a weight update does with the generations under way.
+InFlight = Literal["interrupt", "wait"]
 WeightMode = Literal["mask", "clamp"]
 MODES: tuple[str, ...] = get_args(Mode)
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 PROX_LOGP: tuple[str, ...] = get_args(ProxLogp)
 ON_STALE: tuple[str, ...] = get_args(OnStale)
 WEIGHT_MODES: tuple[str, ...] = get_args(WeightMode)
+IN_FLIGHT: tuple[str, ...] = get_args(InFlight)
 
 
 class ArealConfigError(ValueError):
@@ -154,6 +157,24 @@ class MicroBatchConfig:
             raise ArealConfigError(
                 f"areal.micro_batch.max_tokens must be a positive integer or null, got {self.max_tokens!r}"
             )
+
+
+@dataclass(frozen=True)
+class WeightUpdateConfig:
+    """``areal.weight_update``: what an update does with generations under way (docs/design.md, Interruption)."""
+
+    in_flight: InFlight = field(
+        default="interrupt",
+        metadata={
+            "help": "interrupt: the update aborts the requests under way, which continue under the new weights "
+            "(paper §4.1, interruptible rollout); wait: admission stops, every request under way finishes under "
+            "the old weights, then the update runs (the paper's ablation without interruption; η still holds)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.in_flight not in IN_FLIGHT:
+            raise ArealConfigError(f"areal.weight_update.in_flight must be one of {IN_FLIGHT}, got {self.in_flight!r}")
 
 
 @dataclass(frozen=True)
@@ -316,6 +337,7 @@ class ArealConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     micro_batch: MicroBatchConfig = field(default_factory=MicroBatchConfig)
+    weight_update: WeightUpdateConfig = field(default_factory=WeightUpdateConfig)
     episodes: EpisodesConfig = field(default_factory=EpisodesConfig)
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)

@@ -130,7 +130,9 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             from areal_plugins.rollout.verl_vllm.server import use_checked_vllm_replicas
 
             use_checked_vllm_replicas()
-        self.placement = placement_for(self.areal.placement)
+        self.placement = placement_for(
+            self.areal.placement, self.areal.weight_update.in_flight, self.areal.poll_interval_s
+        )
         # verl builds engines in the trainer's workers only when this is True (colocated).
         self._enable_hybrid_replicas = self.placement.hybrid_replicas
         self.recorder = RunRecorder()

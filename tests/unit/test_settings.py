@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_defaults_are_off():
     config = ArealConfig.from_dict(None)
     assert config.enable is False and config.loss.behav_imp_weight_cap == 5.0
+    assert config.weight_update.in_flight == "interrupt"  # the paper's interruptible generation
 
 
 def test_unknown_key_suggests_the_closest():
@@ -35,6 +36,7 @@ def test_unknown_key_suggests_the_closest():
         ({"max_rollout_replicas": 4}, r"grows the standalone replicas of areal\.placement: separate"),
         ({"replica_start_timeout_s": 0}, r"areal\.replica_start_timeout_s must be seconds > 0 or null"),
         ({"replica_start_timeout_s": "10m"}, r"areal\.replica_start_timeout_s must be seconds > 0 or null"),
+        ({"weight_update": {"in_flight": "abort"}}, r"areal\.weight_update\.in_flight must be one of"),
     ],
 )
 def test_bad_values_name_the_yaml_path(values, message):

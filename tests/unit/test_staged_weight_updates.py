@@ -176,3 +176,43 @@ def test_a_failed_update_reports_its_own_error_even_when_finalizing_fails_too(mo
     monkeypatch.setattr(RolloutGroup, "execute_checkpoint_engine", dead_worker)
     with pytest.raises(WeightSyncError, match="tensor norm arrived different"):
         built.update_weights(global_steps=5)
+
+
+@pytest.mark.parametrize("in_flight", ["interrupt", "wait"])
+def test_with_in_flight_wait_the_requests_under_way_finish_after_the_transfer_and_before_the_abort(
+    in_flight, monkeypatch, tmp_path
+):
+    """The separate placement's ``before_pause`` (driver/placements.py ``stop_admission``) on a staged update:
+    ``wait`` keeps the transfer beside generation and lets the 2 groups under way finish before the engines are
+    aborted; ``interrupt`` aborts them."""
+    import functools
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from areal_plugins.driver.placements import placement_for
+
+    log = Log()
+    running = SimpleNamespace(running=2)
+
+    def settle_one() -> None:  # the admission thread, settling a group that finished
+        running.running -= 1
+        log.append("group finished")
+
+    trainer = SimpleNamespace(
+        rollout_manager=SimpleNamespace(
+            controller=running, pause=lambda: log.append("admission stopped"), check_alive=settle_one
+        ),
+        supervisor=SimpleNamespace(waiting=lambda: lambda: None),
+        recorder=SimpleNamespace(span=lambda *args, **kwargs: nullcontext()),
+        timing_raw={},
+    )
+    built = manager(log, Staging, monkeypatch, tmp_path)
+    built.before_pause = functools.partial(placement_for("separate", in_flight, 0.001).stop_admission, trainer)
+    built.update_weights(global_steps=4)
+    aborted = log.index_of("engines aborted")
+    assert log.index_of("rollout stage") < log.index_of("admission stopped") < aborted
+    if in_flight == "wait":
+        between = [event for event in log[log.index_of("admission stopped") : aborted] if event != "admission stopped"]
+        assert between == ["group finished", "group finished"]
+    else:
+        assert "group finished" not in log and running.running == 2
