@@ -18,6 +18,13 @@ and writes ``bench.json`` + ``bench.png`` with medians and spread:
 - who did that work: CPU seconds per 1k trained tokens of each process role (Ray's ``ray::Class`` titles:
   the trainer's ``WorkerDict``, the engines, the agent-loop workers, the driver's ``TaskRunner``, Ray's own);
 - trainer and rollout idle ratios of the async runs, final reward (last 3 steps' mean).
+- staleness, one definition for every row (``tools/areal_bench/token_staleness.py``): per trained response token,
+  the version the step's update starts from less the version that generated it (mean, max), and per trajectory from
+  its oldest and its newest token; verl's rows record their tokens' versions read-only for it
+  (``tools/areal_bench/verl_token_versions.py``). ``--recompute-staleness DIR`` fills an earlier bench's figures;
+- ``--in-flight interrupt,wait`` runs our rows also with ``areal.weight_update.in_flight=wait`` (a weight update
+  waits for the generations under way: the paper's interruption ablation), and every row reports the engines'
+  generated tokens/s beside its trained tokens/s.
 
 ``--warmup-steps N`` leaves out the first N steps (an async run's backlog of rollouts in flight fills up over
 its first steps); ``--frozen-policy`` trains at learning rate 0, so every configuration does the same work per
@@ -59,6 +66,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import areal_bench
+from areal_bench.token_staleness import DEFINITION as STALENESS_DEFINITION
 from repeats import spread
 
 from areal_plugins.records.writer import read_jsonl
@@ -125,6 +133,7 @@ def configs(
     verl_tuned_batches: float | None = None,
     split_engines: list[int] = (),
     split_eta: int = 2,
+    in_flights: list[str] = ("interrupt",),
 ) -> list[Config]:
     """sync, verl's async modes, then ours per placement x η x proximal log-prob mode (the first mode's names
     carry no suffix). verl's rows poll their replay buffer as the sync baseline does.
@@ -135,6 +144,8 @@ def configs(
     ``verl_tuned_batches``: each verl mode also runs ``-tuned``, with that many batches of prompts kept in flight
     ahead of the trainer (``num_warmup_batches``; verl's default 1). ``split_engines``: our separate placement
     also runs at ``split_eta`` with that many engines (``-engines{k}``), for other rollout:trainer splits.
+    ``in_flights``: our rows run with each ``areal.weight_update.in_flight`` (``interrupt``: the paper's interruptible
+    generation; ``wait``: the update waits for the generations under way, the paper's ablation, named ``-wait``).
     """
 
     def budget_keys(tokens: int | None) -> list[str]:
@@ -167,8 +178,9 @@ def configs(
         recipe = "grpo_cpu_async_separate.yaml" if placement == "separate" else "grpo_cpu_async.yaml"
         for eta in etas:
             for prox in prox_logps:
-                for limit, tokens in itertools.product(max_concurrent, micro_batch_tokens):
+                for limit, tokens, in_flight in itertools.product(max_concurrent, micro_batch_tokens, in_flights):
                     overrides = [f"areal.max_staleness={eta}", f"areal.loss.prox_logp={prox}"]
+                    overrides.append(f"areal.weight_update.in_flight={in_flight}")
                     suffix = "" if prox == prox_logps[0] else f"-{prox}"
                     if limit is not None:  # areal.max_concurrent_rollouts; None: the default
                         overrides.append(f"areal.max_concurrent_rollouts={limit}")
@@ -177,6 +189,8 @@ def configs(
                     overrides.append(f"areal.micro_batch.max_tokens={'null' if tokens is None else tokens}")
                     if tokens is not None and tokens != one_budget:
                         suffix += f"-mb{tokens}"
+                    if in_flight == "wait":  # the ablation; interrupt (the default) carries no suffix
+                        suffix += "-wait"
                     batching = "fixed" if tokens is None else f"budget {tokens}"
                     name = f"async-{placement}-eta{eta}{suffix}"
                     out.append(Config(name, recipe, overrides, eta, placement, micro_batching=batching))
@@ -230,29 +244,55 @@ def measure(run_dir: Path, warmup_steps: int = 1) -> dict:
             s["perf/total_num_tokens"] / (s["prompt_length/mean"] + s["response_length/mean"]) for s in counted
         ),
     }
-    # verl's async trainers count staleness per trajectory from the version that submitted it.
-    verl_staleness = [
-        s["training/off_policy/trajectory_staleness/mean"]
-        for s in counted
-        if "training/off_policy/trajectory_staleness/mean" in s
-    ]
-    if verl_staleness:
-        result["verl_trajectory_staleness"] = statistics.mean(verl_staleness)
-        result["verl_trajectory_staleness_max"] = max(
-            s["training/off_policy/trajectory_staleness/max"]
-            for s in counted
-            if "training/off_policy/trajectory_staleness/max" in s
-        )
+    result |= staleness_figures(run_dir, warmup_steps)
+    # What a step's update waited for the generations under way (areal.weight_update.in_flight: wait).
+    waits = [s["timing_s/wait_in_flight"] for s in counted if "timing_s/wait_in_flight" in s]
+    if waits:
+        result["wait_in_flight_s_median"] = statistics.median(waits)
     ours = read_jsonl(run_dir / "areal_steps.jsonl")[warmup_steps:]
     for key in (
         "areal/trainer_idle_ratio",
         "areal/rollout_idle_ratio",
         "areal/staleness_mean",
         "areal/interrupted_fraction",
+        "areal/gen_tokens_per_s",  # tokens the engines generated per second (the interruption ablation's figure)
     ):
         values = [row[key] for row in ours if key in row]
         if values:
             result[key.split("/")[1]] = statistics.mean(values)
+    return result
+
+
+#: verl's V1 trainers' per-step staleness metrics (``trainer/ppo/v1/trainer_base.py:1966-1992``), logged for every
+#: row (ours run through verl's V1 trainer too): the newest version (verl's lower bound) and the oldest (head).
+VERL_STALENESS = {
+    "verl_trajectory_staleness": "training/off_policy/trajectory_staleness",
+    "verl_trajectory_staleness_worst": "training/off_policy/trajectory_staleness_worst",
+}
+
+
+def staleness_figures(run_dir: Path, warmup_steps: int) -> dict:
+    """One run's staleness over the steps after the first ``warmup_steps``: the per-token and per-trajectory figures
+    of every row (:mod:`areal_bench.token_staleness`, with their definitions), and verl's own two metrics.
+
+    A run without per-trajectory records (before they were written) still gets its head staleness from verl's
+    ``trajectory_staleness_worst`` (the same definition, averaged per step), and no per-token figure: verl's first and
+    last version of a trajectory do not say how many of its tokens each generated."""
+    from areal_bench.token_staleness import run_figures
+
+    steps = [row["data"] for row in read_jsonl(run_dir / "metrics.jsonl") if "timing_s/step" in row["data"]]
+    counted = steps[warmup_steps:]
+    result: dict = {}
+    for name, key in VERL_STALENESS.items():
+        means = [s[f"{key}/mean"] for s in counted if f"{key}/mean" in s]
+        if means:
+            result[name] = statistics.mean(means)
+            result[f"{name}_max"] = max(s[f"{key}/max"] for s in counted if f"{key}/max" in s)
+    result |= run_figures(run_dir, warmup_steps)
+    if "head_staleness_mean" not in result and "verl_trajectory_staleness_worst" in result:
+        result["head_staleness_mean"] = result["verl_trajectory_staleness_worst"]
+        result["head_staleness_max"] = result["verl_trajectory_staleness_worst_max"]
+        result["staleness_source"] = "metrics.jsonl (head only)"
     return result
 
 
@@ -524,7 +564,8 @@ def run_one(
         f"actor_rollout_ref.rollout.seed={seed}",
         *workload_overrides,
         *config.overrides,
-        *areal_bench.run_overrides(os.environ),  # the stand-ins in every process of the run
+        # The stand-ins in every process of the run; verl's rows (ours off) also record each trained token's version.
+        *areal_bench.run_overrides(os.environ, token_versions=config.eta is None),
         "--run-dir",
         str(run_dir),
         "--tiny-dir",
@@ -538,7 +579,7 @@ def run_one(
         process = subprocess.Popen(
             command,
             cwd=REPO,
-            env=areal_bench.run_environment(os.environ),
+            env=areal_bench.run_environment(os.environ, token_versions=config.eta is None),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -566,7 +607,11 @@ def run_one(
 
 def summarise(name: str, runs: list[dict], sync_runs: list[dict]) -> dict:
     keys = sorted({key for run in runs for key in run})
-    row = {"config": name, **{key: spread([run[key] for run in runs if key in run]) for key in keys}}
+    row: dict = {"config": name}
+    for key in keys:
+        values = [run[key] for run in runs if key in run]
+        # A label (where a figure came from) is listed; a number is spread over the repeats.
+        row[key] = ", ".join(sorted(set(values))) if all(isinstance(v, str) for v in values) else spread(values)
     if sync_runs is not runs:
         sync_cost = statistics.median(run["s_per_1k_tokens"] for run in sync_runs)
         row["speedup"] = spread([sync_cost / run["s_per_1k_tokens"] for run in runs])
@@ -578,6 +623,67 @@ def summarise(name: str, runs: list[dict], sync_runs: list[dict]) -> dict:
             row["speedup_from_less_work"] = spread([sync_work / run["cpu_s_per_1k_tokens"] for run in runs])
             row["speedup_from_busier_cores"] = spread([run["busy_cores"] / sync_busy for run in runs])
     return row
+
+
+def _cell(figure: dict | None, form: str = "{:.2f}") -> str:
+    """A spread as ``median (min-max)``; ``-`` where the row has none."""
+    if not figure or figure.get("median") is None:
+        return "-"
+    centre, low, high = (form.format(figure[key]) for key in ("median", "min", "max"))
+    return centre if low == high else f"{centre} ({low}-{high})"
+
+
+def staleness_table(bench: dict) -> str:
+    """Every row's trained and generated tokens per second and its staleness, measured one way for all rows (the
+    definition printed under the table); medians over the repeats, min-max in brackets."""
+    lines = [
+        "| row | trained tokens/s | generated tokens/s | token staleness mean | token staleness max | head staleness "
+        "mean | verl's trajectory_staleness | update waited for in-flight (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in bench["rows"]:
+        cost = row["s_per_1k_tokens"]
+        trained = {key: 1000 / cost[other] for key, other in (("median", "median"), ("min", "max"), ("max", "min"))}
+        cells = [
+            _cell(trained, "{:.0f}"),
+            _cell(row.get("gen_tokens_per_s"), "{:.0f}"),
+            _cell(row.get("token_staleness_mean")),
+            _cell(row.get("token_staleness_max"), "{:.0f}"),
+            _cell(row.get("head_staleness_mean")),
+            _cell(row.get("verl_trajectory_staleness")),
+            _cell(row.get("wait_in_flight_s_median")),
+        ]
+        lines.append(f"| {row['config']} | {' | '.join(cells)} |")
+    return "\n".join([*lines, "", bench.get("staleness_definition", STALENESS_DEFINITION)])
+
+
+def recompute_staleness(bench_dir: Path) -> int:
+    """``--recompute-staleness``: fill the staleness figures of ``bench_dir/bench.json``'s runs from their run
+    directories, re-summarise the rows, write it back and print :func:`staleness_table`. Runs whose directory is
+    gone keep the figures they had."""
+    path = bench_dir / "bench.json"
+    if not path.exists():
+        raise SystemExit(f"{path}: no bench.json; give the --out directory of an earlier tools/bench.py run")
+    bench = json.loads(path.read_text())
+    warmup, missing = bench.get("warmup_steps", 1), []
+    for name, runs in bench["runs"].items():
+        for repeat, figures in enumerate(runs):
+            run_dir = bench_dir / f"{name}-r{repeat}"
+            if (run_dir / "metrics.jsonl").exists():
+                figures.update(staleness_figures(run_dir, warmup))
+            else:
+                missing.append(run_dir.name)
+    kept = ("micro_batching", "recipe", "overrides")  # set by main, not by summarise
+    extras = {row["config"]: {key: row[key] for key in kept if key in row} for row in bench["rows"]}
+    sync_runs = bench["runs"]["sync"]
+    bench["rows"] = [summarise(name, runs, sync_runs) | extras.get(name, {}) for name, runs in bench["runs"].items()]
+    bench["staleness_definition"] = STALENESS_DEFINITION
+    path.write_text(json.dumps(bench, indent=2))
+    print(staleness_table(bench))
+    if missing:
+        print(f"no run directory with metrics.jsonl for {len(missing)} run(s), kept as they were: {', '.join(missing)}")
+    print(f"rewrote {path}")
+    return 0
 
 
 def plot(bench: dict, out: Path) -> None:
@@ -731,6 +837,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--split-eta", type=int, default=2, help="the η of the --split-engines rows (default 2)")
     parser.add_argument(
+        "--in-flight",
+        default="interrupt",
+        help="comma list of areal.weight_update.in_flight for our rows: interrupt (a weight update aborts the "
+        "generations under way, which continue under the new weights) and/or wait (it waits for them to finish: "
+        "the paper's ablation; rows named -wait)",
+    )
+    parser.add_argument(
+        "--recompute-staleness",
+        type=Path,
+        metavar="BENCH_DIR",
+        help="run nothing: fill the staleness figures of an earlier bench's bench.json from its run directories "
+        "(BENCH_DIR/<row>-r<repeat>/) where their records allow, rewrite it and print the staleness table",
+    )
+    parser.add_argument(
         "--max-concurrent",
         default="default",
         help="comma list of areal.max_concurrent_rollouts for our rows; 'default' = (η+1) x train batch",
@@ -787,6 +907,8 @@ def main(argv: list[str] | None = None) -> int:
         f"default: measured first by a {CALIBRATION_STEPS}-step synchronous run",
     )
     args = parser.parse_args(argv)
+    if args.recompute_staleness is not None:
+        return recompute_staleness(args.recompute_staleness)
     # --quick: addition (built by the setup; the long-tail build alone would take a third of the budget).
     defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
     for key, value in defaults.items():
@@ -823,9 +945,12 @@ def main(argv: list[str] | None = None) -> int:
     limits = [None if x == "default" else int(x) for x in args.max_concurrent.split(",") if x]
     budgets = [None if x == "fixed" else int(x) for x in args.micro_batch_tokens.split(",") if x]
     split_engines = [int(x) for x in args.split_engines.split(",") if x]
+    in_flights = [x for x in args.in_flight.split(",") if x]
+    if not in_flights or set(in_flights) - {"interrupt", "wait"}:
+        parser.error(f"--in-flight takes interrupt and/or wait, got {args.in_flight!r}")
     plan = configs(
         etas, placements, prox_logps, args.sync_poll_s, verl_async, limits, budgets,
-        args.verl_tuned_batches, split_engines, args.split_eta,
+        args.verl_tuned_batches, split_engines, args.split_eta, in_flights,
     )  # fmt: skip
     time_scale = None
     if args.workload == "gpu-shaped":
@@ -872,6 +997,8 @@ def main(argv: list[str] | None = None) -> int:
         "frozen_policy": args.frozen_policy,
         "repeats": args.repeats,
         "prox_logp": prox_logps,
+        "in_flight": in_flights,
+        "staleness_definition": STALENESS_DEFINITION,
         "sync_poll_s": args.sync_poll_s,
         "sync_wall_s": spread([r["wall_s"] for r in sync_runs]),
         "sync_overlap_bound": spread([r["overlap_bound"] for r in sync_runs]),
@@ -910,6 +1037,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{best['config']}: {best['speedup_from_less_work']['median']:.2f}x from less CPU work per token x "
             f"{best['speedup_from_busier_cores']['median']:.2f}x from busier cores"
         )
+    print(staleness_table(bench))
     print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
     return 0
 

@@ -31,12 +31,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from areal_bench.token_staleness import DEFINITION as STALENESS_DEFINITION
+
 #: Steps each simulation runs and leaves out at the start (the pipeline fills), and the seeds averaged.
 STEPS, WARMUP, SEEDS = 40, 5, (0, 1, 2)
 #: A prediction further than this from the measured speedup is an exception the results page must explain.
 TOLERANCE = 0.15
 
-ROW = re.compile(r"^async-(?P<placement>separate|colocated)-eta(?P<eta>\d+)(?:-engines(?P<engines>\d+))?$")
+#: ``-wait`` (``areal.weight_update.in_flight: wait``) runs as the same mode: the simulator interrupts at every update.
+ROW = re.compile(r"^async-(?P<placement>separate|colocated)-eta(?P<eta>\d+)(?:-engines(?P<engines>\d+))?(?:-wait)?$")
 WARMUP_KEY = re.compile(r"trainer\.v1\.(?:colocate|separate)_async\.num_warmup_batches=(?P<batches>[\d.]+)")
 
 
@@ -186,7 +189,8 @@ def rows_table(bench: dict, result: dict) -> str:
     trainer waited, and the fraction of the physical limit (medians, min-max over the repeats)."""
     limits = {r["config"]: r for r in result["rows"]}
     lines = [
-        "| row | trained tokens/s | speedup over sync | staleness (mean) | trainer waiting | of the physical limit |",
+        "| row | trained tokens/s | speedup over sync | token staleness (mean) | trainer waiting "
+        "| of the physical limit |",
         "|---|---|---|---|---|---|",
     ]
     for row in bench["rows"]:
@@ -194,8 +198,9 @@ def rows_table(bench: dict, result: dict) -> str:
         rate = f"{1000 / cost['median']:.0f} ({1000 / cost['max']:.0f}-{1000 / cost['min']:.0f})"
         speedup = row.get("speedup")
         gain = "1" if speedup is None else f"{speedup['median']:.2f}x ({speedup['min']:.2f}-{speedup['max']:.2f})"
-        stale = row.get("staleness_mean") or row.get("verl_trajectory_staleness")
-        staleness = "0" if stale is None else f"{stale['median']:.2f}"
+        # One definition for every row (areal_bench.token_staleness); "-" for a run from before its records.
+        stale = row.get("token_staleness_mean")
+        staleness = "-" if stale is None or stale.get("median") is None else f"{stale['median']:.2f}"
         # Ours report the wait for samples; verl's trainers time it as their step's "gen" phase.
         idle = row.get("trainer_idle_ratio")
         if idle:
@@ -209,7 +214,7 @@ def rows_table(bench: dict, result: dict) -> str:
             f"| {row['config']} | {rate} | {gain} | {staleness} | {waiting} | "
             f"{'-' if of_limit is None else f'{of_limit:.0%}'} |"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", bench.get("staleness_definition", STALENESS_DEFINITION)])
 
 
 def plot(bench: dict, result: dict, out: Path) -> None:

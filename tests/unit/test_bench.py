@@ -320,3 +320,70 @@ def test_a_smaller_engine_reaches_the_stand_in_the_time_scale_and_the_planner(tm
     assert expected.time_scale < full.time_scale
     assert result["kv_capacity_tokens"] == 1500.0
     assert all(f"{key}.kv_capacity_tokens=1500.0" in overrides for _, _, overrides in runs)
+
+
+def test_our_rows_run_with_each_in_flight_policy_and_the_ablation_is_named():
+    plan = bench.configs([2], ["separate"], ["recompute"], 0.05, ["separate_async"], in_flights=["interrupt", "wait"])
+    ours = {c.name: c.overrides for c in plan if c.eta is not None}
+    assert list(ours) == ["async-separate-eta2", "async-separate-eta2-wait"]
+    assert "areal.weight_update.in_flight=interrupt" in ours["async-separate-eta2"]
+    assert "areal.weight_update.in_flight=wait" in ours["async-separate-eta2-wait"]
+    verl_rows = [c for c in plan if c.eta is None]
+    assert not any("in_flight" in o for c in verl_rows for o in c.overrides)  # verl's rows: our key means nothing
+
+
+def staleness_run(run_dir: Path, samples: list[dict] | None, worst: list[float]) -> None:
+    """A run directory: 3 steps of verl's metrics with ``worst`` as trajectory_staleness_worst (and 0.5 below it
+    as trajectory_staleness), and ``samples`` as our areal_samples.jsonl."""
+    run_dir.mkdir(parents=True)
+    rows = []
+    for i, head in enumerate(worst):
+        data = step(1.0, 2.0, 100, 0.0) | {"timing_s/wait_in_flight": float(i)}
+        for key, value in (("trajectory_staleness", head - 0.5), ("trajectory_staleness_worst", head)):
+            data |= {f"training/off_policy/{key}/mean": value, f"training/off_policy/{key}/max": value + 1}
+        rows.append({"step": i + 1, "data": data})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if samples is not None:
+        (run_dir / "areal_samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+
+
+def test_every_row_gets_the_same_staleness_figures_and_an_old_verl_run_its_head_only(tmp_path):
+    # ours: step 2 trains from version 1 a trajectory of 2 tokens of version 0 and 2 of version 1; step 3 from
+    # version 2 one of 4 tokens of version 2. Per token (2 x 1 + 6 x 0) / 8; heads (1 + 0) / 2.
+    samples = [
+        {"step": 1, "trainer_version": 0, "chunks": [[0, 0, None]], "response_tokens": 4},  # warm-up
+        {"step": 2, "trainer_version": 1, "chunks": [[0, 0, None], [2, 1, None]], "response_tokens": 4},
+        {"step": 3, "trainer_version": 2, "chunks": [[0, 2, None]], "response_tokens": 4},
+    ]
+    staleness_run(tmp_path / "ours", samples, [9.0, 2.0, 4.0])
+    ours = bench.staleness_figures(tmp_path / "ours", 1)
+    assert ours["token_staleness_mean"] == pytest.approx(0.25) and ours["head_staleness_mean"] == 0.5
+    assert ours["staleness_source"] == "areal_samples.jsonl"
+    # verl's own metrics, steps 2 and 3: means (2 + 4) / 2, max 5; its lower bound 0.5 below
+    assert ours["verl_trajectory_staleness_worst"] == 3.0 and ours["verl_trajectory_staleness_worst_max"] == 5.0
+    assert ours["verl_trajectory_staleness"] == 2.5
+    staleness_run(tmp_path / "old-verl", None, [9.0, 2.0, 4.0])  # no per-trajectory record
+    old = bench.staleness_figures(tmp_path / "old-verl", 1)
+    assert (old["head_staleness_mean"], old["head_staleness_max"]) == (3.0, 5.0) and "token_staleness_mean" not in old
+    assert old["staleness_source"] == "metrics.jsonl (head only)"
+    assert bench.measure(tmp_path / "ours")["wait_in_flight_s_median"] == 1.5  # steps 2 and 3 waited 1 s and 2 s
+
+
+def test_an_earlier_benchs_staleness_is_recomputed_from_its_run_directories(tmp_path, capsys):
+    samples = [{"step": 2, "trainer_version": 3, "chunks": [[0, 1, None]], "response_tokens": 2}]
+    staleness_run(tmp_path / "async-separate-eta2-r0", samples, [0.0, 2.0, 2.0])
+    staleness_run(tmp_path / "sync-r0", None, [0.0, 0.0, 0.0])
+    old_row = {"s_per_1k_tokens": 10.0, "staleness_mean": 2.0}
+    runs = {"sync": [{"s_per_1k_tokens": 20.0}], "async-separate-eta2": [dict(old_row), dict(old_row)]}
+    rows = [{"config": "sync", "recipe": "r.yaml"}, {"config": "async-separate-eta2", "recipe": "a.yaml"}]
+    (tmp_path / "bench.json").write_text(json.dumps({"warmup_steps": 1, "runs": runs, "rows": rows}))
+    assert bench.main(["--recompute-staleness", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    ours = next(row for row in result["rows"] if row["config"] == "async-separate-eta2")
+    # repeat 0 recomputed (2 tokens, 3 - 1 = 2 each); repeat 1's directory is gone: kept as it was, no figure
+    assert ours["token_staleness_mean"] == {"median": 2.0, "min": 2.0, "max": 2.0, "n": 1}
+    assert ours["speedup"]["median"] == 2.0 and ours["recipe"] == "a.yaml"
+    assert result["rows"][0]["head_staleness_mean"]["median"] == 0.0
+    out = capsys.readouterr().out
+    assert "| async-separate-eta2 | 100 | - | 2.00 | 2 |" in out and "async-separate-eta2-r1" in out
+    assert "per trained response token T - v" in out  # the definition, under the table

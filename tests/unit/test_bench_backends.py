@@ -47,3 +47,7 @@ def test_the_runs_environment_and_job_carry_the_bench():
         f"++ray_kwargs.ray_init.runtime_env.py_modules=['{TOOLS / 'areal_bench'}']",
         "++ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='areal_bench.verl_backend'",
     ]
+    # verl's rows also record each trained token's version (tools/areal_bench/verl_token_versions.py); ours never
+    recording = "areal_bench.verl_backend,areal_bench.verl_token_versions"
+    assert areal_bench.run_overrides({}, token_versions=True)[1].endswith(f"VERL_USE_EXTERNAL_MODULES='{recording}'")
+    assert areal_bench.run_environment(env, token_versions=True)["VERL_USE_EXTERNAL_MODULES"] == f"mine,{recording}"

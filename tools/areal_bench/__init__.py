@@ -32,6 +32,9 @@ PACKAGE = Path(__file__).resolve().parent
 EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
 #: The module that registers ``areal_paced`` where it is imported.
 REGISTRATION = f"{__name__}.verl_backend"
+#: The module that records which version generated each trained token, in the bench's verl rows only
+#: (:mod:`areal_bench.verl_token_versions`; our rows record their own).
+TOKEN_VERSIONS = f"{__name__}.verl_token_versions"
 
 
 def runtime_env() -> dict[str, Any]:
@@ -39,31 +42,36 @@ def runtime_env() -> dict[str, Any]:
     return {"py_modules": [str(PACKAGE)]}
 
 
-def external_modules(env: Mapping[str, str]) -> str:
-    """``VERL_USE_EXTERNAL_MODULES``: what ``env`` names already, and :data:`REGISTRATION`."""
+def external_modules(env: Mapping[str, str], token_versions: bool = False) -> str:
+    """``VERL_USE_EXTERNAL_MODULES``: what ``env`` names already, and :data:`REGISTRATION` (and with
+    ``token_versions``, :data:`TOKEN_VERSIONS`)."""
     named = [name for name in env.get(EXTERNAL_MODULES, "").split(",") if name]
-    return ",".join(named if REGISTRATION in named else [*named, REGISTRATION])
+    for module in (REGISTRATION, *([TOKEN_VERSIONS] if token_versions else [])):
+        named = named if module in named else [*named, module]
+    return ",".join(named)
 
 
-def run_environment(env: Mapping[str, str]) -> dict[str, str]:
+def run_environment(env: Mapping[str, str], token_versions: bool = False) -> dict[str, str]:
     """``env`` for the first processes of a verl run (the CLI, verl's driver): ``tools/`` on ``PYTHONPATH``, and verl
-    told to import :data:`REGISTRATION`."""
+    told to import :data:`REGISTRATION` (and :data:`TOKEN_VERSIONS` with ``token_versions``: a verl row)."""
     paths = [path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path]
     tools = str(PACKAGE.parent)
     return {
         **env,
         "PYTHONPATH": os.pathsep.join(paths if tools in paths else [tools, *paths]),
-        EXTERNAL_MODULES: external_modules(env),
+        EXTERNAL_MODULES: external_modules(env, token_versions),
     }
 
 
-def run_overrides(env: Mapping[str, str]) -> list[str]:
+def run_overrides(env: Mapping[str, str], token_versions: bool = False) -> list[str]:
     """Hydra overrides that give the run's Ray job this package (``py_modules``) and verl's variable (``env_vars``),
-    so that every worker, on any node, registers ``areal_paced``."""
-    for text in (str(PACKAGE), external_modules(env)):
+    so that every worker, on any node, registers ``areal_paced`` (and with ``token_versions`` records the versions of
+    a verl row's trained tokens)."""
+    modules = external_modules(env, token_versions)
+    for text in (str(PACKAGE), modules):
         if "'" in text:
             raise SystemExit(f"{text!r}: a quote cannot be passed to the Ray job; rename it")
     return [
         f"++ray_kwargs.ray_init.runtime_env.py_modules=['{PACKAGE}']",
-        f"++ray_kwargs.ray_init.runtime_env.env_vars.{EXTERNAL_MODULES}='{external_modules(env)}'",
+        f"++ray_kwargs.ray_init.runtime_env.env_vars.{EXTERNAL_MODULES}='{modules}'",
     ]
