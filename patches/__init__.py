@@ -5,7 +5,7 @@ sampler, LLM client, verl's vLLM replica and adapter) is registered, not patched
 exists only where verl 0.9.1 has no seam; each says why, where upstream stands and when to delete it.
 
 ``apply_enabled_patches(config)`` is the one entry point: it walks :data:`PATCHES` in order and
-applies each patch whose feature is enabled. Eight exist: the CPU platform's four (selected by
+applies each patch whose feature is enabled. Nine exist: the CPU platform's four (selected by
 ``VERL_PLATFORM=cpu``, applied at plugin load in every process: gloo, vLLM's CPU build seen as ``vllm``,
 the trainer's port chosen outside the ephemeral range, and verl's FSDP1 engine: its weights broadcast over gloo
 and kept on the CPU), the routing of ``areal.enable`` in
@@ -13,8 +13,9 @@ any recipe (applied at plugin load in verl's ``main_ppo`` driver only) and token
 (FFD, or runs of like length where verl pads)
 (selected by ``areal.micro_batch.max_tokens``) and the count of micro-batches the stall guard reads as
 progress (selected by ``areal.enable`` with ``areal.mode: async``) and router replay into verl's FSDP engine
-(selected by ``actor_rollout_ref.rollout.enable_rollout_routing_replay`` under ``areal.enable``); the trainer applies
-these three in its worker
+(selected by ``actor_rollout_ref.rollout.enable_rollout_routing_replay`` under ``areal.enable``) and a LoRA adapter
+sent through the checkpoint engine (selected by an unmerged ``lora_rank > 0`` with ``areal.placement: separate``); the
+trainer applies these four in its worker
 processes with :func:`areal_plugins.driver.worker_calls.apply_patches_in_workers`, since only the driver sees the
 recipe. With ``areal.enable: false`` on a GPU machine only the routing wrapper is installed, in the driver, and it
 passes verl's config through unchanged.
@@ -36,6 +37,7 @@ from areal_plugins.patches import (
     fsdp1_cpu,
     fsdp_router_replay,
     gloo_backend,
+    lora_separate_sync,
     master_port,
     micro_batch_partitioner,
     route_areal_node,
@@ -86,6 +88,17 @@ def _router_replay(config: Any) -> bool:
     return bool(rollout.get("enable_rollout_routing_replay", False))
 
 
+def _lora_through_checkpoint_engine(config: Any) -> bool:
+    """An unmerged LoRA adapter to engines in their own pool (``lora_rank > 0``, ``placement: separate``)."""
+    from areal_plugins.config.settings import areal_settings
+
+    areal = areal_settings(config)
+    if not areal.enable or areal.placement != "separate":
+        return False
+    model = (config.get("actor_rollout_ref") or {}).get("model") or {}
+    return int(model.get("lora_rank", 0) or 0) > 0 and not bool((model.get("lora") or {}).get("merge", False))
+
+
 #: (feature, is it enabled for this run?, patch), in the order they are applied.
 PATCHES: tuple[tuple[str, Callable[[Any], bool], ModuleType], ...] = (
     ("cpu platform (VERL_PLATFORM=cpu)", _cpu_platform, gloo_backend),
@@ -104,6 +117,7 @@ PATCHES: tuple[tuple[str, Callable[[Any], bool], ModuleType], ...] = (
     ("areal.micro_batch.max_tokens", _token_budget_micro_batches, micro_batch_partitioner),
     ("areal_async's stall guard: trainer workers report micro-batches", _async_trainer, trainer_progress),
     ("router replay (R3) in the trainer: enable_rollout_routing_replay", _router_replay, fsdp_router_replay),
+    ("LoRA adapter-only in the separate placement", _lora_through_checkpoint_engine, lora_separate_sync),
 )
 
 

@@ -285,14 +285,6 @@ def check_support_matrix(config: Any) -> None:
             f"LoRA (actor_rollout_ref.model.lora_rank={rank})",
             f"set actor_rollout_ref.model.lora_rank=0 (docs/design.md, LoRA), {own}",
         )
-        if areal.placement == "separate":
-            raise ArealConfigError(
-                f"LoRA (actor_rollout_ref.model.lora_rank={rank}) with areal.placement=separate: verl 0.9.1's "
-                "checkpoint-engine path sends the engines the base weights without the adapter (verl issue #7495), so "
-                "they would sample from the base model: set actor_rollout_ref.model.lora.merge=true (each update "
-                "then carries the merged full weights, checked as a dense model's) or areal.placement=colocated "
-                f"(checkpoint_engine.backend=naive), {own}"
-            )
     hf_config = model_config_json(config) or {}
     experts = next((key for key in EXPERT_COUNT_KEYS if int(hf_config.get(key) or 0) > 0), None)
     if experts is not None:

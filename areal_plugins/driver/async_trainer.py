@@ -351,7 +351,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             try:
                 self.replica_pool.prune()  # the sync's process group is built from the replicas still serving
                 self.replacer.grow(self.areal.max_rollout_replicas)  # a node joined: one more replica starts
-                self.replacer.join()  # replicas that have started take the new weights with the others
+                if self.replacer.join():  # replicas that have started take the new weights with the others
+                    self.weight_sync.replicas_joined()
                 self.weight_sync.update_weights(new_version)
                 self.replacer.serve(new_version)  # and only then requests
             except Exception:

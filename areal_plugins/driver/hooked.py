@@ -31,6 +31,7 @@ class HookedTrainerMixin:
 
     config: Any
     global_steps: int
+    _plugin_include: Any  # the driver's plugin selection, for the workers (set in init, sent in _setup)
 
     def init(self) -> None:
         from areal_plugins.rollout.server_slots import bound_requests_from_config, bound_requests_in_flight
@@ -48,10 +49,16 @@ class HookedTrainerMixin:
         logger.info("areal_plugins: plugins %s", [name for name, _ in manager.list_name_plugin()])
         HOOKS.validate_config(config=self.config)
         self._size_reward_scorers()  # before verl's reward workers are made from the config
+        self._plugin_include = include
         super().init()  # type: ignore[misc]
+
+    def _setup(self) -> None:
+        """verl builds the workers here; its ``on_init_end`` (the first weight sync) runs next, so what the
+        workers need from the recipe reaches them now (a patch of the weight sync applies to the first one too)."""
+        super()._setup()  # type: ignore[misc]
         workers = [self.actor_rollout_wg]  # type: ignore[attr-defined]
         # The trainer workers call areal_make_policy_loss: give them the driver's plugin set.
-        run_in_workers(workers, configure_plugins, include, [])
+        run_in_workers(workers, configure_plugins, self._plugin_include, [])
         applied = apply_patches_in_workers(self.config, workers)
         if applied:
             logger.info("areal_plugins: applied %s in the trainer's worker processes", applied)

@@ -16,6 +16,7 @@ from areal_plugins.rollout import verl_registration as registration
 from areal_plugins.rollout.base import record_weight_sync
 from areal_plugins.weight_sync.checksums import tensor_checksum
 from areal_plugins.weight_sync.errors import WeightSyncError
+from areal_plugins.weight_sync.lora_updates import read_lora_update
 
 
 class ArealServerAdapter(BaseRollout):
@@ -58,6 +59,14 @@ class ArealServerAdapter(BaseRollout):
         weights."""
         if wire_format != "named_tensors":
             raise ValueError(f"the {self.config.name} backend takes full named tensors, not {wire_format!r}")
+        if kwargs.get("peft_config") is None:  # a checkpoint engine's stream may hold a LoRA update
+            update = await read_lora_update(weights)
+            if update.peft_config is not None:
+                lora = {**kwargs, "peft_config": update.peft_config}
+                if update.has_base:
+                    await self.update_weights(update.base(), wire_format, **lora, base_sync_done=False)
+                return await self.update_weights(update.adapter(), wire_format, **lora, base_sync_done=True)
+            weights = update.rest()
         # Every rank must drain the generator: producing full tensors is a collective. Checkpoint
         # engines hand weights over as a generator, some (verl's nccl) as an async one.
         if hasattr(weights, "__aiter__"):
@@ -67,14 +76,14 @@ class ArealServerAdapter(BaseRollout):
         peft_config = kwargs.get("peft_config")
         version = int(kwargs.get("global_steps") or 0)
         if registration.sends_lora_adapter(self.model_config) and not peft_config:
-            # verl's checkpoint-engine path (placement: separate) sends the base weights without the adapter
-            # (verl issue #7495: the engines sampled from the initial policy for the whole run). Startup refuses
-            # that setup (builtin/validation.py); raised after the drain, so no rank of a transport is left waiting.
+            # verl's own checkpoint-engine path sends the base weights without the adapter (verl issue #7495: the
+            # engines sampled from the initial policy for the whole run); ours sends a LoRA update stream (read
+            # above). Raised after the drain, so no rank of a transport is left waiting.
             raise WeightSyncError(
                 f"rollout replica {self.replica_rank}, update {version}: the trainer trains a LoRA adapter "
                 f"(actor_rollout_ref.model.lora_rank={self.model_config.lora_rank}) but this update carries no "
                 "adapter, only base weights: the engines would sample from the base model, not the policy. "
-                "areal_async sends the adapter with areal.placement=colocated only (docs/design.md, LoRA)"
+                "Through a checkpoint engine the adapter goes only under areal.enable (patches/lora_separate_sync.py)"
             )
         if not self.is_leader_rank:
             return

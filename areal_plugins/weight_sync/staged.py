@@ -31,6 +31,7 @@ from verl.utils.ray_utils import auto_await
 
 from areal_plugins.records.writer import append_record
 from areal_plugins.weight_sync.checked_transfer import check_transfer_reports
+from areal_plugins.weight_sync.lora_updates import RESEND_BASE_ATTRIBUTE
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,15 @@ class StagedCheckpointEngineManager(CheckpointEngineManager):
             for index, replica in enumerate(self.replicas)
             for position in range(len(replica.workers))
         ]
+
+    def replicas_joined(self) -> None:
+        """Replicas that started mid-run join the next update: a LoRA trainer sends them the base weights again
+        before the adapter (they may have started from dummy weights; patches/lora_separate_sync.py reads the flag)."""
+        if self.backend == "naive":
+            return
+        actor_wg = self._actor_group()
+        n = actor_wg.world_size
+        ray.get(actor_wg.execute_checkpoint_engine(["__setattr__"] * n, [RESEND_BASE_ATTRIBUTE] * n, [True] * n))
 
     @auto_await
     async def update_weights(self, global_steps: int | None = None) -> dict:

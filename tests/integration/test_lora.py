@@ -30,10 +30,13 @@ STEPS = 3
 RECIPE = "grpo_cpu_async.yaml"
 LORA = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16")
 ADAPTER_TENSORS = 2 * 7 * 2
+#: The base parameters areal_cpu re-checks on each adapter update: 2 layers x 12 (q, k, v weights and biases, o, gate,
+#: up, down, two norms), the embedding, the final norm and the tied lm_head under its own name.
+BASE_PARAMETERS = 2 * 12 + 3
 CORRUPTED = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
 
 
-def assert_the_adapter_trained_and_the_base_stayed(run_dir, versions: list[int]) -> None:
+def assert_the_adapter_trained_and_the_base_stayed(run_dir, versions: list[int], slept: bool = True) -> None:
     """Each version's adapter differs from the one before (peft starts ``lora_B`` at zero, so version 0's adapter
     changes nothing; the optimizer moves it from step 1 on), and the engines slept before each later update
     (colocated, ``rollout.free_cache_engine: true``) keeping the base weights through it: verl sends them once (the
@@ -46,8 +49,9 @@ def assert_the_adapter_trained_and_the_base_stayed(run_dir, versions: list[int])
     assert [events[i]["version"] for i in updates] == versions[1:], events
     for i in updates:
         assert events[i]["adapter"] is True
-        slept = [e for e in events[:i] if e["event"] == "sleep"][-1]
-        assert slept["released"] is True and slept["weight_bytes"] > 0, slept
+        if slept:  # colocated: the engines slept between updates (standalone ones never sleep)
+            sleep = [e for e in events[:i] if e["event"] == "sleep"][-1]
+            assert sleep["released"] is True and sleep["weight_bytes"] > 0, sleep
 
 
 def assert_stopped_at_update_2_naming(result, fault: str) -> None:
@@ -82,13 +86,88 @@ def test_an_adapter_tensor_corrupted_on_arrival_stops_the_run_naming_it(tiny_dir
     syncs = read_jsonl(run_dir / "weight_syncs.jsonl")
     checked = [r for r in syncs if r["event"] == "update_checked"]
     assert [r["version"] for r in checked] == [0, 1], syncs
-    expected = {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1, "adapter_only": True}
+    expected = {
+        "adapter_tensors": ADAPTER_TENSORS,
+        "adapter_ranks": 1,
+        "adapter_only": True,
+        "base_rechecked": BASE_PARAMETERS,
+    }
     assert all(r["checksum"] == expected for r in checked), checked
     assert [r["version"] for r in syncs if r["event"] == "update_adapter"] == [0, 1, 2], syncs  # 2: loaded, refused
     assert [r["version"] for r in syncs if r["event"] == "update"] == [0], syncs  # the base weights, once
     assert_the_adapter_trained_and_the_base_stayed(run_dir, [0, 1])
     lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
     assert [json.loads(line)["data"]["training/global_step"] for line in lines if line.strip()] == [1]
+
+
+#: The tiny Qwen2's adapter in bytes, by hand: rank 8 x (in + out) per module, per layer q 128+128, k 128+64,
+#: v 128+64, o 128+128, gate 128+256, up 128+256, down 256+128 (2,048), 2 layers, fp32: 8 x 2,048 x 2 x 4.
+ADAPTER_BYTES = 8 * 2048 * 2 * 4
+#: Its base weights as verl's FSDP engine sends them (peft's ``.base_layer`` names): 2,401,408 parameters (the embedding
+#: 16,448 x 128, per layer 147,968, the final norm 128) plus the tied ``lm_head`` sent again (16,448 x 128), fp32.
+BASE_BYTES = (2_401_408 + 16_448 * 128) * 4
+
+
+def test_lora_adapter_only_in_the_separate_placement_every_update_checked_and_a_bad_tensor_stops_it(tiny_dir, tmp_path):
+    """Engines in their own pool (``areal_gloo``), adapter-only LoRA: verl 0.9.1 sends only base weights on this
+    path (verl issue #7495); ours (patches/lora_separate_sync.py) sends the base once (``load_format: dummy``) and then
+    the adapter alone, checked on arrival and in its slots as colocated. The server's updates count 1 (the base, v0),
+    2 (v0's adapter), 3 (v1's), 4 (v2's), 5 (v3's, after step 3): from the fifth one value of ``CORRUPTED`` changes on
+    arrival, so three steps train and the last update stops the run naming the tensor. What crossed the transport
+    each update is counted by hand (:data:`ADAPTER_BYTES`, :data:`BASE_BYTES`)."""
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        *train_args(
+            "grpo_cpu_async_separate.yaml",
+            run_dir,
+            tiny_dir,
+            STEPS,
+            *LORA,
+            f"++ray_kwargs.ray_init.runtime_env.env_vars.AREAL_CORRUPT_RECEIVED_WEIGHT='{CORRUPTED}@5'",
+        ),
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    fault = f"adapter tensor {CORRUPTED} arrived different from what the trainer sent"
+    assert f"rollout replica 0, engine rank 0, update 3: {fault}" in output, output[-3000:]
+    steps = [json.loads(line)["data"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    assert [s["training/global_step"] for s in steps] in ([1, 2], [1, 2, 3])  # step 3's line may race the failed sync
+    syncs = read_jsonl(run_dir / "weight_syncs.jsonl")
+    assert [r["version"] for r in syncs if r["event"] == "update"] == [0], syncs  # the base weights, once
+    checked = [r for r in syncs if r["event"] == "update_checked"]
+    assert [r["version"] for r in checked] == [0, 1, 2], syncs
+    assert all(r["checksum"]["adapter_only"] and r["checksum"]["adapter_tensors"] == ADAPTER_TENSORS for r in checked)
+    assert_the_adapter_trained_and_the_base_stayed(run_dir, [0, 1, 2], slept=False)
+    sent = {r["version"]: r["staged_bytes_per_worker"] for r in read_jsonl(run_dir / "weight_transfers.jsonl")}
+    header = sent[1] - ADAPTER_BYTES  # the LoRA update's header (peft's config, pickled)
+    assert 0 < header < 4096 and sent[2] == sent[1], sent
+    assert sent[0] == BASE_BYTES + 1 + ADAPTER_BYTES + header, sent  # 1: the marker between base and adapter
+
+
+@pytest.mark.full
+def test_lora_adapter_only_reaches_verls_vllm_in_its_own_pool_checked_in_its_slots(tiny_dir, tmp_path):
+    """verl's ``vllm`` (CPU build) in a pool of its own, adapter-only LoRA through ``areal_gloo``: the base once, under
+    peft's ``.base_layer`` names, checked as full weights; then every update the adapter alone, all 28 tensors read
+    back from vLLM's LoRA slots, the base re-checked each time; what crossed per update counted by hand."""
+    from tests.integration.test_verl_vllm import assert_loaded_check_covers_the_tiny_model, train_with_verl_vllm
+
+    run_dir = tmp_path / "run"
+    result = train_with_verl_vllm(run_dir, tiny_dir, STEPS, *LORA, recipe="grpo_cpu_async_vllm.yaml")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    checked = [r for r in read_jsonl(run_dir / "weight_syncs.jsonl") if r["event"] == "update_checked"]
+    base = [r for r in checked if not r["checksum"].get("adapter_only")]
+    adapters = [r for r in checked if r["checksum"].get("adapter_only")]
+    assert [r["version"] for r in base] == [0], checked
+    assert_loaded_check_covers_the_tiny_model(base[0]["checksum"])
+    assert [r["version"] for r in adapters] == list(range(STEPS + 1)), checked
+    expected = {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1, "workers": [0], "adapter_only": True}
+    rechecked = base[0]["checksum"]["loaded_compared"]
+    assert all(r["checksum"] == {**expected, "base_rechecked": rechecked} for r in adapters), adapters
+    sent = {r["version"]: r["staged_bytes_per_worker"] for r in read_jsonl(run_dir / "weight_transfers.jsonl")}
+    header = sent[1] - ADAPTER_BYTES
+    assert 0 < header < 4096 and all(sent[v] == sent[1] for v in range(1, STEPS + 1)), sent
+    assert sent[0] == BASE_BYTES + 1 + ADAPTER_BYTES + header, sent
 
 
 #: The tensor whose LoRA slot is changed after loading in the verl-vLLM run (a value the forward pass reads).

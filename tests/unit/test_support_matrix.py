@@ -23,6 +23,13 @@ RECIPE = "grpo_cpu_async"
 MOE_CONFIG = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "num_experts": 4}
 MULTIMODAL_CONFIG = {"architectures": ["Qwen2VLForConditionalGeneration"], "vision_config": {"depth": 2}}
 MIXTRAL_CONFIG = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 8}
+#: The engines in a pool of their own, one CPU engine, weights by our gloo checkpoint engine.
+SEPARATE = [
+    "areal.placement=separate",
+    "actor_rollout_ref.rollout.nnodes=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=areal_gloo",
+]
 
 
 @pytest.fixture
@@ -139,24 +146,23 @@ def test_float16_training_is_refused_bf16_and_fp32_are_not():
     areal_validate_config(compose(RECIPE, ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"]))
 
 
-def test_lora_runs_colocated_or_merged_and_is_refused_where_the_adapter_would_go_unsent():
+def test_lora_runs_adapter_only_or_merged_in_either_placement():
     areal_validate_config(compose(RECIPE, ["actor_rollout_ref.model.lora_rank=8"]))
     areal_validate_config(compose(RECIPE, ["actor_rollout_ref.model.lora_rank=8", "areal.mode=sync"]))
-    separate = [
-        "areal.placement=separate",
-        "actor_rollout_ref.rollout.nnodes=1",
-        "actor_rollout_ref.rollout.n_gpus_per_node=1",
-        "actor_rollout_ref.rollout.checkpoint_engine.backend=areal_gloo",
-    ]
-    areal_validate_config(compose(RECIPE, separate))  # the same pool without LoRA is a tested setup
-    line = refusal(["actor_rollout_ref.model.lora_rank=8", *separate])
-    assert "verl issue #7495" in line
-    assert "set actor_rollout_ref.model.lora.merge=true" in line and "or areal.placement=colocated" in line
-    # Merged, every update carries full weights: accepted in either placement, on either engine.
+    # Adapter-only in the engines' own pool: our patch sends the adapter through the checkpoint engine (verl issue
+    # #7495 is what it replaces: patches/lora_separate_sync.py), the patch selected for the trainer's workers.
+    from areal_plugins.patches import enabled_patches, lora_separate_sync
+
+    adapter_separate = compose(RECIPE, ["actor_rollout_ref.model.lora_rank=8", *SEPARATE])
+    areal_validate_config(adapter_separate)
+    assert lora_separate_sync in enabled_patches(adapter_separate)
+    assert lora_separate_sync not in enabled_patches(compose(RECIPE, ["actor_rollout_ref.model.lora_rank=8"]))
+    # Merged, every update carries full weights: accepted in either placement, on either engine; no patch.
     merged = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true"]
     areal_validate_config(compose(RECIPE, merged))
-    areal_validate_config(compose(RECIPE, [*merged, *separate]))
-    areal_validate_config(compose(RECIPE, [*merged, *separate, "actor_rollout_ref.rollout.name=vllm"]))
+    areal_validate_config(compose(RECIPE, [*merged, *SEPARATE]))
+    areal_validate_config(compose(RECIPE, [*merged, *SEPARATE, "actor_rollout_ref.rollout.name=vllm"]))
+    assert lora_separate_sync not in enabled_patches(compose(RECIPE, [*merged, *SEPARATE]))
     waived = "areal.waive_capabilities=[abort_keeps_partial,weight_checksum,progress_stats]"
     line = refusal(["actor_rollout_ref.rollout.name=sglang", waived, "actor_rollout_ref.model.lora_rank=8"])
     assert "(lora_adapter_check)" in line and "set actor_rollout_ref.model.lora_rank=0" in line
@@ -237,20 +243,12 @@ def test_every_shipped_recipe_passes_the_matrix():
             check_support_matrix(compose(recipe.stem))
 
 
-def test_lora_runs_colocated_on_verls_vllm_and_fully_sharded_adapters_are_refused():
+def test_lora_runs_on_verls_vllm_in_either_placement_and_fully_sharded_adapters_are_refused():
     vllm_lora = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.lora_rank=8"]
     areal_validate_config(compose(RECIPE, vllm_lora))
+    areal_validate_config(compose(RECIPE, [*vllm_lora, *SEPARATE]))
     line = refusal([*vllm_lora, "++actor_rollout_ref.model.lora.fully_sharded_loras=true"])
     assert "set actor_rollout_ref.model.lora.fully_sharded_loras=false" in line
-    assert "set actor_rollout_ref.model.lora.merge=true" in refusal(
-        [
-            *vllm_lora,
-            "areal.placement=separate",
-            "actor_rollout_ref.rollout.nnodes=1",
-            "actor_rollout_ref.rollout.n_gpus_per_node=1",
-            "actor_rollout_ref.rollout.checkpoint_engine.backend=areal_gloo",
-        ]
-    )
 
 
 def test_lora_on_a_mixture_of_experts_is_refused_on_either_engine(models):
