@@ -248,8 +248,11 @@ def check_router_replay(actor: Any, hf_config: dict[str, Any]) -> None:
         )
 
 
-def check_support_matrix(config: Any) -> None:
-    """Refuse the setups of docs/support.md that no test of ours covers, each in one line naming the key to change."""
+def check_support_matrix(config: Any, hf_config: dict[str, Any] | None = None) -> None:
+    """Refuse the setups of docs/support.md that no test of ours covers, each in one line naming the key to change.
+
+    ``hf_config``: the model's ``config.json`` where the caller has it (``areal-plugins check --model-config`` for a
+    hub id); None: ``actor_rollout_ref.model.path``'s own, where it is a local folder."""
     from areal_plugins.rollout.capabilities import require_feature
 
     areal = areal_settings(config)
@@ -285,7 +288,8 @@ def check_support_matrix(config: Any) -> None:
             f"LoRA (actor_rollout_ref.model.lora_rank={rank})",
             f"set actor_rollout_ref.model.lora_rank=0 (docs/design.md, LoRA), {own}",
         )
-    hf_config = model_config_json(config) or {}
+    if hf_config is None:
+        hf_config = model_config_json(config) or {}
     experts = next((key for key in EXPERT_COUNT_KEYS if int(hf_config.get(key) or 0) > 0), None)
     if experts is not None:
         require_feature(

@@ -24,11 +24,12 @@ logger = logging.getLogger("areal_plugins.cli")
 
 def check(recipe: Path, overrides: list[str], cluster_args: argparse.Namespace) -> int:
     """``areal-plugins check``: every startup check and the fit on a declared cluster; nothing starts."""
-    from areal_plugins.cli.preflight import RecipeRefusedError
+    from areal_plugins.cli.preflight import RecipeRefusedError, check_model_config
     from areal_plugins.planning.cluster_fit import Cluster, fit_cluster, missing_here
 
     try:
         config, _ = checked_recipe(recipe.resolve(), overrides, None, has_accelerator())
+        check_model_config(config, cluster_args.model_config)
         cluster = Cluster(cluster_args.nodes, cluster_args.gpus_per_node, cluster_args.gpu_memory_gib)
         where = fit_cluster(config, cluster, cluster_args.model_config)
     except RecipeRefusedError as refusal:
@@ -87,10 +88,19 @@ def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
     from areal_plugins.planning.plan import PAPER_FIT
 
     plan.add_argument(
+        "--recipe",
+        type=Path,
+        help="a recipe (ours, or verl's ppo_trainer.yaml) whose data.train_batch_size, rollout.n, "
+        "data.max_response_length, data.max_prompt_length and model.path the plan takes where an option does not set "
+        "them; overrides follow the options, as for check",
+    )
+    plan.add_argument("overrides", nargs="*", help="Hydra overrides of --recipe, as for check")
+    plan.add_argument(
         "--model",
-        default="1.5b",
+        default=None,
         help="a hub model of areal_plugins' table (areal_plugins/planning/model_shapes.yaml, e.g. Qwen/Qwen2.5-7B), "
-        "1.5b, 7b, 14b, 32b (R1-Distill-Qwen, the paper's), or a config.json or the folder holding one",
+        "1.5b, 7b, 14b, 32b (R1-Distill-Qwen, the paper's), or a config.json or the folder holding one "
+        "(default: --recipe's actor_rollout_ref.model.path, else 1.5b)",
     )
     plan.add_argument(
         "--model-config", type=Path, help="the model's config.json (or its folder), for a model the table lacks"
@@ -98,15 +108,28 @@ def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--gpu", default="h100", help="h100, h800, h200 or a100")
     plan.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
     plan.add_argument("--gpus-per-node", type=int, default=8)
-    plan.add_argument("--batch", type=int, default=512, help="prompts per step (data.train_batch_size)")
-    plan.add_argument("--group", type=int, default=16, help="responses per prompt (rollout.n)")
-    plan.add_argument("--response-mean", type=float, default=2117.0, help="mean response length, tokens")
-    plan.add_argument("--max-response", type=int, default=27648, help="response length cap, tokens")
+    plan.add_argument("--batch", type=int, default=None, help="prompts per step (data.train_batch_size; default 512)")
+    plan.add_argument("--group", type=int, default=None, help="responses per prompt (rollout.n; default 16)")
+    plan.add_argument(
+        "--response-mean",
+        type=float,
+        default=None,
+        help="mean response length, tokens, at most --max-response (default: the paper's lengths, mean 2,117 with "
+        "0.5%% past 27,648, cut at --max-response; the plan says which)",
+    )
+    plan.add_argument(
+        "--max-response",
+        type=int,
+        default=None,
+        help="response length cap, tokens (the recipe's data.max_response_length; default 27,648, the paper's)",
+    )
     plan.add_argument(
         "--truncated-fraction", type=float, default=0.005, help="share of responses that would run past the cap"
     )
     plan.add_argument("--lengths-file", type=Path, help="a sample of your response lengths, one per line")
-    plan.add_argument("--prompt-len", type=int, default=200)
+    plan.add_argument(
+        "--prompt-len", type=int, default=None, help="mean prompt, tokens (default 200, at most data.max_prompt_length)"
+    )
     plan.add_argument("--decode-efficiency", type=float, default=PAPER_FIT.decode_bandwidth,
                       help="share of HBM bandwidth reached reading weights (default 1.0)")  # fmt: skip
     plan.add_argument("--compute-efficiency", type=float, default=PAPER_FIT.compute,
@@ -212,15 +235,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s areal-plugins: %(message)s", datefmt="%H:%M:%S")
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("train", "check", "replay"):  # overrides after the options: argparse leaves them over
+    if args.command in ("train", "check", "replay", "plan"):  # overrides after the options: argparse leaves them over
         late = [arg for arg in rest if "=" in arg and not arg.startswith("-")]
         args.overrides += late
         rest = [arg for arg in rest if arg not in late]
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "plan":
+        from areal_plugins.cli.preflight import plan_options
         from areal_plugins.planning.plan import run_plan
 
+        plan_options(args)
         return run_plan(args)
     if args.command == "plot":
         from areal_plugins.records.plots import plot_all

@@ -49,6 +49,75 @@ def check_recipe(recipe: Path, overrides: list[str]) -> Any:
     return config
 
 
+def check_model_config(config: Any, model_config: Path | None) -> None:
+    """Hold ``--model-config``'s ``config.json`` to the support matrix, as the run holds the ``config.json`` of a
+    local ``actor_rollout_ref.model.path``: ``check`` on a hub id refuses what the same model in a folder is refused
+    for (a multimodal model, a mixture of experts on an engine that cannot check it).
+
+    Raises:
+        RecipeRefusedError: the file is no ``config.json``, or the matrix refuses the model.
+    """
+    if model_config is None:
+        return
+    from areal_plugins.builtin.validation import check_support_matrix
+    from areal_plugins.planning.model_shapes import UnknownModelError, read_config
+
+    try:
+        hf_config = read_config(model_config)
+    except UnknownModelError as error:
+        raise RecipeRefusedError(str(error)) from None
+    try:
+        check_support_matrix(config, hf_config=hf_config)
+    except ValueError as error:  # ArealConfigError
+        raise RecipeRefusedError(one_line(error)) from None
+
+
+#: ``plan``'s options a recipe can give, their recipe keys, and their values where neither the option nor a recipe
+#: sets them (the paper's setting: 512 prompts x 16, answers up to 27,648 tokens, 200-token prompts, the 1.5B).
+PLAN_RECIPE_KEYS = {
+    "batch": ("data.train_batch_size", 512),
+    "group": ("actor_rollout_ref.rollout.n", 16),
+    "max_response": ("data.max_response_length", 27648),
+    "model": ("actor_rollout_ref.model.path", "1.5b"),
+}
+PLAN_PROMPT = 200
+
+
+def plan_options(args: Any) -> None:
+    """Complete ``plan``'s options in place: an option given wins, then ``--recipe``'s key (composed as verl's
+    ``main_ppo`` would, no check run), then the default; ``args.notes`` says what the recipe gave. The mean prompt
+    (``--prompt-len``) is at most the recipe's ``data.max_prompt_length``."""
+    from omegaconf import OmegaConf
+
+    args.notes = []
+    config = None
+    if args.recipe is not None:
+        refusal = None if args.recipe.is_file() else f"recipe {args.recipe} does not exist"
+        refusal = refusal or not_a_recipe(args.recipe)
+        if refusal:
+            raise SystemExit(f"areal-plugins plan: {refusal}")
+        try:
+            with _quiet():
+                config = compose(args.recipe.resolve(), list(args.overrides))
+        except RecipeRefusedError as error:
+            raise SystemExit(f"areal-plugins plan: {error}") from None
+    elif args.overrides:
+        raise SystemExit(f"areal-plugins plan: overrides ({' '.join(args.overrides)}) need --recipe")
+    taken = []
+    for option, (key, default) in PLAN_RECIPE_KEYS.items():
+        if getattr(args, option) is None:
+            value = OmegaConf.select(config, key) if config is not None else None
+            if value is not None:
+                taken.append(f"{key}={value}")
+            chosen = default if value is None else int(value) if isinstance(default, int) else str(value)
+            setattr(args, option, chosen)
+    prompt_cap = int(OmegaConf.select(config, "data.max_prompt_length") or 0) if config is not None else 0
+    if args.prompt_len is None:
+        args.prompt_len = min(PLAN_PROMPT, prompt_cap) if prompt_cap else PLAN_PROMPT
+    if config is not None:
+        args.notes.append(f"recipe: {args.recipe.name} gives {', '.join(taken) or 'nothing the options did not set'}")
+
+
 def not_a_recipe(recipe: Path) -> str | None:
     """Why ``recipe`` is no recipe (None: it may be one): not YAML, not a mapping, or a part recipes include.
 

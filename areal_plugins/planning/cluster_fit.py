@@ -14,6 +14,7 @@ every formula and where it comes from.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +24,9 @@ from areal_plugins.config.errors import RecipeRefusedError
 from areal_plugins.config.settings import areal_settings
 from areal_plugins.planning.hardware import ModelShape
 from areal_plugins.planning.model_shapes import KnownModel, UnknownModelError, resolve
-from areal_plugins.planning.trainer_memory import TrainerSetup, trainer_memory
+from areal_plugins.planning.trainer_memory import TrainerSetup, trainer_memory, vision_block_bytes_per_patch
 from areal_plugins.planning.verl_overrides import verl_overrides
+from areal_plugins.planning.vision import PROCESSOR_DEFAULT_MAX_PIXELS, VisionShape
 
 GIB = 1024**3
 #: Bytes per parameter of the engine's weights, by verl's ``rollout.dtype``.
@@ -133,13 +135,89 @@ def fit_cluster(config: Any, cluster: Cluster, model_config: Path | None = None)
         known = resolve(str(config.actor_rollout_ref.model.path), model_config)
     except UnknownModelError as error:
         raise RecipeRefusedError(str(error)) from None
-    lines.append(f"model: {known.shape.name}, {known.shape.params / 1e9:.2f}B parameters, from {known.origin}")
+    lines.append(f"model: {known.shape.name}, {known.shape.params / 1e9:.2f}B parameters{_vision_part(known.shape)}, "
+                 f"from {known.origin}")  # fmt: skip
     lines.append(_check_positions(config, known))
     _check_heads(known.shape, tp)
-    engine, awake_free = _engine_memory(config, cluster, known.shape, tp, transport, colocated=not separate)
-    trainer_lines = _trainer_memory(config, cluster, known.shape, transport, separate, awake_free)
+    image_lines, image_tokens = _images(config, known.shape, model_config)
+    engine, awake_free = _engine_memory(
+        config, cluster, known.shape, tp, transport, colocated=not separate, image_tokens=image_tokens
+    )
+    trainer_lines = _trainer_memory(config, cluster, known.shape, transport, separate, awake_free, image_tokens)
     overrides = verl_overrides(config, known.shape.max_positions)
-    return lines + engine + trainer_lines + checkpoint_lines(config, known.shape) + overrides
+    return lines + image_lines + engine + trainer_lines + checkpoint_lines(config, known.shape) + overrides
+
+
+def _vision_part(model: ModelShape) -> str:
+    if model.vision is None:
+        return ""
+    return (
+        f" ({model.decoder_params / 1e9:.2f}B language model + {model.vision_params / 1e9:.2f}B {model.vision.family} "
+        "vision tower)"
+    )
+
+
+def processor_max_pixels(config: Any, model_folder: Path | None) -> tuple[int, str] | None:
+    """The image processor's ``max_pixels`` and where it comes from: the recipe's
+    ``data.mm_processor_kwargs.max_pixels`` (verl hands these kwargs to the processor:
+    ``verl/utils/dataset/rl_dataset.py:121, 232-239``, ``verl/experimental/agent_loop/agent_loop.py:243``), else the
+    model folder's ``preprocessor_config.json`` (``max_pixels``, or ``size.longest_edge``); None where neither says."""
+    kwargs = config.data.get("mm_processor_kwargs") or {}
+    if kwargs.get("max_pixels") is not None:
+        return int(kwargs["max_pixels"]), "data.mm_processor_kwargs.max_pixels"
+    file = model_folder / "preprocessor_config.json" if model_folder is not None else None
+    if file is None or not file.is_file():
+        return None
+    processor = json.loads(file.read_text())
+    pixels = processor.get("max_pixels") or (processor.get("size") or {}).get("longest_edge")
+    return (int(pixels), str(file)) if pixels else None
+
+
+def _images(config: Any, model: ModelShape, model_config: Path | None) -> tuple[list[str], int]:
+    """A VLM's image tokens: lines saying how many one image of ``max_pixels`` becomes (``warning:`` where the
+    prompt cannot hold them, or where ``max_pixels`` is assumed), and that count (0 for a text-only model).
+
+    Image tokens are prompt tokens: verl counts them in ``data.max_prompt_length`` (its dataset's length filter
+    tokenizes the processed images, ``verl/utils/dataset/rl_dataset.py:215-241``) and so in the engine's
+    ``max_model_len``, and its agent loop fails a multimodal prompt longer than ``rollout.prompt_length``
+    (``verl/experimental/agent_loop/agent_loop.py:351-361``) rather than cut an image's tokens.
+    """
+    vision: VisionShape | None = model.vision
+    if vision is None:
+        return [], 0
+    if model_config is not None:
+        given = model_config.expanduser()
+        folder: Path | None = given if given.is_dir() else given.parent
+    else:
+        path = Path(str(config.actor_rollout_ref.model.path)).expanduser()
+        folder = path if path.is_dir() else None
+    found = processor_max_pixels(config, folder)
+    lines = []
+    if found is None:
+        pixels, source = PROCESSOR_DEFAULT_MAX_PIXELS, "transformers' Qwen2-VL image processor default"
+        lines.append(
+            f"warning: neither data.mm_processor_kwargs.max_pixels nor a preprocessor_config.json beside the model "
+            f"says how large an image may be; sized at {pixels:,} pixels ({source}), and a model's published processor "
+            "may allow more (Qwen2.5-VL's: 12,845,056): set data.mm_processor_kwargs.max_pixels"
+        )
+    else:
+        pixels, source = found
+    tokens = vision.image_tokens(pixels)
+    prompt = int(config.data.max_prompt_length)
+    lines.insert(
+        0,
+        f"images: one of up to {pixels:,} pixels ({source}) is up to {tokens:,} prompt tokens "
+        f"({vision.pixels_per_token} pixels a token; {vision.patches(tokens):,} patches of the vision tower), "
+        f"counted in data.max_prompt_length={prompt} and so in max_model_len",
+    )
+    if tokens > prompt:
+        lines.append(
+            f"warning: an image of {pixels:,} pixels is {tokens:,} prompt tokens, more than data.max_prompt_length="
+            f"{prompt}: verl's agent loop fails such a prompt (verl/experimental/agent_loop/agent_loop.py:351-361) "
+            f"and data.filter_overlong_prompts drops it: set data.mm_processor_kwargs.max_pixels to at most "
+            f"{prompt * vision.pixels_per_token:,} or raise data.max_prompt_length"
+        )
+    return lines, min(tokens, prompt)
 
 
 def _check_positions(config: Any, known: KnownModel) -> str:
@@ -187,9 +265,14 @@ def _bytes_per_param(dtype: Any, key: str) -> int:
 
 
 def _engine_memory(
-    config: Any, cluster: Cluster, model: ModelShape, tp: int, transport: str, colocated: bool
+    config: Any, cluster: Cluster, model: ModelShape, tp: int, transport: str, colocated: bool, image_tokens: int = 0
 ) -> tuple[list[str], float]:
-    """Lines about an engine GPU, and what is left of it beside the awake engine (for a colocated trainer)."""
+    """Lines about an engine GPU, and what is left of it beside the awake engine (for a colocated trainer).
+
+    A VLM's vision tower is in the weights (:attr:`ModelShape.params`); vLLM's start profiles its encoder on the
+    largest image (``image_tokens`` of the prompt) inside its share, so one vision block's activations over that
+    image's patches (:func:`~areal_plugins.planning.trainer_memory.vision_block_bytes_per_patch`, split over TP as
+    vLLM's vision layers are) come out of the KV cache."""
     rollout = config.actor_rollout_ref.rollout
     dtype = str(rollout.get("dtype") or "bfloat16")
     engine_bytes = _bytes_per_param(dtype, "actor_rollout_ref.rollout.dtype")
@@ -205,9 +288,16 @@ def _engine_memory(
     heads_per_gpu = math.ceil(model.kv_heads / tp)  # a KV head is not split: TP beyond the KV heads replicates them
     # K and V of every layer, in the engine's dtype (vLLM's kv_cache_dtype "auto", which verl leaves: the model's)
     one_sequence = 2 * model.layers * heads_per_gpu * model.head_size * engine_bytes * int(length)
-    if weights + one_sequence > vllm_share:
+    encoder = (
+        model.vision.patches(image_tokens) * vision_block_bytes_per_patch(model.vision, engine_bytes) / tp
+        if model.vision is not None
+        else 0.0
+    )
+    encoder_part = f"{encoder / GIB:.1f} GiB of vision activations for one image + " if encoder else ""
+    if weights + encoder + one_sequence > vllm_share:
         raise RecipeRefusedError(
-            f"an engine GPU needs {weights / GIB:.1f} GiB of weights ({dtype}, TP {tp}) + {one_sequence / GIB:.1f} GiB "
+            f"an engine GPU needs {weights / GIB:.1f} GiB of weights ({dtype}, TP {tp}) + {encoder_part}"
+            f"{one_sequence / GIB:.1f} GiB "
             f"of {dtype} KV cache for one sequence of {length} tokens, over vLLM's share of {vllm_share / GIB:.1f} GiB "
             f"(gpu_memory_utilization {rollout.gpu_memory_utilization} x {cluster.gpu_memory_gib:g} GiB): raise "
             "actor_rollout_ref.rollout.tensor_model_parallel_size or gpu_memory_utilization, or lower max_model_len"
@@ -250,9 +340,10 @@ def _engine_memory(
         if bucket
         else ""
     )
+    kv = vllm_share - weights - encoder
     line = (
-        f"engine GPU: weights {weights / GIB:.1f} GiB + KV cache {(vllm_share - weights) / GIB:.1f} GiB "
-        f"({(vllm_share - weights) / one_sequence:.1f} sequences of {length} tokens, {length_key}) in vLLM's "
+        f"engine GPU: weights {weights / GIB:.1f} GiB + {encoder_part}KV cache {kv / GIB:.1f} GiB "
+        f"({kv / one_sequence:.1f} sequences of {length} tokens, {length_key}) in vLLM's "
         f"{vllm_share / GIB:.1f} GiB; {transfer}"
         + f"{spare / GIB:.1f} GiB "
         + ("for the trainer while the engine is awake" if colocated else "spare")
@@ -261,9 +352,19 @@ def _engine_memory(
 
 
 def _trainer_memory(
-    config: Any, cluster: Cluster, model: ModelShape, transport: str, separate: bool, awake_free: float
+    config: Any,
+    cluster: Cluster,
+    model: ModelShape,
+    transport: str,
+    separate: bool,
+    awake_free: float,
+    image_tokens: int = 0,
 ) -> list[str]:
-    """Refuse a trainer GPU the update or the weight sync overfills; else say what it holds."""
+    """Refuse a trainer GPU the update or the weight sync overfills; else say what it holds.
+
+    A VLM's micro-batch also runs its vision tower over the images: each sequence with ``image_tokens`` of them
+    (one image of ``max_pixels``, at most the prompt), as many sequences as a micro-batch holds at full length
+    (``ppo_micro_batch_size_per_gpu``, or the token budget over prompt + response)."""
     actor = config.actor_rollout_ref.actor
     if str(actor.strategy) not in ("fsdp", "fsdp2"):
         return [f"trainer GPU: not checked (actor.strategy={actor.strategy}: check sizes verl's FSDP engine)"]
@@ -306,6 +407,7 @@ def _trainer_memory(
         bucket_bytes=bucket,
         compute_bytes=_bytes_per_param(compute, f"{mixed_key}.param_dtype"),
         reduce_bytes=_bytes_per_param(mixed.get("reduce_dtype", "fp32"), f"{mixed_key}.reduce_dtype"),
+        image_patches=_micro_batch_patches(config, model, image_tokens),
     )
     memory = trainer_memory(model, setup)
     gpu = cluster.gpu_memory_gib * GIB
@@ -323,6 +425,12 @@ def _trainer_memory(
             f"copies + {memory.router_probs / GIB:.2f} GiB fp32 router probabilities of "
             + ("the recomputed layer + " if setup.gradient_checkpointing else f"{model.layers} layers + ")
             if model.experts
+            else ""
+        )
+        + (
+            f"{memory.vision_activations / GIB:.1f} GiB {compute} vision-tower activations of "
+            f"{setup.image_patches:,} image patches + "
+            if memory.vision_activations
             else ""
         )
         + f"{memory.gathered_unit / GIB:.1f} GiB gathered FSDP unit = {memory.update_peak / GIB:.1f} GiB"
@@ -373,6 +481,19 @@ def _trainer_memory(
         f"trainer GPU: update {update}; weight sync {sync}; + {context}: "
         f"{(gpu - memory.peak - overhead) / GIB:.1f} GiB spare of {cluster.gpu_memory_gib:g}"
     ]
+
+
+def _micro_batch_patches(config: Any, model: ModelShape, image_tokens: int) -> int:
+    """The image patches one training micro-batch sends through the vision tower (0 for a text-only model)."""
+    if model.vision is None or not image_tokens:
+        return 0
+    actor = config.actor_rollout_ref.actor
+    sequence = int(config.data.max_prompt_length) + int(config.data.max_response_length)
+    if actor.get("use_dynamic_bsz"):
+        sequences = max(1, int(actor.ppo_max_token_len_per_gpu) // sequence)
+    else:
+        sequences = int(actor.ppo_micro_batch_size_per_gpu)
+    return sequences * model.vision.patches(image_tokens)
 
 
 def checkpoint_lines(config: Any, model: ModelShape) -> list[str]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from areal_plugins.planning.vision import VisionShape
+
 
 @dataclass(frozen=True)
 class GPU:
@@ -39,6 +41,8 @@ class ModelShape:
     experts whose every layer routes each token to ``experts_per_token`` of ``experts`` MLPs of
     ``moe_intermediate`` (Qwen3-MoE, Mixtral). ``max_positions``: ``max_position_embeddings``, None where unknown.
     ``qk_norm``: each attention head's q and k pass an RMSNorm of their own (``model_type`` qwen3, qwen3_moe).
+    ``vision``: a vision-language model's vision tower (:mod:`areal_plugins.planning.vision`), whose parameters
+    count in :attr:`params` (memory, weight loads, checkpoints) but not in a decode step's reads.
     """
 
     name: str
@@ -55,6 +59,7 @@ class ModelShape:
     moe_intermediate: int = 0
     max_positions: int | None = None
     qk_norm: bool = False  # an RMSNorm over each attention head's q and k (Qwen3, Qwen3-MoE)
+    vision: VisionShape | None = None  # a VLM's vision tower (config.json's vision_config)
 
     @property
     def head_size(self) -> int:
@@ -86,9 +91,20 @@ class ModelShape:
         return self.experts_per_token * self.moe_intermediate if self.experts else self.intermediate
 
     @property
-    def params(self) -> int:
-        """Every parameter: the layers, the input embedding and the output head (one matrix when tied)."""
+    def decoder_params(self) -> int:
+        """The language model's parameters: the layers, the input embedding and the output head (one matrix when
+        tied)."""
         return self.layers * self.layer_params + self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    @property
+    def vision_params(self) -> int:
+        """The vision tower's parameters (0 for a text-only model)."""
+        return self.vision.params if self.vision is not None else 0
+
+    @property
+    def params(self) -> int:
+        """Every parameter: the language model's and a VLM's vision tower's."""
+        return self.decoder_params + self.vision_params
 
     @property
     def matmul_params(self) -> int:
@@ -247,7 +263,7 @@ class Engine:
         """This engine's decode and prefill times: the one function the simulator and the bench's stand-in call."""
         return DecodeCost(
             step_latency=self.model.layers * self.efficiency.decode_step_latency,
-            weight_bytes=self.model.weight_bytes,
+            weight_bytes=2 * self.model.decoder_params,  # a decode step reads the language model, not the ViT
             kv_bytes_per_token=self.model.kv_bytes_per_token,
             matmul_params=self.model.matmul_params,
             attention_width=self.model.layers * self.model.hidden,

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from areal_plugins.planning.hardware import MODELS, ModelShape
+from areal_plugins.planning.vision import vision_from_config
 
 TABLE_FILE = Path(__file__).with_name("model_shapes.yaml")
 #: The planner's short names (the paper's R1-Distill-Qwen models), kept as aliases of ``plan --model``.
@@ -31,7 +32,7 @@ PLANNER_ALIASES = {
 #: Qwen2, Qwen3, Llama and Mistral default to untied).
 _TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3", "gemma3_text")
 #: Model types whose attention normalises each head's q and k (transformers' ``Qwen3Attention.q_norm``, ``k_norm``).
-_QK_NORM = ("qwen3", "qwen3_moe")
+_QK_NORM = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe")
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 ASK_FOR_CONFIG = "pass --model-config PATH (the model's config.json, from its hub page or its folder)"
 
@@ -49,10 +50,12 @@ class KnownModel:
 
 
 def shape_from_config(config: dict[str, Any], name: str) -> ModelShape:
-    """A ``ModelShape`` from a Hugging Face ``config.json`` (a multimodal one's ``text_config``).
+    """A ``ModelShape`` from a Hugging Face ``config.json``: a multimodal one's ``text_config``, and its
+    ``vision_config``'s tower (:mod:`areal_plugins.planning.vision`).
 
     Raises:
-        UnknownModelError: a key the sizing needs is missing, or an attention the formulas do not cover (MLA).
+        UnknownModelError: a key the sizing needs is missing, an attention the formulas do not cover (MLA), or a
+            vision tower of a family they do not cover.
     """
     text = config.get("text_config") or config
     missing = [key for key in _REQUIRED if key not in text]
@@ -69,6 +72,10 @@ def shape_from_config(config: dict[str, Any], name: str) -> ModelShape:
     tied_default = model_type in _TIED_BY_DEFAULT
     tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", tied_default))
     positions = text.get("max_position_embeddings")
+    try:
+        vision = vision_from_config(config)
+    except ValueError as error:
+        raise UnknownModelError(f"{name}: {error}; check this model on its cluster instead") from None
     return ModelShape(
         name=name,
         hidden=int(text["hidden_size"]),
@@ -85,6 +92,7 @@ def shape_from_config(config: dict[str, Any], name: str) -> ModelShape:
         moe_intermediate=int(text.get("moe_intermediate_size") or text["intermediate_size"]) if experts else 0,
         max_positions=int(positions) if positions else None,
         qk_norm=model_type in _QK_NORM,
+        vision=vision,
     )
 
 

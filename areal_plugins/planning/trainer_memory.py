@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from areal_plugins.planning.hardware import ModelShape
+from areal_plugins.planning.vision import VisionShape
 
 #: The compute dtype is ``fsdp_config.mixed_precision.param_dtype`` (verl's ``FSDPEngine._build_fsdp_module``: bf16
 #: when ``mixed_precision`` is unset; FSDP casts the ``model_dtype`` parameters to it and verl's ``forward_step``
@@ -108,6 +109,7 @@ class TrainerSetup:
     bucket_bytes: int = 0  # checkpoint_engine.update_weights_bucket_megabytes; 0 for naive (no buckets)
     compute_bytes: int = 2  # fsdp_config.mixed_precision.param_dtype: bf16 or fp16 2 (verl's default), fp32 4
     reduce_bytes: int = 4  # fsdp_config.mixed_precision.reduce_dtype: fp32 4 (verl's default), bf16 2
+    image_patches: int = 0  # a VLM: the patches its vision tower encodes for one micro-batch's images
 
     def __post_init__(self) -> None:
         if self.compute_bytes not in LOGIT_BYTES:
@@ -129,6 +131,7 @@ class TrainerMemory:
     sync_tensor: float
     sync_buckets: float
     resident_between_updates: float
+    vision_activations: float = 0.0  # a VLM's vision tower over the micro-batch's image patches
 
     @property
     def state(self) -> float:
@@ -136,7 +139,15 @@ class TrainerMemory:
 
     @property
     def update_peak(self) -> float:
-        return self.state + self.gathered_unit + self.activations + self.logits + self.expert_copies + self.router_probs
+        return (
+            self.state
+            + self.gathered_unit
+            + self.activations
+            + self.logits
+            + self.expert_copies
+            + self.router_probs
+            + self.vision_activations
+        )
 
     @property
     def sync_peak(self) -> float:
@@ -189,6 +200,36 @@ def activation_bytes_per_token(model: ModelShape, gradient_checkpointing: bool, 
     return model.layers * one_layer + final
 
 
+#: A vision merger's activations a patch, in compute-dtype elements of the tower's width: its norm's input and output
+#: (2), the first linear's output and its GELU's (2 x merge² x width over merge² patches: 2). Counted by hand from
+#: transformers' ``Qwen2_5_VLPatchMerger`` / ``Qwen3VLVisionPatchMerger`` forward, not measured.
+VISION_MERGER_ELEMENTS = 4
+
+
+def vision_block_bytes_per_patch(vision: VisionShape, compute_bytes: int = 2) -> int:
+    """One vision block's activations for one image patch.
+
+    A Qwen vision block is a decoder layer in shape (a norm, multi-head attention with as many KV heads as heads, a
+    norm, an MLP), so its bytes are :func:`layer_activation_bytes_per_token`'s, measured on Qwen2's decoder layer,
+    for a layer of the tower's width; an fc1/fc2 MLP (Qwen2-VL, Qwen3-VL) keeps fc1's output and its activation,
+    2 x its width where a gated one keeps 4, so it enters at half its width.
+    """
+    width = vision.intermediate if vision.gated_mlp else vision.intermediate // 2
+    block = ModelShape("vision block", vision.hidden, vision.depth, vision.heads, vision.heads, width, vocab=0)
+    return layer_activation_bytes_per_token(block, compute_bytes)
+
+
+def vision_activation_bytes_per_patch(vision: VisionShape, gradient_checkpointing: bool, compute_bytes: int = 2) -> int:
+    """Activations one image patch leaves for the backward in the vision tower: every block's
+    (:func:`vision_block_bytes_per_patch`) and the merger's; with gradient checkpointing (transformers' vision blocks
+    are ``GradientCheckpointingLayer``s) each block keeps its input and one is recomputed, as the decoder's layers."""
+    one_block = vision_block_bytes_per_patch(vision, compute_bytes)
+    merger = VISION_MERGER_ELEMENTS * vision.hidden * compute_bytes
+    if gradient_checkpointing:
+        return vision.depth * CHECKPOINT_INPUT_ELEMENTS * compute_bytes * vision.hidden + one_block + merger
+    return vision.depth * one_block + merger
+
+
 def trainer_memory(model: ModelShape, setup: TrainerSetup) -> TrainerMemory:
     """Each term of a trainer GPU's memory (bytes); docs/guides/sizing.md gives the formulas."""
     shard = model.params / setup.shard_gpus
@@ -213,4 +254,10 @@ def trainer_memory(model: ModelShape, setup: TrainerSetup) -> TrainerMemory:
         sync_buckets=TRAINER_BUCKETS * setup.bucket_bytes,
         resident_between_updates=(0.0 if setup.param_offload else parameters)
         + (0.0 if setup.optimizer_offload else optimizer),
+        vision_activations=(
+            setup.image_patches
+            * vision_activation_bytes_per_patch(model.vision, setup.gradient_checkpointing, setup.compute_bytes)
+            if model.vision is not None
+            else 0.0
+        ),
     )
