@@ -217,6 +217,13 @@ def _images(config: Any, model: ModelShape, model_config: Path | None) -> tuple[
             f"and data.filter_overlong_prompts drops it: set data.mm_processor_kwargs.max_pixels to at most "
             f"{prompt * vision.pixels_per_token:,} or raise data.max_prompt_length"
         )
+    length = config.actor_rollout_ref.rollout.get("max_model_len")
+    if length is not None and tokens >= int(length):
+        lines.append(
+            f"warning: an image of {pixels:,} pixels is {tokens:,} prompt tokens, not fewer than "
+            f"actor_rollout_ref.rollout.max_model_len={length}: the engine cannot hold a prompt with such an image and "
+            f"one token of answer: raise max_model_len or lower data.mm_processor_kwargs.max_pixels"
+        )
     return lines, min(tokens, prompt)
 
 

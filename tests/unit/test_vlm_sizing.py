@@ -204,6 +204,20 @@ def test_max_pixels_from_the_processor_config_and_an_image_longer_than_the_promp
     ), lines
 
 
+def test_an_image_the_engines_context_cannot_hold_is_warned(tmp_path, caplog):
+    """1,024 x 784 = 802,816 pixels are 1,024 tokens: within the script's prompt, but a max_model_len of 1,024 leaves
+    no room for an answer."""
+    folder = model_folder(tmp_path, QWEN25_VL_7B)
+    argv = [*script(str(folder)), "+data.mm_processor_kwargs.max_pixels=802816"]
+    code, lines = check(caplog, *argv, "actor_rollout_ref.rollout.max_model_len=1024")
+    assert code == 0, lines
+    assert any(line.startswith("warning: an image of 802,816 pixels is 1,024 prompt tokens, not fewer than "
+                               "actor_rollout_ref.rollout.max_model_len=1024") for line in lines), lines  # fmt: skip
+    caplog.clear()
+    code, lines = check(caplog, *argv, "actor_rollout_ref.rollout.max_model_len=3072")
+    assert code == 0 and not [line for line in lines if line.startswith("warning: an image")], lines
+
+
 def test_without_max_pixels_check_says_what_it_assumed(tmp_path, caplog):
     folder = model_folder(tmp_path, QWEN25_VL_7B)
     code, lines = check(caplog, *script(str(folder)))
