@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
@@ -71,23 +72,54 @@ class PendingChecksums:
     next bucket overwrites them."""
 
     def __init__(self) -> None:
-        self._pending: dict[str, tuple[int, torch.Tensor]] = {}
-        self._resolved: dict[str, list[float]] = {}
+        # Keys are tensor names, or (name, what) where one tensor has several checksums (the after-load checks).
+        self._pending: dict[Any, tuple[int, torch.Tensor]] = {}
+        self._resolved: dict[Any, list[float]] = {}
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        self._pending[name] = (tensor.numel(), device_sums(tensor))
+    def add(
+        self, key: Hashable, tensor: torch.Tensor, as_dtype: torch.dtype | None = None, positions: bool = True
+    ) -> None:
+        """Queue :func:`tensor_checksum` ``(tensor, as_dtype, positions)`` under ``key`` (no host copy)."""
+        self._pending[key] = (tensor.numel(), device_sums(tensor, as_dtype, positions))
 
-    def resolve(self) -> dict[str, list[float]]:
+    def resolve(self) -> dict[Any, list[float]]:
         """Every added tensor's checksum (those added since the last call copied to the host, one copy per device)."""
-        by_device: dict[torch.device, list[str]] = {}
-        for name, (_, sums) in self._pending.items():
-            by_device.setdefault(sums.device, []).append(name)
-        for names in by_device.values():
-            rows = torch.stack([self._pending[name][1] for name in names]).tolist()
-            for name, row in zip(names, rows, strict=True):
-                self._resolved[name] = [float(self._pending[name][0]), *(float(value) for value in row)]
+        by_device: dict[torch.device, list[Any]] = {}
+        for key, (_, sums) in self._pending.items():
+            by_device.setdefault(sums.device, []).append(key)
+        for keys in by_device.values():
+            values = torch.cat([self._pending[key][1] for key in keys]).tolist()  # rows of 3 or 2 sums
+            start = 0
+            for key in keys:
+                elements, sums = self._pending[key]
+                self._resolved[key] = [float(elements), *(float(value) for value in values[start : start + len(sums)])]
+                start += len(sums)
         self._pending.clear()
         return dict(self._resolved)
+
+
+def held_sums(tensors: Mapping[str, torch.Tensor]) -> dict[str, list[float]]:
+    """``tensor_checksum(tensor, positions=False)`` of each tensor, all read to the host at once
+    (:class:`PendingChecksums`): what :func:`recheck_kept` compares later."""
+    pending = PendingChecksums()
+    for name, tensor in tensors.items():
+        pending.add(name, tensor, positions=False)
+    return pending.resolve()
+
+
+#: The most changed parameters a re-check names (the count covers them all).
+RECHECK_NAMED = 8
+
+
+def recheck_kept(parameters: Mapping[str, torch.Tensor], kept: dict[str, list[float]]) -> dict[str, Any]:
+    """Each kept checksum (of a parameter right after the load that sent it: :func:`held_sums`, or an after-load
+    report's ``held``) against the parameter's now, all read to the host at once: a LoRA base is sent once, then
+    only adapters, so nothing else would see it change (a wake from sleep that restores it wrong). Returns
+    ``compared``, ``changed`` and up to :data:`RECHECK_NAMED` ``changed_names`` (a parameter gone counts as changed),
+    what ``check_base_rechecks`` (weight_sync/adapter_check.py) reads."""
+    now = held_sums({name: parameters[name] for name in kept if name in parameters})
+    changed = [name for name, held in kept.items() if name not in now or not same_sums(held, now[name])]
+    return {"compared": len(kept), "changed": len(changed), "changed_names": sorted(changed)[:RECHECK_NAMED]}
 
 
 def same_checksum(sent: list[float], received: list[float]) -> bool:

@@ -218,3 +218,20 @@ def test_our_trainers_mark_the_rollout_config_for_every_worker():
     OmegaConf.set_struct(bare, True)
     use_checked_vllm_replicas(bare)
     assert OmegaConf.to_container(bare.custom) == {JOINS_PIECES_KEY: True}
+
+
+@pytest.mark.parametrize(
+    ("use_shm", "device", "fails"),
+    [
+        (False, "meta", False),  # a device tensor over CUDA IPC (a GPU's colocated sync): verl's direct path carries it
+        (False, "cpu", True),  # a host tensor (what areal_gloo delivers) has no device IPC handle to rebuild
+        (True, "meta", True),  # over shared memory verl's sender refuses any tensor larger than its bucket
+        (True, "cpu", True),
+    ],
+)
+def test_which_tensors_verls_direct_path_cannot_carry(use_shm, device, fails):
+    """``_direct_path_fails`` branches on where the tensor lies, not on the platform: its GPU side (a device tensor,
+    no shared memory) runs here with a tensor on the ``meta`` device standing in for one on a GPU."""
+    adapter = ArealServerAdapter.__new__(ArealServerAdapter)
+    adapter.use_shm = use_shm
+    assert adapter._direct_path_fails(torch.empty(4, device=device)) is fails

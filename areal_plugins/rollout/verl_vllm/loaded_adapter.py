@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from areal_plugins.weight_sync.checksums import tensor_checksum
+from areal_plugins.weight_sync.checksums import PendingChecksums
 
 #: verl's id of the adapter it loads (``verl.workers.rollout.vllm_rollout.utils.VLLM_LORA_INT_ID``).
 VERL_LORA_INT_ID = 123
@@ -137,11 +137,26 @@ def adapter_report(
         received: the adapter tensors this rank received in the update, by the names they arrived under.
         received_checksums: their checksums as recorded on arrival (``tensor_checksum``).
         scaling: what vLLM multiplies ``lora_B`` by (``PEFTHelper.vllm_lora_scaling_factor``).
+
+    Every checksum is reduced where its tensor lies and all are read to the host at once (``PendingChecksums``), not
+    two or three per adapter tensor.
     """
-    return {
-        name: _entry(values, received.get(name), received_checksums.get(name), dtype, is_a, scaling, cut)
-        for name, (values, dtype, is_a, cut) in held.items()
-    }
+    pending = PendingChecksums()
+    for name, (values, dtype, is_a, cut) in held.items():
+        _queue(pending, name, values, received.get(name), received_checksums.get(name), dtype, is_a, scaling, cut)
+    sums = pending.resolve()
+    report: dict[str, dict[str, Any]] = {}
+    for name in held:
+        if (name, "expected") not in sums:  # held without having arrived under this name (stale or misnamed)
+            report[name] = {"received": sums[(name, "held")], "held": sums[(name, "held")]}
+            continue
+        known = received_checksums.get(name)
+        report[name] = {
+            "received": known if known is not None else sums[(name, "received")],
+            "expected": sums[(name, "expected")],
+            "held": sums[(name, "held")],
+        }
+    return report
 
 
 def corrupt_slot(manager: Any, name: str, lora_id: int = VERL_LORA_INT_ID) -> None:
@@ -174,7 +189,9 @@ def unpaired(names: list[str], weights_mapper: Any = None) -> list[tuple[str, st
     return missing
 
 
-def _entry(
+def _queue(
+    pending: PendingChecksums,
+    name: str,
     held: torch.Tensor,
     received: torch.Tensor | None,
     received_checksum: list[float] | None,
@@ -182,15 +199,14 @@ def _entry(
     is_lora_a: bool,
     scaling: float,
     cut: Cut,
-) -> dict[str, Any]:
-    if received is None:  # held without having arrived under this name (a stale or misnamed adapter)
-        checksum = tensor_checksum(held)
-        return {"received": checksum, "held": checksum}
+) -> None:
+    """Queue the checksums of one adapter entry under ``(name, "held" | "expected" | "received")``."""
+    pending.add((name, "held"), held)
+    if received is None:  # held without having arrived under this name: only what is held
+        return
     expected_tensor = received.to(dtype=dtype)
     if not is_lora_a and scaling != 1:
         expected_tensor = expected_tensor * scaling  # LoRALayerWeights.optimize: lora_b *= scaling, in its dtype
-    return {
-        "received": received_checksum if received_checksum is not None else tensor_checksum(received),
-        "expected": tensor_checksum(cut(expected_tensor)),  # set_lora: this rank's part of the registered tensor
-        "held": tensor_checksum(held),
-    }
+    pending.add((name, "expected"), cut(expected_tensor))  # set_lora: this rank's part of the registered tensor
+    if received_checksum is None:
+        pending.add((name, "received"), received)

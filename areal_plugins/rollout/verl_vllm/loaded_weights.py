@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from areal_plugins.weight_sync.checksums import same_sums, tensor_checksum
+from areal_plugins.weight_sync.checksums import PendingChecksums, recheck_kept
 
 #: Received tensors that no parameter holds by design: rotary caches vLLM recomputes.
 NEVER_HELD_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -75,15 +75,46 @@ class ReceivedTensor:
 
     @classmethod
     def of(cls, tensor: torch.Tensor, engine_dtype: torch.dtype) -> ReceivedTensor:
-        wider = tensor.dtype != engine_dtype and torch.promote_types(tensor.dtype, engine_dtype) == tensor.dtype
-        rounded = tensor_checksum(tensor, engine_dtype, positions=False) if wider else None  # for after loading only
-        return cls(tensor_checksum(tensor), tensor.dtype, rounded)
+        """One tensor's (:class:`ReceivedChecksums` for an update's)."""
+        received = ReceivedChecksums(engine_dtype)
+        received.add("", tensor)
+        return received.resolve()[""]
 
     def held_in(self, dtype: torch.dtype, engine_dtype: torch.dtype) -> list[float] | None:
         """Its checksum as a parameter of ``dtype`` holds it, or None where that cannot be known from the checksums."""
         if dtype == self.dtype or torch.promote_types(self.dtype, dtype) == dtype:  # the same, or widened exactly
             return self.checksum
         return self.rounded if dtype == engine_dtype else None
+
+
+class ReceivedChecksums:
+    """The tensors a worker receives in one update, as :class:`ReceivedTensor` each: reduced on the tensor's device
+    as it is added and read to the host with all the others in :meth:`resolve` (:class:`PendingChecksums`), one host
+    synchronisation per update instead of one or two per tensor (issue 59: 37,734 at Qwen3-30B-A3B's 18,867 float32
+    tensors). Add a bucket's tensors before the transport reuses its buffer: the reductions are queued then, and
+    verl's receiver synchronises the device after each bucket before it lets the sender refill it
+    (``BucketedWeightReceiver.receive_weights``)."""
+
+    def __init__(self, engine_dtype: torch.dtype) -> None:
+        self.engine_dtype = engine_dtype
+        self._pending = PendingChecksums()
+        self._dtypes: dict[str, torch.dtype] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self._pending.add(name, tensor)
+        wider = (
+            tensor.dtype != self.engine_dtype and torch.promote_types(tensor.dtype, self.engine_dtype) == tensor.dtype
+        )
+        if wider:  # also rounded as the engine rounds it when it loads it, for after loading only
+            self._pending.add((name, "rounded"), tensor, self.engine_dtype, positions=False)
+        self._dtypes[name] = tensor.dtype
+
+    def resolve(self) -> dict[str, ReceivedTensor]:
+        """Every tensor added so far, by name."""
+        sums = self._pending.resolve()
+        return {
+            name: ReceivedTensor(sums[name], dtype, sums.get((name, "rounded"))) for name, dtype in self._dtypes.items()
+        }
 
 
 def sources_of(name: str, by_vllm_name: dict[str, list[str]], mapping: dict[str, list[str]]) -> list[str] | None:
@@ -191,6 +222,7 @@ def expert_report(
     by_vllm_name: dict[str, list[str]],
     engine_dtype: torch.dtype,
     tensor_parallel_size: int,
+    pending: PendingChecksums,
 ) -> ExpertReport:
     """Each fused expert parameter beside the received tensors vLLM's expert mapping loads into it on this worker.
 
@@ -199,7 +231,9 @@ def expert_report(
     name and load the tensor into that expert's slot where the expert is local; so is it summed here. A tensor that
     matches only the mapping's fused entries (sent already stacked) leaves its layer not compared; one that matches
     no entry is loaded by nothing and left for ``not_held``. Under LoRA the mapping's names carry vLLM's
-    ``base_layer.``, the trainer's may or may not (verl adds it as it loads): names are matched without it."""
+    ``base_layer.``, the trainer's may or may not (verl adds it as it loads): names are matched without it. Each
+    compared parameter's checksum is queued on ``pending`` under its name; its entry's ``held`` is filled from
+    there (:func:`loaded_report`)."""
     found = ExpertReport()
     modules = dict(model.named_modules())
     mappings: dict[int, list[Any]] = {}
@@ -260,9 +294,9 @@ def expert_report(
                 found.unchecked.append(name)
                 continue
             expected = sums(checksum for checksum in as_held if checksum is not None)
-            held = tensor_checksum(parameter, positions=False)
-            sharded = tensor_parallel_size > 1 and held[0] < expected[0]
-            found.entries[name] = {"held": held, "expected": expected, "sharded": sharded}
+            pending.add(name, parameter, positions=False)
+            sharded = tensor_parallel_size > 1 and parameter.numel() < expected[0]
+            found.entries[name] = {"expected": expected, "sharded": sharded}
     return found
 
 
@@ -301,7 +335,8 @@ def loaded_report(
             dropped.append(received_name)
         else:
             by_vllm_name.setdefault(mapped, []).append(received_name)
-    experts = expert_report(model, received, by_vllm_name, engine_dtype, tensor_parallel_size)
+    pending = PendingChecksums()  # every compared parameter's checksum, read to the host at once
+    experts = expert_report(model, received, by_vllm_name, engine_dtype, tensor_parallel_size, pending)
     entries: dict[str, dict[str, Any]] = dict(experts.entries)
     unchecked: list[str] = [*sorted(dropped), *experts.unchecked]
     covered: set[str] = set(dropped) | experts.covered
@@ -319,9 +354,9 @@ def loaded_report(
                 unchecked.append(name)
                 continue
             expected = sums(checksum for checksum in as_held if checksum is not None)
-            held = tensor_checksum(parameter, positions=False)
-            sharded = tensor_parallel_size > 1 and held[0] < expected[0]  # without TP, fewer is a short load
-            entries[name] = {"held": held, "expected": expected, "sharded": sharded}
+            pending.add(name, parameter, positions=False)
+            sharded = tensor_parallel_size > 1 and parameter.numel() < expected[0]  # without TP, fewer is a short load
+            entries[name] = {"expected": expected, "sharded": sharded}
     modules = dict(model.named_modules())
     packed_into = {source: packed for packed, sources in mapping.items() for source in sources}
     for name in sorted(set(received) - covered):
@@ -341,6 +376,9 @@ def loaded_report(
         and vllm_name(model, name) not in buffers
         and not (tied_embeddings and name.startswith("lm_head."))
     )
+    held = pending.resolve()
+    for name, entry in entries.items():
+        entry["held"] = held[name]
     return {
         "entries": entries,
         "unchecked": unchecked,
@@ -350,10 +388,6 @@ def loaded_report(
     }
 
 
-#: The most changed parameters a base re-check names (the count covers them all).
-RECHECK_NAMED = 8
-
-
 def base_kept(loaded: dict[str, Any] | None) -> dict[str, list[float]]:
     """From a full load's report (:func:`loaded_report`), what to re-check later: every compared parameter's
     checksum (``tensor_checksum(parameter, positions=False)``) as held right after the load."""
@@ -361,13 +395,8 @@ def base_kept(loaded: dict[str, Any] | None) -> dict[str, list[float]]:
 
 
 def recheck_held(model: Any, kept: dict[str, list[float]]) -> dict[str, Any]:
-    """Each kept parameter's checksum now against the one kept (:func:`base_kept`): under LoRA the base is sent
-    once, and the engine sleeps and wakes between updates (verl's vLLM server: level 1, the weights copied to host
-    memory and back), so a wake that restores them wrong would go unseen by the adapter's own check."""
-    parameters = dict(model.named_parameters(remove_duplicate=False))  # a tied lm_head under its own name too
-    changed = [
-        name
-        for name, held in kept.items()
-        if name not in parameters or not same_sums(held, tensor_checksum(parameters[name], positions=False))
-    ]
-    return {"compared": len(kept), "changed": len(changed), "changed_names": sorted(changed)[:RECHECK_NAMED]}
+    """Each kept parameter's checksum now against the one kept (:func:`base_kept`; weight_sync/checksums.py,
+    ``recheck_kept``): under LoRA the base is sent once, and the engine sleeps and wakes between updates (verl's
+    vLLM server: level 1, the weights copied to host memory and back), so a wake that restores them wrong would go
+    unseen by the adapter's own check."""
+    return recheck_kept(dict(model.named_parameters(remove_duplicate=False)), kept)  # a tied lm_head by its name too

@@ -4,8 +4,8 @@ verl's extension (``vLLMColocateWorkerExtension``) receives the trainer's weight
 shared memory elsewhere) and loads each bucket with the model's ``load_weights``. Ours adds:
 
 * a checksum per received tensor, ``[elements, Σx, Σx², Σ wᵢxᵢ]`` in float64 (weights/checksums.py), computed where
-  the tensor lies (on a GPU, reduction kernels on the device; one small host copy per tensor), after the transport and
-  before loading. The trainer compares it with the same numbers computed from what it sent, so a tensor
+  the tensor lies (on a GPU, reduction kernels on the device, read to the host once per update), after the transport
+  and before loading. The trainer compares it with the same numbers computed from what it sent, so a tensor
   corrupted or lost on the way to any rank is named (the worker's rank, the tensor's name).
 * after loading, a checksum of every parameter the worker holds, beside the sum of the checksums of the tensors it
   loaded into it (rollout/verl_vllm/loaded_weights.py): a tensor loaded wrong, into the wrong place, or not at all
@@ -33,7 +33,13 @@ from typing import Any
 import torch
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
-from areal_plugins.rollout.verl_vllm.loaded_weights import ReceivedTensor, base_kept, loaded_report, recheck_held
+from areal_plugins.rollout.verl_vllm.loaded_weights import (
+    ReceivedChecksums,
+    ReceivedTensor,
+    base_kept,
+    loaded_report,
+    recheck_held,
+)
 from areal_plugins.testing.faults import fault_plan
 from areal_plugins.weight_sync.split_tensors import Joiner
 
@@ -43,6 +49,9 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
 
     model_runner: Any
     rank: int
+    #: Tests only: True takes verl's in-place loading (the GPU path) on the CPU platform too, with vLLM's CPU kernels
+    #: made to keep their weights (tests/verl_vllm/test_gpu_load_path.py); None: the GPU path except on the CPU.
+    areal_load_in_place: bool | None = None
 
     def __new__(cls, **kwargs: Any) -> Any:
         # verl's LoRA loader calls a WeightsMapper method that vLLM 0.30 renamed (patches/vllm_lora_mapper.py).
@@ -57,6 +66,7 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
     ) -> Any:
         self.areal_received: dict[str, list[float]] = {}
         self.areal_received_tensors: dict[str, ReceivedTensor] = {}
+        self.areal_arriving = ReceivedChecksums(self._engine_dtype())
         self.areal_loaded: dict[str, Any] | None = None
         self.areal_updates = getattr(self, "areal_updates", 0) + 1
         self.areal_joiner = Joiner()
@@ -68,11 +78,14 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
         adapter_only = bool(peft_config) and bool(base_sync_done)
         model = self.model_runner.model
         result = None
-        if adapter_only or not current_platform.is_cpu():  # verl's loading (an adapter leaves the base layers be)
+        in_place = not current_platform.is_cpu() if self.areal_load_in_place is None else self.areal_load_in_place
+        if adapter_only or in_place:  # verl's loading (an adapter leaves the base layers be)
             result = super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
         else:
             self._update_weights_on_cpu(use_shm, peft_config)
         self.areal_joiner.finish()
+        self.areal_received_tensors = self.areal_arriving.resolve()  # one host read for every tensor received
+        self.areal_received = {name: received.checksum for name, received in self.areal_received_tensors.items()}
         self.areal_base_recheck: dict[str, Any] | None = None
         if adapter_only:
             self._require_pairs()
@@ -166,10 +179,8 @@ class ArealVLLMWorkerExtension(vLLMColocateWorkerExtension):
     def _record(self, weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """Checksum what arrived (after the tests' fault injection: testing/faults.py); what arrived, to load."""
         arrived = fault_plan().received(weights, self.areal_updates)
-        for name, tensor in arrived:
-            received = ReceivedTensor.of(tensor, self._engine_dtype())
-            self.areal_received_tensors[name] = received
-            self.areal_received[name] = received.checksum
+        for name, tensor in arrived:  # reduced on the device now, read to the host once the update has arrived
+            self.areal_arriving.add(name, tensor)
         return arrived
 
     def _engine_dtype(self) -> torch.dtype:
