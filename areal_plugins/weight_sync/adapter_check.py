@@ -125,13 +125,16 @@ def _check_names(sent: dict[str, list[float]], adapter: dict[str, Any], where: s
         )
 
 
-def check_base_rechecks(reports: list[dict[str, Any]], where: str, version: int) -> int:
+def check_base_rechecks(
+    reports: list[dict[str, Any]], where: str, version: int, worker_kind: str = "vLLM worker"
+) -> int:
     """Raise :class:`WeightSyncError` where an engine rank's LoRA base weights changed since the load that sent them
-    (each report's ``base_recheck``: rollout/verl_vllm/loaded_weights.py ``recheck_held``), or where a rank re-checked
-    none (it kept no checksums from that load: nothing would be seen). Returns the parameters re-checked per rank."""
+    (each report's ``base_recheck``: weight_sync/checksums.py ``recheck_kept``, from rollout/verl_vllm/
+    loaded_weights.py's ``recheck_held`` or rollout/cpu/lora.py's ``recheck_base``), or where a rank re-checked none
+    (it kept no checksums from that load: nothing would be seen). Returns the parameters re-checked per rank."""
     compared = 0
     for report in reports:
-        rank_where = f"{where}, vLLM worker rank {report.get('rank')}, update {version}"
+        rank_where = f"{where}, {worker_kind} rank {report.get('rank')}, update {version}"
         recheck = report.get("base_recheck") or {}
         if not recheck.get("compared"):
             raise WeightSyncError(
@@ -141,8 +144,8 @@ def check_base_rechecks(reports: list[dict[str, Any]], where: str, version: int)
         if recheck["changed"]:
             raise WeightSyncError(
                 f"{rank_where}: {recheck['changed']} LoRA base parameter(s) changed since the load that sent them "
-                f"(e.g. {', '.join(recheck['changed_names'])}); the base is sent once, so the engine (asleep and "
-                "woken since) now samples from other weights than the trainer's"
+                f"(e.g. {', '.join(recheck['changed_names'])}); the base is sent once, so the engine now samples from "
+                "other weights than the trainer's"
             )
         compared = max(compared, int(recheck["compared"]))
     return compared

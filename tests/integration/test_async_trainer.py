@@ -23,7 +23,12 @@ from tests.integration.conftest import (
     train_tiny,
     with_example_plugin,
 )
-from tests.integration.test_lora import ADAPTER_TENSORS, LORA, assert_the_adapter_trained_and_the_base_stayed
+from tests.integration.test_lora import (
+    ADAPTER_TENSORS,
+    BASE_PARAMETERS,
+    LORA,
+    assert_the_adapter_trained_and_the_base_stayed,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -132,7 +137,12 @@ def test_engines_serve_the_trainers_version_after_each_update_adapter_only_and_c
     assert all(s["checksum"]["adapter_tensors"] == ADAPTER_TENSORS and s["checksum"]["unplaced"] == [] for s in loaded)
     checked = [s for s in syncs if s["event"] == "update_checked"]
     assert [s["version"] for s in checked] == versions, checked
-    expected = {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1, "adapter_only": True}
+    expected = {
+        "adapter_tensors": ADAPTER_TENSORS,
+        "adapter_ranks": 1,
+        "adapter_only": True,
+        "base_rechecked": BASE_PARAMETERS,
+    }
     assert all(s["checksum"] == expected for s in checked), checked
     assert_the_adapter_trained_and_the_base_stayed(async_run, versions)  # each update shipped a new adapter
     steps = read_jsonl(async_run / "areal_steps.jsonl")

@@ -26,6 +26,9 @@ RANK, ALPHA = 4, 16  # scaling alpha / r = 4: an adapter applied unscaled (or sc
 #: The tiny Qwen2's LoRA tensors under target_modules="all-linear": 2 layers x 7 linear modules (q, k, v, o, gate,
 #: up, down) x 2 (lora_A, lora_B); peft's all-linear leaves out the output layer.
 ADAPTER_TENSORS = 2 * 7 * 2
+#: Its base parameters, re-checked on every adapter update: 2 layers x 12 (q, k, v weights and biases, o, gate, up,
+#: down, two norms), the embedding, the final norm and the tied lm_head under its own name.
+BASE_PARAMETERS = 2 * 12 + 3
 Q_A0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 Q_A1 = "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"
 V_B1 = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
@@ -166,7 +169,7 @@ def test_each_adapter_update_is_checked_tensor_by_tensor(model_dir, base_model, 
     server = make_server(model_dir)
     _, sent, peft_config = trained_adapter(base_model, seed=1)
     checked = update_and_check(server, sent, sent, peft_config, version=1)
-    assert checked == {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1}
+    assert checked == {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1, "base_rechecked": BASE_PARAMETERS}
     records = [json.loads(line) for line in (tmp_path / "weight_syncs.jsonl").read_text().splitlines()]
     assert [(r["event"], r["version"]) for r in records] == [("load", 0), ("update_adapter", 1)]
     assert records[1]["checksum"]["adapter_tensors"] == ADAPTER_TENSORS and records[1]["checksum"]["unplaced"] == []
@@ -225,6 +228,27 @@ def test_an_adapter_tensor_that_arrives_but_is_not_loaded_is_refused(model_dir, 
     _, sent, peft_config = trained_adapter(base_model, seed=2)
     with pytest.raises(WeightSyncError, match=rf"adapter tensor {V_B1} is held as other values than it arrived as"):
         update_and_check(server, sent, sent, peft_config, version=2)
+
+
+def test_a_base_weight_changed_between_adapter_updates_is_named(model_dir, base_model):
+    """verl sends the base once, then adapters only: the adapter's own check cannot see a base weight that changed
+    after its load. Each adapter update re-checks the base against the checksums kept from that load."""
+    server = make_server(model_dir)
+    _, sent, peft_config = trained_adapter(base_model, seed=1)
+    assert update_and_check(server, sent, sent, peft_config, version=1)["base_rechecked"] == BASE_PARAMETERS
+    norm = server.engine.model.model.layers[1].post_attention_layernorm.weight
+    with torch.no_grad():
+        norm[0] += 1.0
+    _, sent, peft_config = trained_adapter(base_model, seed=2)
+    with pytest.raises(
+        WeightSyncError,
+        match=r"rollout replica 0, engine rank 0, update 2: 1 LoRA base parameter\(s\) changed since the load that "
+        r"sent them \(e.g. model.layers.1.post_attention_layernorm.weight\)",
+    ):
+        update_and_check(server, sent, sent, peft_config, version=2)
+    # A full load (verl's base sync) keeps the new values: the next adapter update passes.
+    run(server.update_weights(server.engine.base_state_dict(), 2))
+    update_and_check(server, sent, sent, peft_config, version=3)
 
 
 def test_under_lora_sleep_keeps_the_base_weights_verl_sends_once(model_dir, base_model):
@@ -341,7 +365,13 @@ def test_verls_colocated_lora_sync_sends_the_base_once_then_checked_adapters(
         ("update_adapter", 2),  # loaded, then refused by the check: no update_checked
     ]
     assert all(
-        r["checksum"] == {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1, "adapter_only": True}
+        r["checksum"]
+        == {
+            "adapter_tensors": ADAPTER_TENSORS,
+            "adapter_ranks": 1,
+            "adapter_only": True,
+            "base_rechecked": BASE_PARAMETERS,
+        }
         for r in records
         if r["event"] == "update_checked"
     )

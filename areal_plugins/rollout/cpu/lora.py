@@ -13,7 +13,9 @@ sent ``peft_config``), so its forward pass is peft's own: ``W x + (lora_alpha / 
 arXiv 2106.09685, eq. 3). Each adapter update loads the tensors into those layers with peft's
 ``set_peft_model_state_dict``; the base weights are never written by it. What the layers hold is read back whole and
 unscaled (peft applies the scaling in the forward pass), under the trainer's names, for the per-update check
-(weight_sync/adapter_check.py).
+(weight_sync/adapter_check.py). The base weights, sent once, are re-checked on each adapter update against their
+checksums kept right after the last full load (:func:`keep_base`, :func:`recheck_base`: the same re-check verl's
+vLLM path runs).
 
 Imports neither Ray nor verl.
 """
@@ -118,6 +120,33 @@ def is_adapter_parameter(name: str) -> bool:
 def base_name(name: str) -> str:
     """A base weight's plain name: the model's own (verl's base sync and a LoRA-wrapped layer say ``.base_layer``)."""
     return name.replace(".base_layer.", ".")
+
+
+def base_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s base parameters (every parameter but a LoRA layer's), under their plain names (:func:`base_name`;
+    a tied ``lm_head`` under its own name too)."""
+    return {
+        base_name(name): parameter.detach()
+        for name, parameter in model.named_parameters(remove_duplicate=False)
+        if not is_adapter_parameter(name)
+    }
+
+
+def keep_base(model: torch.nn.Module) -> dict[str, list[float]]:
+    """The base weights' checksums right after a load (``held_sums``, one host read): under LoRA verl sends the base
+    once, then only adapters, so each adapter update re-checks the base against these (:func:`recheck_base`)."""
+    from areal_plugins.weight_sync.checksums import held_sums
+
+    return held_sums(base_weights(model))
+
+
+def recheck_base(model: torch.nn.Module, kept: dict[str, list[float]]) -> dict[str, Any]:
+    """The base weights now against ``kept`` (:func:`keep_base`): the shared re-check (weight_sync/checksums.py,
+    ``recheck_kept``) that verl's vLLM path runs too, read by ``check_base_rechecks`` (weight_sync/adapter_check.py).
+    An adapter update that wrote a base weight, or anything else that changed one since its load, is named."""
+    from areal_plugins.weight_sync.checksums import recheck_kept
+
+    return recheck_kept(base_weights(model), kept)
 
 
 def adapter_report(received: dict[str, torch.Tensor], held: dict[str, torch.Tensor], replica: int) -> dict[str, Any]:

@@ -145,6 +145,7 @@ class CPURolloutServer(RolloutServer):
         self.ignore_eos = ignore_eos
         self.lora_adapter = lora_adapter
         self.updates = 0  # weight updates received (base weights and adapters), for fault injection
+        self.base_kept = lora.keep_base(model)  # each adapter update re-checks the base against the last full load
         record_weight_sync(replica_rank, self.engine.version, weights_checksum(model.state_dict()), "load")
 
     # ------------------------------------------------------------------ generation
@@ -223,6 +224,7 @@ class CPURolloutServer(RolloutServer):
         state_dict = dict(fault_plan().received(state_dict.items(), self.updates))  # tests' faults (testing/faults.py)
         await asyncio.to_thread(self.engine.load_state_dict, state_dict, version)
         self.global_steps = version
+        self.base_kept = lora.keep_base(self.engine.model)
         served = self.engine.base_state_dict()
         checksum = weights_checksum({k: held_tensor(served, lora.base_name(k)) for k in state_dict})
         record_weight_sync(self.replica_rank, version, checksum, "update")
@@ -247,6 +249,7 @@ class CPURolloutServer(RolloutServer):
         self.global_steps = version
         held = self.engine.adapter_tensors()
         report = lora.adapter_report(tensors, held, self.replica_rank)
+        report["base_recheck"] = lora.recheck_base(self.engine.model, self.base_kept)  # sent once: still as loaded?
         record_weight_sync(
             self.replica_rank,
             version,
@@ -262,6 +265,16 @@ class CPURolloutServer(RolloutServer):
             **self._memory(),
         )
         return {"version": self.engine.version, "adapter_reports": [report], "ranks_per_replica": 1}
+
+    @staticmethod
+    def verify_adapter(reply: dict[str, Any], sent: dict[str, list[float]], version: int, where: str) -> dict[str, int]:
+        """The adapter's check (:meth:`RolloutServer.verify_adapter`), then the base's, as on verl's vLLM: every base
+        weight as it was right after the last full load (``base_rechecked``: how many were compared)."""
+        from areal_plugins.weight_sync.adapter_check import check_base_rechecks
+
+        checked = RolloutServer.verify_adapter(reply, sent, version, where)
+        checked["base_rechecked"] = check_base_rechecks(reply["adapter_reports"], where, version, "engine")
+        return checked
 
     @staticmethod
     def verify_weights(reply: dict[str, Any], state_dict: dict[str, torch.Tensor], version: int, where: str) -> None:
