@@ -54,3 +54,17 @@ def test_an_update_of_a_30b_moe_is_one_host_copy_instead_of_one_per_tensor(monke
     resolved = pending.resolve()
     assert (per_tensor, copies) == (TENSORS_30B_A3B, 1)
     assert resolved["7"] == [2.0, 14.0, 98.0, tensor_checksum(tensors[7])[3]]
+
+
+def test_checksums_without_positions_or_rounded_are_read_with_the_others():
+    """The after-load checks queue ``[elements, Σx, Σx²]`` (no positions) and a float32 tensor's sums rounded to the
+    engine's dtype beside the transfer's four numbers, under keys of their own; one read gives each its own."""
+    tensor = torch.tensor([1.0, 2.0 + 2**-10, -3.0])  # 2 + 2^-10 rounds to 2 in bfloat16 (7 mantissa bits)
+    pending = PendingChecksums()
+    pending.add("w", tensor)
+    pending.add(("w", "rounded"), tensor, torch.bfloat16, positions=False)
+    pending.add(("w", "held"), tensor, positions=False)
+    resolved = pending.resolve()
+    assert resolved["w"] == tensor_checksum(tensor)
+    assert resolved[("w", "rounded")] == [3.0, 0.0, 14.0]  # 1 + 2 - 3, 1 + 4 + 9
+    assert resolved[("w", "held")] == [3.0, 2**-10, 1.0 + (2.0 + 2**-10) ** 2 + 9.0]
