@@ -58,7 +58,8 @@ async def send_lora_update(worker: Any, global_steps: Any) -> dict:
     base_sent = getattr(worker, BASE_SENT_ATTRIBUTE, "dummy" not in str(worker.config.rollout.load_format))
     base = None
     if not base_sent or getattr(worker.checkpoint_engine, RESEND_BASE_ATTRIBUTE, False):
-        base, _ = engine.get_per_tensor_param(layered_summon=summon, base_sync_done=False)
+        # verl's collect_lora_params refuses layered_summon for the base (it gathers the base on the host anyway).
+        base, _ = engine.get_per_tensor_param(layered_summon=False, base_sync_done=False)
     stream = lora_update_stream(base, adapter, dict(peft_config))
     metrics = await worker.checkpoint_engine.send_weights(stream, global_steps=global_steps)
     setattr(worker, BASE_SENT_ATTRIBUTE, True)

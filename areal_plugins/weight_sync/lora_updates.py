@@ -8,7 +8,7 @@ sends instead (patches/lora_separate_sync.py) one stream:
 
 1. :data:`HEADER`: a ``uint8`` tensor holding ``{"peft_config": ..., "base": bool}`` pickled (peft's config dict
    holds sets; the colocated path hands it over pickled too, by Ray);
-2. if ``base``: the base weights under peft's ``.base_layer`` names, then :data:`ADAPTER_FOLLOWS` (one byte);
+2. if ``base``: the base weights under peft's ``.base_layer`` names, then :data:`ADAPTER_FOLLOWS` (16 bytes);
 3. the adapter's tensors.
 
 The markers are tensors, so every transport carries them and checks them as any other (areal_gloo's in-band
@@ -34,8 +34,15 @@ ADAPTER_FOLLOWS = "areal.lora_update.adapter_follows"
 RESEND_BASE_ATTRIBUTE = "areal_resend_lora_base"
 
 
+#: The markers' sizes are padded to a multiple of this: verl's bucketed transports (nccl, the vLLM IPC sender) pack
+#: tensors back to back and the receiver views each slice as its dtype, which needs the slice aligned to its element
+#: size; 16 bytes keep every tensor after a marker as aligned as it would be without it.
+ALIGN = 16
+
+
 def _bytes_tensor(value: dict[str, Any]) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).clone()
+    raw = pickle.dumps(value)  # pickle.loads stops at the pickle's end: the padding is never read
+    return torch.frombuffer(bytearray(raw + bytes(-len(raw) % ALIGN)), dtype=torch.uint8).clone()
 
 
 def lora_update_stream(
@@ -47,7 +54,7 @@ def lora_update_stream(
     yield HEADER, _bytes_tensor({"peft_config": peft_config, "base": base is not None})
     if base is not None:
         yield from base
-        yield ADAPTER_FOLLOWS, torch.ones(1, dtype=torch.uint8)
+        yield ADAPTER_FOLLOWS, torch.ones(ALIGN, dtype=torch.uint8)
     yield from adapter
 
 

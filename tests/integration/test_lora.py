@@ -141,8 +141,8 @@ def test_lora_adapter_only_in_the_separate_placement_every_update_checked_and_a_
     assert_the_adapter_trained_and_the_base_stayed(run_dir, [0, 1, 2], slept=False)
     sent = {r["version"]: r["staged_bytes_per_worker"] for r in read_jsonl(run_dir / "weight_transfers.jsonl")}
     header = sent[1] - ADAPTER_BYTES  # the LoRA update's header (peft's config, pickled)
-    assert 0 < header < 4096 and sent[2] == sent[1], sent
-    assert sent[0] == BASE_BYTES + 1 + ADAPTER_BYTES + header, sent  # 1: the marker between base and adapter
+    assert 0 < header < 4096 and header % 16 == 0 and sent[2] == sent[1], sent
+    assert sent[0] == BASE_BYTES + 16 + ADAPTER_BYTES + header, sent  # 16: the marker between base and adapter
 
 
 @pytest.mark.full
@@ -166,8 +166,8 @@ def test_lora_adapter_only_reaches_verls_vllm_in_its_own_pool_checked_in_its_slo
     assert all(r["checksum"] == {**expected, "base_rechecked": rechecked} for r in adapters), adapters
     sent = {r["version"]: r["staged_bytes_per_worker"] for r in read_jsonl(run_dir / "weight_transfers.jsonl")}
     header = sent[1] - ADAPTER_BYTES
-    assert 0 < header < 4096 and all(sent[v] == sent[1] for v in range(1, STEPS + 1)), sent
-    assert sent[0] == BASE_BYTES + 1 + ADAPTER_BYTES + header, sent
+    assert 0 < header < 4096 and header % 16 == 0 and all(sent[v] == sent[1] for v in range(1, STEPS + 1)), sent
+    assert sent[0] == BASE_BYTES + 16 + ADAPTER_BYTES + header, sent
 
 
 #: The tensor whose LoRA slot is changed after loading in the verl-vLLM run (a value the forward pass reads).

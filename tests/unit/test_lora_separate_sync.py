@@ -51,6 +51,36 @@ def test_the_rollout_side_reads_back_the_parts_it_was_sent(with_base):
     assert torch.equal(adapter[0][1], ADAPTER[0][1])
 
 
+def test_every_tensor_after_the_markers_stays_aligned_in_verls_buckets():
+    """verl's nccl engine and vLLM IPC sender pack tensors back to back in a uint8 bucket
+    (``split_weight_chunks``) and view each slice as its dtype (``merge_weight_chunks``): a slice at an offset its
+    element size does not divide cannot be viewed. fp32 and bf16 tensors after the header and the marker."""
+    from verl.checkpoint_engine.base import merge_weight_chunks, split_weight_chunks
+
+    base = [*BASE, ("model.layers.0.mlp.up_proj.base_layer.weight", torch.ones(8, dtype=torch.bfloat16))]
+    adapter = [("model.layers.0.q_proj.lora_B.weight", torch.full((3, 8), 0.25, dtype=torch.float64)), *ADAPTER]
+
+    async def through_one_bucket():
+        parts = [(meta, chunk.clone()) async for meta, chunk in split_weight_chunks(
+            lora_update_stream(base, adapter, PEFT), 1 << 20)]  # fmt: skip
+        bucket, offset, sliced = torch.cat([chunk for _, chunk in parts]), 0, []
+        for meta, chunk in parts:
+            sliced.append((meta, bucket[offset : offset + chunk.numel()]))
+            offset += chunk.numel()
+
+        async def chunks():
+            for item in sliced:
+                yield item
+
+        update = await read_lora_update(merge_weight_chunks(chunks(), 1 << 20))
+        return update, await _collect(update.base()), await _collect(update.adapter())
+
+    update, got_base, got_adapter = asyncio.run(through_one_bucket())
+    assert update.peft_config == PEFT
+    assert [(n, t.dtype) for n, t in got_base] == [(n, t.dtype) for n, t in base]
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(got_adapter, adapter, strict=True))
+
+
 def test_a_stream_without_header_comes_back_whole():
     async def read():
         update = await read_lora_update(iter(BASE))
@@ -83,6 +113,8 @@ class RecordingEngine:
         self.calls: list[bool] = []
 
     def get_per_tensor_param(self, layered_summon=False, base_sync_done=False):
+        if layered_summon and not base_sync_done:  # as verl's collect_lora_params refuses it
+            raise ValueError("layered_summon for the base")
         self.calls.append(base_sync_done)
         return (iter(ADAPTER), PEFT) if base_sync_done else (iter(BASE), PEFT)
 
@@ -99,7 +131,8 @@ class RecordingCheckpointEngine:
 def stand_in_worker(backend="areal_gloo", merge=False, load_format="dummy"):
     """verl's worker as the separate placement builds it: role ``actor`` alone, so none of the rollout-side
     attributes (``base_sync_done``, ``peft_merge``, ``layered_summon``) exist on it."""
-    rollout = {"checkpoint_engine": SimpleNamespace(backend=backend), "load_format": load_format}
+    rollout = {"checkpoint_engine": SimpleNamespace(backend=backend), "load_format": load_format,
+               "layered_summon": True}  # fmt: skip
     return SimpleNamespace(
         config=SimpleNamespace(rollout=DictLike(rollout), model=DictLike({"lora": {"merge": merge}})),
         actor=SimpleNamespace(engine=RecordingEngine()),
