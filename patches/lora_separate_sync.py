@@ -11,9 +11,9 @@ stream on the rollout side and load it as the colocated path does, so every adap
 the engines' forward passes read. Every other case (no LoRA, ``lora.merge: true``, ``naive``, ``delta_sharded``)
 calls verl's method unchanged.
 *Upstream*: verl PR #7496 (open) sends both phases on this path and passes ``peft_config`` to
-``CheckpointEngineWorker.update_weights``. *Remove when*: verl PR #7496 lands; ``tests/unit/test_lora_separate_sync.py`` pins
-the verl 0.9.1 behaviour this replaces (the default-argument call on the checkpoint-engine path) and fails when it
-changes.
+``CheckpointEngineWorker.update_weights``. *Remove when*: verl PR #7496 lands;
+``tests/unit/test_lora_separate_sync.py`` pins the verl 0.9.1 behaviour this replaces (the default-argument call on
+the checkpoint-engine path) and fails when it changes.
 
 Selected by ``actor_rollout_ref.model.lora_rank > 0`` without ``lora.merge`` under ``areal.enable`` with
 ``areal.placement: separate``; applied in the trainer's worker processes
@@ -25,9 +25,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from areal_plugins._compat import SUPPORTED_VERL
 from areal_plugins.patches._base import AttributePatch
 
+from areal_plugins._compat import SUPPORTED_VERL
 from areal_plugins.weight_sync.lora_updates import RESEND_BASE_ATTRIBUTE
 
 TARGETS = (("verl.workers.engine_workers", "ActorRolloutRefWorker.update_weights"),)

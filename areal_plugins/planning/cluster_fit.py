@@ -24,7 +24,12 @@ from areal_plugins.config.errors import RecipeRefusedError
 from areal_plugins.config.settings import areal_settings
 from areal_plugins.planning.hardware import ModelShape
 from areal_plugins.planning.model_shapes import KnownModel, UnknownModelError, resolve
-from areal_plugins.planning.trainer_memory import TrainerSetup, trainer_memory, vision_block_bytes_per_patch
+from areal_plugins.planning.trainer_memory import (
+    TrainerSetup,
+    lora_adapter_params,
+    trainer_memory,
+    vision_block_bytes_per_patch,
+)
 from areal_plugins.planning.verl_overrides import verl_overrides
 from areal_plugins.planning.vision import PROCESSOR_DEFAULT_MAX_PIXELS, VisionShape
 
@@ -415,6 +420,7 @@ def _trainer_memory(
         compute_bytes=_bytes_per_param(compute, f"{mixed_key}.param_dtype"),
         reduce_bytes=_bytes_per_param(mixed.get("reduce_dtype", "fp32"), f"{mixed_key}.reduce_dtype"),
         image_patches=_micro_batch_patches(config, model, image_tokens),
+        lora_params=_lora_params(config, model),
     )
     memory = trainer_memory(model, setup)
     gpu = cluster.gpu_memory_gib * GIB
@@ -569,3 +575,13 @@ def missing_here(config: Any) -> list[str]:
         "flash_attn": bool(config.actor_rollout_ref.model.get("use_remove_padding", False)),
     }
     return [name for name, needed in wanted.items() if needed and importlib.util.find_spec(name) is None]
+
+
+def _lora_params(config: Any, model: ModelShape) -> int:
+    """The recipe's LoRA adapter's parameters (0 without LoRA, or merged weights trained as LoRA all the same)."""
+    from areal_plugins.builtin.validation import lora_rank
+
+    rank = lora_rank(config)
+    if rank <= 0:
+        return 0
+    return lora_adapter_params(model, rank, config.actor_rollout_ref.model.get("target_modules", "all-linear"))

@@ -15,6 +15,7 @@ Two phases peak apart, and the GPU must hold the larger:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from areal_plugins.planning.hardware import ModelShape
 from areal_plugins.planning.vision import VisionShape
@@ -110,6 +111,7 @@ class TrainerSetup:
     compute_bytes: int = 2  # fsdp_config.mixed_precision.param_dtype: bf16 or fp16 2 (verl's default), fp32 4
     reduce_bytes: int = 4  # fsdp_config.mixed_precision.reduce_dtype: fp32 4 (verl's default), bf16 2
     image_patches: int = 0  # a VLM: the patches its vision tower encodes for one micro-batch's images
+    lora_params: int = 0  # LoRA: the adapter's parameters (lora_adapter_params); the base is frozen
 
     def __post_init__(self) -> None:
         if self.compute_bytes not in LOGIT_BYTES:
@@ -230,13 +232,43 @@ def vision_activation_bytes_per_patch(vision: VisionShape, gradient_checkpointin
     return vision.depth * one_block + merger
 
 
+#: The linear modules of a dense decoder layer, by the names peft targets (verl's ``target_modules: all-linear``
+#: resolves to all seven; the output layer is never one).
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_adapter_params(model: ModelShape, rank: int, target_modules: Any = "all-linear") -> int:
+    """A LoRA adapter's parameters: ``rank x (in + out)`` for each targeted linear module of each layer (``lora_A``
+    is rank x in, ``lora_B`` out x rank). ``target_modules``: verl's key, ``all-linear`` or a list of names."""
+    attention, kv = model.heads * model.head_size, model.kv_heads * model.head_size
+    h, width = model.hidden, model.intermediate
+    sides = {
+        "q_proj": h + attention,
+        "k_proj": h + kv,
+        "v_proj": h + kv,
+        "o_proj": attention + h,
+        "gate_proj": h + width,
+        "up_proj": h + width,
+        "down_proj": width + h,
+    }
+    names = LINEAR_MODULES if target_modules in (None, "all-linear") else [str(name) for name in target_modules]
+    unknown = sorted(set(names) - set(sides))
+    if unknown:
+        raise ValueError(
+            f"actor_rollout_ref.model.target_modules names {unknown}: sized are {list(LINEAR_MODULES)} or all-linear"
+        )
+    return model.layers * rank * sum(sides[name] for name in set(names))
+
+
 def trainer_memory(model: ModelShape, setup: TrainerSetup) -> TrainerMemory:
     """Each term of a trainer GPU's memory (bytes); docs/guides/sizing.md gives the formulas."""
-    shard = model.params / setup.shard_gpus
+    shard = (model.params + setup.lora_params) / setup.shard_gpus
+    # Under LoRA only the adapter trains: gradients and Adam's moments are the adapter's, the base is held frozen.
+    trained = setup.lora_params / setup.shard_gpus if setup.lora_params else shard
     on_gpu = 0.0 if setup.offload_policy else 1.0
     parameters = shard * setup.param_bytes * on_gpu
-    gradients = shard * setup.param_bytes * on_gpu  # FSDP keeps gradients in the parameters' dtype
-    optimizer = 2 * shard * setup.param_bytes * on_gpu  # torch AdamW: exp_avg, exp_avg_sq, like the parameter
+    gradients = trained * setup.param_bytes * on_gpu  # FSDP keeps gradients in the parameters' dtype
+    optimizer = 2 * trained * setup.param_bytes * on_gpu  # torch AdamW: exp_avg, exp_avg_sq, like the parameter
     unit = max(model.layer_params, model.vocab * model.hidden)  # verl wraps each layer, embedding and head apart
     tokens = setup.micro_batch_tokens
     copies, router = moe_bytes_per_token(model, setup.compute_bytes)

@@ -98,7 +98,7 @@ def test_a_base_without_its_marker_stops_the_update():
         update = await read_lora_update(iter(stream))
         return await _collect(update.base())
 
-    with pytest.raises(WeightSyncError, match="no areal.lora_update.adapter_follows marker"):
+    with pytest.raises(WeightSyncError, match=r"no areal\.lora_update\.adapter_follows marker"):
         asyncio.run(read())
 
 
@@ -205,14 +205,15 @@ def test_verls_checkpoint_engine_path_sends_default_parameters_and_no_peft_confi
     """verl 0.9.1: the non-naive branch of ``ActorRolloutRefWorker.update_weights`` sends
     ``get_per_tensor_param()`` with its defaults (the base, for LoRA), and ``CheckpointEngineWorker.update_weights``
     passes the server adapter no ``peft_config``. verl PR #7496 changes both: then the patch is to go."""
+    from areal_plugins.patches import lora_separate_sync
     from verl.checkpoint_engine.base import CheckpointEngineWorker
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    from areal_plugins.patches import lora_separate_sync
-
     method = ActorRolloutRefWorker.update_weights
     if lora_separate_sync.is_applied():
-        method = lora_separate_sync.PATCH.original("verl.workers.engine_workers", "ActorRolloutRefWorker.update_weights")
+        method = lora_separate_sync.PATCH.original(
+            "verl.workers.engine_workers", "ActorRolloutRefWorker.update_weights"
+        )
     source = inspect.getsource(method)
     non_naive = source[source.index('if effective_mode != "naive"') : source.index("set_expandable_segments(False)")]
     assert "per_tensor_param, _ = self.actor.engine.get_per_tensor_param()" in non_naive

@@ -10,6 +10,7 @@ from areal_plugins.planning.trainer_memory import (
     TrainerSetup,
     activation_bytes_per_token,
     layer_activation_bytes_per_token,
+    lora_adapter_params,
     trainer_memory,
 )
 
@@ -37,6 +38,39 @@ def test_fp32_state_is_16_bytes_a_parameter_sharded_over_the_group():
     assert memory.state == 60_922_265_600
     assert trainer_memory(QWEN7B, setup(8)).state == 2 * P7B  # 15,230,566,400: a quarter on 8 GPUs
     assert trainer_memory(QWEN7B, setup(2, param_bytes=2)).state == 4 * P7B  # bf16 weights: 8 bytes a parameter
+
+
+#: Qwen2.5-7B's rank-64 adapter on every linear layer, by hand: per layer rank x (in + out) of q 3584+3584, k and v
+#: 3584+512 (4 KV heads of 128), o 3584+3584, gate and up 3584+18944, down 18944+3584 = 64 x 90,112 = 5,767,168;
+#: 28 layers: 161,480,704 (0.32 GB in bf16, the issue's "~0.3 GB for a rank-64 adapter").
+LORA64_7B = 161_480_704
+
+
+def test_lora_trains_the_adapter_alone_so_gradients_and_adam_are_the_adapters():
+    assert lora_adapter_params(QWEN7B, 64) == LORA64_7B
+    assert lora_adapter_params(QWEN7B, 64, ["q_proj", "v_proj"]) == 28 * 64 * (7168 + 4096)
+    with pytest.raises(ValueError, match="target_modules names \\['lm_head'\\]"):
+        lora_adapter_params(QWEN7B, 64, ["q_proj", "lm_head"])
+    full, lora = trainer_memory(QWEN7B, setup(8)), trainer_memory(QWEN7B, setup(8, lora_params=LORA64_7B))
+    # fp32 over 8 GPUs: the frozen base and the adapter held, the adapter's gradient and two Adam moments.
+    assert lora.parameters == (P7B + LORA64_7B) / 8 * 4
+    assert (lora.gradients, lora.optimizer) == (LORA64_7B / 8 * 4, 2 * LORA64_7B / 8 * 4)
+    assert full.state - lora.state == pytest.approx((3 * P7B - 3 * LORA64_7B - LORA64_7B) / 8 * 4)
+    assert lora.state / GIB == pytest.approx(3.85, abs=0.01)  # against 14.2 GiB of full fine-tuning's state
+
+
+def test_check_counts_the_recipes_adapter():
+    """``check``'s trainer memory reads the recipe's ``lora_rank`` and ``target_modules`` (cluster_fit)."""
+    from omegaconf import OmegaConf
+
+    from areal_plugins.planning.cluster_fit import _lora_params
+
+    def recipe(**model):
+        return OmegaConf.create({"actor_rollout_ref": {"model": model}})
+
+    assert _lora_params(recipe(lora_rank=0), QWEN7B) == 0
+    assert _lora_params(recipe(lora_rank=64, target_modules="all-linear"), QWEN7B) == LORA64_7B
+    assert _lora_params(recipe(lora={"rank": 64}), QWEN7B) == LORA64_7B  # verl's other spelling
 
 
 def test_the_micro_batchs_transients():
