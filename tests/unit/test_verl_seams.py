@@ -126,6 +126,9 @@ SEAMS: dict[str, tuple[str, ...] | None] = {
         "use_dynamic_bsz_balance",
         "force_group_size",
     ),
+    # patches/lora_separate_sync.py replaces its checkpoint-engine path for an unmerged LoRA adapter (the verl
+    # behaviour it replaces is pinned in tests/unit/test_lora_separate_sync.py).
+    "verl.workers.engine_workers:ActorRolloutRefWorker.update_weights": ("self", "global_steps", "mode"),
     # patches/fsdp_router_replay.py wraps it and reads the engine's ``module`` and ``use_ulysses_sp``.
     "verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead.prepare_model_inputs": ("self", "micro_batch"),
     "verl.workers.engine.fsdp.transformer_impl:prepare_micro_batches": (
