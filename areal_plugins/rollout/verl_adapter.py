@@ -7,6 +7,7 @@ call time, where the tests replace them.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import ray
@@ -16,7 +17,7 @@ from areal_plugins.rollout import verl_registration as registration
 from areal_plugins.rollout.base import record_weight_sync
 from areal_plugins.weight_sync.checksums import tensor_checksum
 from areal_plugins.weight_sync.errors import WeightSyncError
-from areal_plugins.weight_sync.lora_updates import read_lora_update
+from areal_plugins.weight_sync.lora_updates import load_lora_update
 
 
 class ArealServerAdapter(BaseRollout):
@@ -59,14 +60,13 @@ class ArealServerAdapter(BaseRollout):
         weights."""
         if wire_format != "named_tensors":
             raise ValueError(f"the {self.config.name} backend takes full named tensors, not {wire_format!r}")
-        if kwargs.get("peft_config") is None:  # a checkpoint engine's stream may hold a LoRA update
-            update = await read_lora_update(weights)
-            if update.peft_config is not None:
-                lora = {**kwargs, "peft_config": update.peft_config}
-                if update.has_base:
-                    await self.update_weights(update.base(), wire_format, **lora, base_sync_done=False)
-                return await self.update_weights(update.adapter(), wire_format, **lora, base_sync_done=True)
-            weights = update.rest()
+        # A checkpoint engine's stream may hold a LoRA update (placement: separate): loaded as verl's two calls.
+        handled, outcome = await load_lora_update(
+            weights, kwargs, functools.partial(self.update_weights, wire_format=wire_format)
+        )
+        if handled:
+            return None
+        weights = outcome  # the stream, whole
         # Every rank must drain the generator: producing full tensors is a collective. Checkpoint
         # engines hand weights over as a generator, some (verl's nccl) as an async one.
         if hasattr(weights, "__aiter__"):

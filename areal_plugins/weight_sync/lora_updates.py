@@ -102,3 +102,19 @@ async def read_lora_update(weights: Any) -> LoraUpdate:
         return LoraUpdate(None, False, first, source)
     header = pickle.loads(first[1].to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
     return LoraUpdate(dict(header["peft_config"]), bool(header["base"]), None, source)
+
+
+async def load_lora_update(weights: Any, kwargs: dict[str, Any], load: Any) -> tuple[bool, Any]:
+    """A server adapter's ``update_weights`` for a stream that may hold a LoRA update: if it does, ``load`` (the
+    adapter's own update call, taking the tensors and keyword arguments) runs as verl's colocated sync calls it, the
+    base weights with ``base_sync_done=False`` (when they came) then the adapter with ``True``, and this returns
+    ``(True, the adapter load's result)``; otherwise ``(False, the stream, whole)`` for the caller to load."""
+    if kwargs.get("peft_config") is not None:  # verl's colocated call: already split
+        return False, weights
+    update = await read_lora_update(weights)
+    if update.peft_config is None:
+        return False, update.rest()
+    lora = {**kwargs, "peft_config": update.peft_config}
+    if update.has_base:
+        await load(update.base(), **lora, base_sync_done=False)
+    return True, await load(update.adapter(), **lora, base_sync_done=True)

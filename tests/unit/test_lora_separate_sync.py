@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from areal_plugins.weight_sync.errors import WeightSyncError
-from areal_plugins.weight_sync.lora_updates import ADAPTER_FOLLOWS, HEADER, lora_update_stream, read_lora_update
+from areal_plugins.weight_sync.lora_updates import (
+    ADAPTER_FOLLOWS,
+    HEADER,
+    load_lora_update,
+    lora_update_stream,
+    read_lora_update,
+)
 
 PEFT = {"r": 8, "lora_alpha": 16, "target_modules": {"q_proj", "v_proj"}}  # a set, as peft's to_dict() gives
 BASE = [("model.layers.0.q_proj.base_layer.weight", torch.ones(2, 2)), ("model.norm.weight", torch.zeros(2))]
@@ -89,6 +95,31 @@ def test_a_stream_without_header_comes_back_whole():
     update, rest = asyncio.run(read())
     assert update.peft_config is None
     assert [name for name, _ in rest] == [name for name, _ in BASE]
+
+
+def test_a_server_adapter_loads_a_lora_stream_as_verls_two_colocated_calls():
+    """load_lora_update, what both our server adapters call: the base with base_sync_done=False, then the adapter
+    with True, each with the header's peft_config; a plain stream, or verl's own colocated call, comes back whole."""
+    calls = []
+
+    async def load(weights, **kwargs):
+        calls.append(([name async for name, _ in weights], kwargs))
+        return "loaded"
+
+    async def run(stream, kwargs):
+        handled, outcome = await load_lora_update(stream, kwargs, load)
+        return handled, outcome if handled else [name async for name, _ in outcome]
+
+    assert asyncio.run(run(lora_update_stream(BASE, ADAPTER, PEFT), {"global_steps": 3})) == (True, "loaded")
+    assert calls == [
+        ([name for name, _ in BASE], {"global_steps": 3, "peft_config": PEFT, "base_sync_done": False}),
+        ([ADAPTER[0][0]], {"global_steps": 3, "peft_config": PEFT, "base_sync_done": True}),
+    ]
+    calls.clear()
+    assert asyncio.run(run(iter(BASE), {})) == (False, [name for name, _ in BASE]) and calls == []
+    colocated = {"peft_config": PEFT, "base_sync_done": True}
+    handled, outcome = asyncio.run(load_lora_update(iter(ADAPTER), colocated, load))
+    assert handled is False and [name for name, _ in outcome] == [ADAPTER[0][0]] and calls == []
 
 
 def test_a_base_without_its_marker_stops_the_update():

@@ -17,6 +17,7 @@ every adapter tensor each worker holds in the slots its forward pass reads, agai
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -26,7 +27,7 @@ from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 from areal_plugins.rollout.base import record_weight_sync
 from areal_plugins.weight_sync.adapter_check import check_adapter_reports, check_base_rechecks
 from areal_plugins.weight_sync.checksums import PendingChecksums, check_loaded_reports, check_weight_reports
-from areal_plugins.weight_sync.lora_updates import read_lora_update
+from areal_plugins.weight_sync.lora_updates import load_lora_update
 from areal_plugins.weight_sync.split_tensors import JOINS_PIECES_KEY, cut_large
 
 
@@ -45,16 +46,12 @@ class ArealServerAdapter(ServerAdapter):
     async def _update_weights(self, weights: Any, global_steps: Any, wire_format: str, **kwargs: Any) -> Any:
         if wire_format != "named_tensors":
             return await super().update_weights(weights, global_steps, wire_format, **kwargs)
-        if kwargs.get("peft_config") is None:  # a checkpoint engine's stream may hold a LoRA update
-            update = await read_lora_update(weights)
-            if update.peft_config is not None:
-                lora = {**kwargs, "peft_config": update.peft_config}
-                if update.has_base:
-                    await self._update_weights(update.base(), global_steps, wire_format, **lora, base_sync_done=False)
-                return await self._update_weights(
-                    update.adapter(), global_steps, wire_format, **lora, base_sync_done=True
-                )
-            weights = update.rest()
+        # A checkpoint engine's stream may hold a LoRA update (placement: separate): loaded as verl's two calls.
+        load = functools.partial(self._update_weights, global_steps=global_steps, wire_format=wire_format)
+        handled, outcome = await load_lora_update(weights, kwargs, load)
+        if handled:
+            return outcome  # the adapter load's result
+        weights = outcome  # the stream, whole
         if not self._serves_areal():  # verl's adapter, or a rank of our replica that does not read the reports
             return await super().update_weights(self._cut(weights), global_steps, wire_format, **kwargs)
         sent: dict[str, list[float]] = {}
