@@ -35,7 +35,7 @@ from verl.workers.rollout.llm_server import LLMServerClient
 
 from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, version_fields
 from areal_plugins.agent_loop.partial_outputs import PartialOutput, compact, finished_output, keep, take_resumed
-from areal_plugins.agent_loop.routed_experts import routed_experts_fields
+from areal_plugins.agent_loop.routed_experts import require_recorded_routes, routed_experts_fields
 from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, token_digest
 from areal_plugins.rollout.base import SEED_FIELD, VALIDATION_KWARG
 
@@ -71,6 +71,8 @@ class SpanningFields:
         """Merge one request's ``TokenOutput``."""
         new = len(output.token_ids)
         if output.routed_experts is not None and new:
+            checked = len(output.routed_experts) if self.routed_experts is None else new  # a resumed prefix: kept
+            require_recorded_routes(output.routed_experts, checked)
             if self.routed_experts is None:
                 self.routed_experts = output.routed_experts
             else:

@@ -17,6 +17,32 @@ import numpy as np
 from areal_plugins.core.trajectory_rows import ROUTED_EXPERTS_FIELD
 
 
+class RoutesNotRecordedError(RuntimeError):
+    """An engine returned routes that no top-k router can have chosen: router replay would train on made-up ones."""
+
+
+def require_recorded_routes(routed: Any, rows: int) -> None:
+    """Raise :class:`RoutesNotRecordedError` where one of the last ``rows`` rows of ``routed`` (tokens, layers, k)
+    names an expert twice: a top-k router picks k distinct experts, so a repeat means the engine did not record
+    that position (vLLM's CPU build under ``torch.compile`` returns all zeros: its mixture-of-experts layer is traced,
+    so the capture hook bound after compiling never runs). With k = 1 nothing can be told apart, and nothing is
+    checked."""
+    array = np.asarray(routed)
+    if array.ndim != 3 or array.shape[2] < 2 or rows <= 0:
+        return
+    tail = np.sort(array[-rows:], axis=-1)
+    repeated = (tail[..., 1:] == tail[..., :-1]).any(axis=-1)
+    if repeated.any():
+        position, layer = (int(i) for i in np.argwhere(repeated)[0])
+        raise RoutesNotRecordedError(
+            f"the engine returned routes naming an expert twice in {int(repeated.sum())} of {repeated.size} "
+            f"(token, layer) slots, e.g. {tail[position, layer].tolist()} at layer {layer}: a top-k router picks "
+            f"{array.shape[2]} distinct experts, so these were never recorded and router replay would train on them. "
+            "On vLLM's CPU build set actor_rollout_ref.rollout.enforce_eager=true (its compiled graph skips the "
+            "capture); elsewhere set actor_rollout_ref.rollout.enable_rollout_routing_replay=false and report it"
+        )
+
+
 def routed_experts_fields(routed: Any) -> dict[str, Any]:
     """For the run's records (what the trainer's batch carries), none without router replay: ``[rows, digest]`` of a
     trajectory's merged routed experts, how many token positions they cover (prompt + response - 1: the last token

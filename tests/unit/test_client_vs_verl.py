@@ -20,15 +20,17 @@ from verl.workers.rollout import llm_server
 from verl.workers.rollout.replica import TokenOutput
 
 from areal_plugins.agent_loop.llm_client import InterruptibleLLMClient
+from areal_plugins.agent_loop.routed_experts import RoutesNotRecordedError
 
 PROMPT = [1, 2, 3]
 LAYERS, TOP_K = 2, 2
 
 
 def experts(first: int, rows: int) -> np.ndarray:
-    """Distinct expert ids per (token, layer, slot): row r holds first + r in every cell, so a misplaced or dropped
-    row shows."""
-    return np.arange(first, first + rows, dtype=np.int32)[:, None, None] * np.ones((1, LAYERS, TOP_K), np.int32)
+    """Expert ids per (token, layer, slot): row r holds (first + r) x k + slot in every layer, so a misplaced or
+    dropped row shows, and each row names k distinct experts, as a top-k router's does."""
+    rows_ids = np.arange(first, first + rows, dtype=np.int32)[:, None, None] * TOP_K
+    return rows_ids + np.arange(TOP_K, dtype=np.int32)[None, None, :] + np.zeros((1, LAYERS, 1), np.int32)
 
 
 def script() -> list[TokenOutput]:
@@ -169,3 +171,24 @@ def test_an_engine_without_routing_or_preemption_counts_gives_what_verl_gives():
     assert ours.routed_experts is None and verls.routed_experts is None
     assert ours.num_preempted == verls.num_preempted == 0
     assert ours.extra_fields["num_cached_tokens"] is None and verls.extra_fields["num_cached_tokens"] is None
+
+
+def test_routes_an_engine_never_recorded_stop_the_request_naming_the_fix():
+    """vLLM's CPU build under torch.compile returns every route as zeros (seen through verl's server): a row naming
+    one expert twice is no top-k router's choice, so the client stops instead of handing made-up routes to replay."""
+    outputs = script()
+    outputs[1].routed_experts[-2] = 0  # the resubmission's second-to-last new token: [0, 0] in every layer
+    with pytest.raises(RoutesNotRecordedError, match=r"in 2 of 6 \(token, layer\) slots.*enforce_eager=true"):
+        run(InterruptibleLLMClient, outputs)
+    outputs = script()
+    outputs[0].routed_experts[0] = 0  # a prompt row of the first request
+    with pytest.raises(RoutesNotRecordedError, match=r"in 2 of 10 \(token, layer\) slots, e\.g\. \[0, 0\]"):
+        run(InterruptibleLLMClient, outputs)
+
+
+def test_a_resubmitted_prefix_is_not_checked_again():
+    """Only the new tokens' rows of a resubmission are kept (verl's rule), so only those are checked."""
+    outputs = script()
+    outputs[1].routed_experts[0] = 0  # a prompt row routed again under version 1: dropped
+    ours, _ = run(InterruptibleLLMClient, outputs)
+    np.testing.assert_array_equal(ours.routed_experts, np.concatenate([experts(0, 5), experts(105, 3)]))
