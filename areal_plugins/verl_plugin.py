@@ -7,24 +7,19 @@ runs verl on the CPU platform (``VERL_PLATFORM=cpu``), the patches verl needs th
 
 Registration is lazy: each of verl's registries lives in a module that ``import verl`` does not load (the V1
 trainer, the rollout workers, the losses, the checkpoint engines), so importing them here would make every verl
-process pay for all of them. Instead :class:`_AfterImport` watches for the registry's module and registers our
-names the moment that module has finished importing, which is before anything can look a name up in it. A
-registry module imported already when we load is served at once. verl logs a plugin's load failure at debug level
-only, so failures here are logged as errors instead.
+process pay for all of them. Instead the post-import hook (:mod:`areal_plugins.patches._after_import`) watches for
+the registry's module and registers our names the moment that module has finished importing, which is before
+anything can look a name up in it. A registry module imported already when we load is served at once. verl logs a
+plugin's load failure at debug level only, so failures here are logged as errors instead.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.machinery
 import logging
 import os
 import sys
-import threading
-import types
-from collections.abc import Sequence
-from typing import Any
+
+from areal_plugins.patches._after_import import AfterImport, describe, installed
 
 logger = logging.getLogger("areal_plugins")
 
@@ -47,75 +42,8 @@ REGISTRATIONS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _call(target: str) -> None:
-    module, _, name = target.partition(":")
-    getattr(importlib.import_module(module), name)()
-
-
-class _RegisteringLoader(importlib.abc.Loader):
-    """The module's own loader, plus our registrations once the module has run."""
-
-    def __init__(self, loader: Any, finder: _AfterImport, name: str) -> None:
-        self._loader = loader
-        self._finder = finder
-        self._name = name
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        return self._loader.create_module(spec)  # type: ignore[no-any-return]
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        self._loader.exec_module(module)
-        self._finder.imported(self._name)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, is_package, resource readers
-        return getattr(self._loader, name)
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs registrations right after verl's registry modules are imported (a post-import hook).
-
-    It finds nothing itself: for a watched name it asks the finders after it and wraps the loader they return.
-    """
-
-    def __init__(self, registrations: dict[str, tuple[str, ...]]) -> None:
-        self.pending = {name: list(targets) for name, targets in registrations.items()}
-        self._lock = threading.Lock()
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in self.pending:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _RegisteringLoader(spec.loader, self, fullname)
-                return spec
-        return None
-
-    def imported(self, name: str) -> None:
-        """Run ``name``'s registrations (once); a failure is logged, never raised into verl's import."""
-        with self._lock:
-            targets = self.pending.pop(name, [])
-        for target in targets:
-            try:
-                _call(target)
-            except Exception:  # verl's import must not fail because of us; the name stays unregistered
-                logger.exception("areal_plugins failed to register with verl (%s after %s)", target, name)
-
-    def serve_imported(self) -> None:
-        """Run the registrations of every watched module that is imported already."""
-        for name in list(self.pending):
-            module = sys.modules.get(name)
-            if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
-                self.imported(name)
-
-
-def _finder() -> _AfterImport | None:
-    return next((f for f in sys.meta_path if isinstance(f, _AfterImport)), None)
+def _finder() -> AfterImport | None:
+    return next((f for f in sys.meta_path if isinstance(f, AfterImport)), None)
 
 
 def register_with_verl() -> None:
@@ -131,11 +59,10 @@ def register_with_verl() -> None:
     except UnsupportedVerlVersionError as error:
         logger.error("areal_plugins disabled: %s", error)
         return
-    finder = _finder()
-    if finder is None:
-        finder = _AfterImport(REGISTRATIONS)
-        sys.meta_path.insert(0, finder)
-    finder.serve_imported()
+    finder = installed()  # the patches that wait for their module (AttributePatch.on_import) share it
+    for name, targets in REGISTRATIONS.items():
+        for target in targets:
+            finder.watch(name, target)
     _register_config_resolvers()
     from areal_plugins.platforms.cpu import cpu_platform_selected
 
@@ -152,7 +79,7 @@ def register_with_verl() -> None:
 def pending_registrations() -> dict[str, list[str]]:
     """verl modules not imported yet in this process -> the registrations waiting for them."""
     finder = _finder()
-    return {} if finder is None else {name: list(targets) for name, targets in finder.pending.items()}
+    return {} if finder is None else {name: [describe(t) for t in targets] for name, targets in finder.pending.items()}
 
 
 def _register_config_resolvers() -> None:

@@ -98,9 +98,96 @@ def test_a_registry_module_imported_before_the_plugin_is_served_at_once() -> Non
 
 
 def test_a_failing_registration_is_logged_and_does_not_break_verl_import(caplog: pytest.LogCaptureFixture) -> None:
-    from areal_plugins.verl_plugin import _AfterImport
+    from areal_plugins.patches._after_import import AfterImport
 
-    finder = _AfterImport({"json.tool": ("areal_plugins.no_such_module:register",)})
+    finder = AfterImport({"json.tool": ("areal_plugins.no_such_module:register",)})
     finder.imported("json.tool")
     assert "areal_plugins.no_such_module:register after json.tool" in caplog.text
     assert finder.pending == {}
+
+
+_CPU_PLATFORM_GLOO = """
+import json, sys
+import verl
+from areal_plugins.patches import gloo_backend
+loaded = "verl.workers.engine_workers" in sys.modules
+applied = gloo_backend.is_applied()
+import verl.utils.distributed as distributed
+import verl.workers.engine_workers as engine_workers
+name = "initialize_global_process_group_ray"
+original = gloo_backend.PATCH.original("verl.utils.distributed", name)
+patched = getattr(engine_workers, name)
+result = {
+    "loaded_by_import_verl": loaded,
+    "applied": applied,
+    "engine_workers_patched": patched is getattr(distributed, name) and patched is not original,
+    "wraps_verl": getattr(patched, "__wrapped__", None) is original,
+}
+gloo_backend.revert()
+result["reverted"] = getattr(engine_workers, name) is original is getattr(distributed, name)
+print(json.dumps(result))
+"""
+
+
+def test_cpu_platform_patches_engine_workers_when_verl_imports_it_not_at_plugin_load() -> None:
+    # Importing verl.workers.engine_workers at load cost every verl process on the CPU box ~2 s (issue 62, item 10).
+    assert json.loads(_run(_CPU_PLATFORM_GLOO, VERL_PLATFORM="cpu").stdout) == {
+        "loaded_by_import_verl": False,
+        "applied": True,
+        "engine_workers_patched": True,
+        "wraps_verl": True,
+        "reverted": True,
+    }
+
+
+def _on_import_patch(tmp_path, monkeypatch, tag: str):
+    """A patch of ``f`` in a fresh module ``a`` and in ``b``, which imports it by name; ``b`` patched on import."""
+    from areal_plugins.patches._base import AttributePatch
+
+    from areal_plugins._compat import SUPPORTED_VERL
+
+    a, b = f"areal_test_{tag}_a", f"areal_test_{tag}_b"
+    (tmp_path / f"{a}.py").write_text("def f():\n    return 'verl'\n")
+    (tmp_path / f"{b}.py").write_text(f"from {a} import f\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in (a, b):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    patch = AttributePatch(
+        tag, ((a, "f"), (b, "f")), lambda original: lambda: "patched", SUPPORTED_VERL, on_import=frozenset({b})
+    )
+    return patch, a, b
+
+
+def test_an_on_import_target_is_patched_when_imported_and_reverted_to_the_original(tmp_path, monkeypatch) -> None:
+    import importlib
+
+    patch, a, b = _on_import_patch(tmp_path, monkeypatch, "later")
+    try:
+        patch.apply()
+        assert patch.is_applied() and b not in sys.modules
+        module_a, module_b = importlib.import_module(a), importlib.import_module(b)
+        assert module_b.f() == "patched" and module_b.f is module_a.f
+        original = patch.original(b, "f")
+        assert original is patch.original(a, "f") and original() == "verl"
+        patch.revert()
+        assert module_a.f is original and module_b.f is original
+    finally:
+        patch.revert()
+        for name in (a, b):
+            sys.modules.pop(name, None)
+
+
+def test_an_on_import_target_imported_after_revert_stays_as_verl_ships_it(tmp_path, monkeypatch) -> None:
+    import importlib
+
+    patch, a, b = _on_import_patch(tmp_path, monkeypatch, "reverted")
+    try:
+        patch.apply()
+        patch.revert()
+        assert importlib.import_module(b).f() == "verl" and importlib.import_module(a).f() == "verl"
+        patch.apply()  # now imported: patched at once, as any target
+        assert importlib.import_module(b).f() == "patched"
+    finally:
+        patch.revert()
+        for name in (a, b):
+            sys.modules.pop(name, None)
