@@ -15,6 +15,9 @@ through its ``verl.plugins`` entry point.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+from areal_plugins._moved import renamed
 from areal_plugins.actors.settled_groups import SettledReport, drain_reports, start_inbox
 from areal_plugins.config.settings import ArealConfig
 from areal_plugins.core.buffer import BufferedGroup
@@ -22,19 +25,18 @@ from areal_plugins.core.staleness import StalenessController
 from areal_plugins.core.trajectory import Trajectory
 from areal_plugins.driver.admission import AdmissionLoop
 from areal_plugins.hooks.contracts import (
-    AdmissionCounters,
     BackendCapabilities,
     PolicyLoss,
     RewardFunction,
     RolloutManager,
     SampleBuffer,
+    StalenessControllerLike,
 )
 from areal_plugins.hooks.hookimpl import hookimpl
 from areal_plugins.plugin_manager import Hooks, PluginError, build_plugin_manager, call_hook
 
 __version__ = "0.1.0"
 __all__ = [
-    "AdmissionCounters",
     "AdmissionLoop",
     "ArealConfig",
     "BackendCapabilities",
@@ -47,6 +49,7 @@ __all__ = [
     "SampleBuffer",
     "SettledReport",
     "StalenessController",
+    "StalenessControllerLike",
     "Trajectory",
     "__version__",
     "build_plugin_manager",
@@ -55,3 +58,12 @@ __all__ = [
     "hookimpl",
     "start_inbox",
 ]
+
+
+if not TYPE_CHECKING:  # type checkers see the alias below, without a __getattr__ that would make any name pass
+
+    def __getattr__(name: str) -> Any:
+        return renamed(__name__, name)  # AdmissionCounters, with a DeprecationWarning (_moved.RENAMED)
+
+else:
+    AdmissionCounters = StalenessControllerLike  # deprecated: StalenessControllerLike

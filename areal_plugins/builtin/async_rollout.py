@@ -45,13 +45,13 @@ def areal_make_rollout_manager(
     accept = None if accept_trajectory is keep_every_trajectory else accept_trajectory
     inbox = start_inbox()  # our agent-loop workers report each settled group to it
     batch = int(config.data.train_batch_size)  # η and B count prompt groups: GRPO groups stay together
-    controller = StalenessController(
+    staleness_controller = StalenessController(
         max_staleness=settings.max_staleness,
         batch_size=batch,
         max_concurrent=settings.concurrent_rollouts(batch),
     )
     return AdmissionLoop(
-        controller,
+        staleness_controller,
         buffer,
         submit_prompts,
         accept,

@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from areal_plugins._moved import renamed_keywords
 from areal_plugins.actors.settled_groups import SettledReport, read_tags
 from areal_plugins.core.buffer import BufferedGroup
 from areal_plugins.core.staleness import StalenessController
@@ -95,7 +97,8 @@ class AdmissionLoop:
     """Keeps the rollout engines fed within the staleness bound, and the buffer filled.
 
     Args:
-        controller: the admission counters (units: prompt groups).
+        staleness_controller: the staleness bound's counts (units: prompt groups); ``controller=``, its name before
+            0.1.0, is still taken, with a ``DeprecationWarning``.
         buffer: where accepted groups wait for the trainer.
         submit: submits ``n`` new prompts for generation (verl's ``_add_prompts_to_generate``).
         accept: False drops a finished trajectory (the ``areal_accept_trajectory`` hooks); None keeps every one,
@@ -115,9 +118,10 @@ class AdmissionLoop:
             report never came is found by the next one).
     """
 
+    @renamed_keywords(controller="staleness_controller")
     def __init__(
         self,
-        controller: StalenessController,
+        staleness_controller: StalenessController,
         buffer: SampleBuffer,
         submit: Callable[[int], int],
         accept: Callable[[Trajectory], bool] | None,
@@ -129,7 +133,7 @@ class AdmissionLoop:
         settled_reports: Callable[[], list[SettledReport]] | None = None,
         reconcile_s: float = 30.0,
     ) -> None:
-        self.controller = controller
+        self.staleness_controller = staleness_controller
         self.buffer = buffer
         self.submit = submit
         self.accept = accept
@@ -184,6 +188,17 @@ class AdmissionLoop:
         """Of the polls, whole listings of the partition."""
         return self.reports.listings
 
+    @property
+    def controller(self) -> StalenessController:
+        """Deprecated: :attr:`staleness_controller` (this name until 0.1.0), with a ``DeprecationWarning``."""
+        _warn_controller_renamed()
+        return self.staleness_controller
+
+    @controller.setter
+    def controller(self, staleness_controller: StalenessController) -> None:
+        _warn_controller_renamed()
+        self.staleness_controller = staleness_controller
+
     # ------------------------------------------------------------------ control (trainer thread)
 
     def start(self) -> None:
@@ -236,7 +251,7 @@ class AdmissionLoop:
             if keys:
                 self.store.kv_clear(keys=keys, partition_id=PARTITION)
             uids = [group.group_id for group in groups]
-            self.controller.on_requeue_accepted(len(uids))
+            self.staleness_controller.on_requeue_accepted(len(uids))
             self.reissue(uids)
             self._handled.difference_update(uids)
             self.reissued_stale_groups += len(uids)
@@ -245,7 +260,8 @@ class AdmissionLoop:
         """Reject accepted groups that are past η at consumption (``areal.on_stale: drop``): their prompt and
         trajectories leave TransferQueue and their slots are freed, counted in ``dropped_stale_groups``."""
         with self._poll_lock:
-            self.controller.on_drop_accepted(len(groups))  # first: it refuses more groups than were accepted
+            # First: the controller refuses to drop more groups than were accepted.
+            self.staleness_controller.on_drop_accepted(len(groups))
             keys = [key for group in groups for key in (group.group_id, *group.keys)]
             if keys:
                 self.store.kv_clear(keys=keys, partition_id=PARTITION)
@@ -301,13 +317,13 @@ class AdmissionLoop:
             self.reissued_groups += len(to_reissue)
             self._handled.difference_update(to_reissue)  # settled again when the new attempt ends
         if self._admitting.is_set():
-            room = self.controller.capacity(self.version)
+            room = self.staleness_controller.capacity(self.version)
             if room > 0:
-                self.controller.on_submit(room)
+                self.staleness_controller.on_submit(room)
                 try:
                     self.submit(room)
                 except BaseException:
-                    self.controller.on_reject(room)
+                    self.staleness_controller.on_reject(room)
                     raise
 
     def _settle(
@@ -338,7 +354,7 @@ class AdmissionLoop:
             logger.warning("rollout group %s failed %d time(s); its prompt is dropped, its slot freed", uid, attempts)
             self.store.kv_clear(keys=[uid, *keys], partition_id=PARTITION)
             self._failed_attempts.pop(uid, None)
-            self.controller.on_reject()
+            self.staleness_controller.on_reject()
             return "rejected"
         self._failures_in_a_row = 0
         self._failed_attempts.pop(uid, None)
@@ -364,12 +380,21 @@ class AdmissionLoop:
             self.store.kv_clear(keys=dropped, partition_id=PARTITION)
         if not kept_keys:
             self.store.kv_clear(keys=[uid], partition_id=PARTITION)
-            self.controller.on_reject()
+            self.staleness_controller.on_reject()
             return "progress"
-        self.controller.on_accept()
+        self.staleness_controller.on_accept()
         heads = [item["head_version"] for item in info]
         self.buffer.put(BufferedGroup(group_id=uid, head_versions=heads, keys=kept_keys, tags=kept_tags, info=info))
         return "progress"
+
+
+def _warn_controller_renamed() -> None:
+    warnings.warn(
+        "AdmissionLoop.controller is deprecated: use AdmissionLoop.staleness_controller; the old name will be removed "
+        "in a later release",
+        DeprecationWarning,
+        stacklevel=3,  # the line that read or set it: here <- the property <- that line
+    )
 
 
 def require_single_prompt_fetches(data_config: Any) -> None:

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 #: Our part of a checkpoint, next to verl's files in ``global_step_N/``.
 ASYNC_STATE_FILE = "areal_state.json"
+#: Its key for the staleness controller's counts; files written before 0.1.0 have them under ``"controller"``.
+STALENESS_CONTROLLER_KEY = "staleness_controller"
 
 
 @dataclass
@@ -49,7 +51,7 @@ def resume_folder(trainer_config: Any, version: int) -> str:
 
 
 def save_async_state(
-    folder: str, version: int, counts: DrawCounts, controller: Any, partials: dict[str, int] | None = None
+    folder: str, version: int, counts: DrawCounts, staleness_controller: Any, partials: dict[str, int] | None = None
 ) -> None:
     """Write ``areal_state.json`` into verl's checkpoint folder (called while admission is quiesced);
     ``partials``: how many requests in flight, and tokens, the checkpoint kept (``areal_partials/``)."""
@@ -57,14 +59,14 @@ def save_async_state(
         "version": version,
         "consumed_groups": counts.consumed_groups,
         "submissions": counts.submissions,
-        "controller": controller.state_dict(),
+        STALENESS_CONTROLLER_KEY: staleness_controller.state_dict(),
         "partials": partials or {"requests": 0, "tokens": 0},
     }
     with open(os.path.join(folder, ASYNC_STATE_FILE), "w") as handle:
         json.dump(state, handle)
 
 
-def restore_async_state(folder: str, version: int, controller: Any, recorder: RunRecorder) -> DrawCounts:
+def restore_async_state(folder: str, version: int, staleness_controller: Any, recorder: RunRecorder) -> DrawCounts:
     """Counters after a resume at ``version``: accepted = v·B, then the restored groups, counted as running.
 
     verl restored TransferQueue (finished groups) and re-issued the prompts that were in flight; the
@@ -78,13 +80,15 @@ def restore_async_state(folder: str, version: int, controller: Any, recorder: Ru
         )
     with open(path) as handle:
         saved = json.load(handle)
+    if "controller" in saved and STALENESS_CONTROLLER_KEY not in saved:  # written before 0.1.0: the old key
+        saved[STALENESS_CONTROLLER_KEY] = saved.pop("controller")
     if saved["version"] != version:
         raise RuntimeError(f"{path} is for version {saved['version']}, the weights are version {version}")
     listing = (tq.kv_list(partition_id="train") or {}).get("train", {})
     restored = sorted(uid for uid, tag in listing.items() if tag.get("is_prompt", False))
-    controller.recover(version)
+    staleness_controller.recover(version)
     if restored:
-        controller.on_submit(len(restored))
+        staleness_controller.on_submit(len(restored))
     recorder.write("areal_restored.jsonl", {"version": version, "uids": restored, "saved": saved})
     logger.info(
         "areal_async: resumed at version %d with %d restored prompt groups (finished or re-issued)",

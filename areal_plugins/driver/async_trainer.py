@@ -69,9 +69,9 @@ from areal_plugins.driver.step_metrics import (
 )
 from areal_plugins.driver.stop_control import stop_on_request, stop_requested
 from areal_plugins.driver.supervision import Supervisor
-from areal_plugins.hooks.contracts import AdmissionCounters, require_contract
 from areal_plugins.hooks.contracts import RolloutManager as RolloutManagerContract
 from areal_plugins.hooks.contracts import SampleBuffer as SampleBufferContract
+from areal_plugins.hooks.contracts import StalenessControllerLike, require_contract, staleness_controller_of
 from areal_plugins.plugin_manager import HOOKS
 from areal_plugins.records.sink import start_record_sink
 from areal_plugins.records.writer import RunRecorder
@@ -274,10 +274,13 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
         )
         manager = self.rollout_manager
         require_contract(manager, RolloutManagerContract, "areal_make_rollout_manager")
-        require_contract(manager.controller, AdmissionCounters, "areal_make_rollout_manager (its controller)")
+        staleness_controller = staleness_controller_of(manager)
+        require_contract(
+            staleness_controller, StalenessControllerLike, "areal_make_rollout_manager (its staleness_controller)"
+        )
         if self.version > 0:
             folder = resume_folder(self.config.trainer, self.version)
-            self.counts = restore_async_state(folder, self.version, self.rollout_manager.controller, self.recorder)
+            self.counts = restore_async_state(folder, self.version, staleness_controller, self.recorder)
         self.rollout_manager.resume(self.version)
         self.rollout_manager.start()
         self.engine_stats.start()
@@ -487,7 +490,8 @@ class ArealAsyncTrainer(HookedTrainerMixin, PPOTrainer):
             folder = checkpoint_folder(self.config.trainer, self.global_steps)
             os.makedirs(folder, exist_ok=True)
             partials = save_partials(folder, self.agent_loop_manager.agent_loop_workers)
-            save_async_state(folder, self.global_steps, self.counts, self.rollout_manager.controller, partials)
+            staleness_controller = staleness_controller_of(self.rollout_manager)
+            save_async_state(folder, self.global_steps, self.counts, staleness_controller, partials)
             super()._save_checkpoint()
             remove_rotated_partials(self.config.trainer.default_local_dir)
 

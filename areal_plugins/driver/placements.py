@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from areal_plugins.hooks.contracts import staleness_controller_of
+
 logger = logging.getLogger(__name__)
 
 #: ``timing_raw`` key (verl logs it as ``timing_s/wait_in_flight``): seconds a step's update waited for the
@@ -38,7 +40,8 @@ def wait_for_in_flight(
     """Stop admission and return once no rollout group is in flight; the seconds it waited.
 
     The manager's own thread keeps settling the groups that finish (``pause`` stops submitting only), so its
-    ``controller.running`` falls to 0 as the last request under way completes under the weights it started with.
+    ``staleness_controller.running`` falls to 0 as the last request under way completes under the weights it started
+    with.
 
     Args:
         manager: the rollout manager (:class:`areal_plugins.hooks.contracts.RolloutManager`).
@@ -50,7 +53,8 @@ def wait_for_in_flight(
     """
     manager.pause()
     started = clock()
-    while manager.controller.running > 0:
+    staleness_controller = staleness_controller_of(manager)
+    while staleness_controller.running > 0:
         manager.check_alive()
         check()
         sleep(poll_s)

@@ -8,6 +8,7 @@ from collections import Counter
 from typing import Any
 
 from areal_plugins.core.buffer import BufferedGroup
+from areal_plugins.hooks.contracts import staleness_controller_of
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ MANAGER_COUNTERS = (
 
 def admission_metrics(manager: Any, buffer: Any) -> dict[str, float]:
     """Where admission stands after a step took its batch (the contracts of hooks/contracts.py)."""
-    controller = manager.controller
+    controller = staleness_controller_of(manager)
     metrics = {
         "areal/buffer_size": float(len(buffer)),
         "areal/running": float(controller.running),
@@ -159,7 +160,7 @@ def write_accounting(recorder: Any, manager: Any, buffer: Any, submitted: int, c
     """Where every submitted rollout group ended up (``areal_accounting.jsonl``), at the end of a run."""
     record = {
         "submitted": submitted,
-        **manager.controller.state_dict(),
+        **staleness_controller_of(manager).state_dict(),
         "consumed": counts.consumed_groups,
         "buffered": len(buffer),
         **{name: getattr(manager, name) for name in MANAGER_COUNTERS},

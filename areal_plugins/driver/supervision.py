@@ -19,6 +19,7 @@ from typing import Any
 from areal_plugins.driver.actor_liveness import ActorLiveness
 from areal_plugins.driver.engine_stats import EngineStats
 from areal_plugins.driver.watchdog import StallGuard, TrainerStalledError, Watchdog, stall_limit
+from areal_plugins.hooks.contracts import staleness_controller_of
 from areal_plugins.records.control_files import STOP_REQUEST_FILE
 from areal_plugins.records.writer import RunRecorder, record_exists
 
@@ -137,7 +138,7 @@ class Supervisor:
 
     def _stuck_report(self, waited: float) -> str:
         trainer = self.trainer
-        controller = trainer.rollout_manager.controller
+        controller = staleness_controller_of(trainer.rollout_manager)
         stats = self.engine_stats.read()
         engines = (
             f"engines: {stats['in_flight']} requests in flight, {stats['generated_tokens']} tokens generated in total"

@@ -1,9 +1,9 @@
 """What the async trainer requires of the objects the rollout hooks return, as ``typing.Protocol``s.
 
 ``areal_make_sample_buffer`` returns a :class:`SampleBuffer`; ``areal_make_rollout_manager`` returns a
-:class:`RolloutManager`, whose ``controller`` is a :class:`AdmissionCounters`; ``areal_make_reward_fn`` returns a
-:class:`RewardFunction`, ``areal_make_policy_loss`` a :class:`PolicyLoss`; a rollout backend's server class has the
-members of :class:`BackendCapabilities`. These are the whole contract:
+:class:`RolloutManager`, whose ``staleness_controller`` is a :class:`StalenessControllerLike`;
+``areal_make_reward_fn`` returns a :class:`RewardFunction`, ``areal_make_policy_loss`` a :class:`PolicyLoss`; a rollout
+backend's server class has the members of :class:`BackendCapabilities`. These are the whole contract:
 the trainer calls nothing else on them, and checks at startup that an object returned by a plugin has every
 member (:func:`missing_members`), naming what is missing. ``areal_plugins.testing`` checks behaviour too
 (the conformance kit, docs/guides/plugins.md). The defaults: :class:`areal_plugins.core.buffer.OldestFirstBuffer`,
@@ -14,8 +14,11 @@ member (:func:`missing_members`), naming what is missing. ``areal_plugins.testin
 from __future__ import annotations
 
 import inspect
+import warnings
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from areal_plugins._moved import renamed
 
 if TYPE_CHECKING:
     from areal_plugins.core.buffer import BufferedGroup
@@ -49,8 +52,12 @@ class SampleBuffer(Protocol):
 
 
 @runtime_checkable
-class AdmissionCounters(Protocol):
-    """The staleness bound's counts of rollout groups (docs/design.md, Admission)."""
+class StalenessControllerLike(Protocol):
+    """The staleness bound's counts of rollout groups (docs/design.md, Admission): what a manager's
+    ``staleness_controller`` has (the default: :class:`areal_plugins.core.staleness.StalenessController`).
+
+    Called ``AdmissionCounters`` before 0.1.0; that name still imports, with a ``DeprecationWarning``.
+    """
 
     @property
     def running(self) -> int:
@@ -82,7 +89,8 @@ class AdmissionCounters(Protocol):
 class RolloutManager(Protocol):
     """Admits rollouts within the staleness bound, settles finished groups and fills the buffer."""
 
-    controller: AdmissionCounters
+    #: The staleness bound's counts (called ``controller`` before 0.1.0: see :func:`staleness_controller_of`).
+    staleness_controller: StalenessControllerLike
     #: ``time.monotonic()`` of the last group that finished (the watchdog's sign of progress).
     last_progress: float
     #: Counters since the start, logged every step (``areal/<name>``).
@@ -120,6 +128,27 @@ class RolloutManager(Protocol):
 
     def reissue_stale(self, groups: list[BufferedGroup]) -> None:
         """Generate accepted groups past η again from their prompts (``on_stale: reissue``), same slots."""
+
+
+#: Members a contract renamed: contract -> {new name: old name}. An object that has only the old name still meets the
+#: contract (:func:`missing_members`); the trainer reads it through :func:`staleness_controller_of`, which warns.
+RENAMED_MEMBERS: dict[type, dict[str, str]] = {RolloutManager: {"staleness_controller": "controller"}}
+
+
+def staleness_controller_of(manager: Any) -> StalenessControllerLike:
+    """``manager.staleness_controller``; for a manager written before the rename (it has only ``controller``), that,
+    with a ``DeprecationWarning`` saying what to rename. The driver reads a manager's controller only through this."""
+    if hasattr(manager, "staleness_controller") or not hasattr(manager, "controller"):
+        return manager.staleness_controller  # type: ignore[no-any-return]
+    kind = type(manager)
+    warnings.warn(
+        f"{kind.__module__}.{kind.__qualname__}.controller is deprecated: name the rollout manager's staleness "
+        "controller staleness_controller (areal_plugins.RolloutManager); the old name will be removed in a later "
+        "release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return manager.controller  # type: ignore[no-any-return]
 
 
 @runtime_checkable
@@ -188,7 +217,12 @@ def missing_members(obj: object, contract: type) -> list[str]:
     """
     if contract in CALL_PARAMETERS:
         return _missing_parameters(obj, CALL_PARAMETERS[contract])
-    return [name for name in contract_members(contract) if name != "__call__" and not hasattr(obj, name)]
+    renamed = RENAMED_MEMBERS.get(contract, {})
+    return [
+        name
+        for name in contract_members(contract)
+        if name != "__call__" and not hasattr(obj, name) and not (name in renamed and hasattr(obj, renamed[name]))
+    ]
 
 
 def _missing_parameters(obj: object, names: tuple[str, ...]) -> list[str]:
@@ -215,3 +249,12 @@ def require_contract(obj: object, contract: type, hook: str) -> None:
             f"{contract.__name__} contract (areal_plugins.hooks.contracts; docs/guides/plugins.md): add them, "
             "or let the default implementation answer (return None)"
         )
+
+
+if not TYPE_CHECKING:  # type checkers see the alias below, without a __getattr__ that would make any name pass
+
+    def __getattr__(name: str) -> Any:
+        return renamed(__name__, name)  # AdmissionCounters, with a DeprecationWarning (_moved.RENAMED)
+
+else:
+    AdmissionCounters = StalenessControllerLike  # deprecated: StalenessControllerLike

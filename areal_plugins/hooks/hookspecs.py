@@ -78,8 +78,8 @@ def areal_make_rollout_manager(
     """Create the manager that admits rollouts within the staleness bound and fills ``buffer``.
 
     Return the manager (the :class:`~areal_plugins.hooks.contracts.RolloutManager` contract, its
-    ``controller`` the :class:`~areal_plugins.hooks.contracts.AdmissionCounters` one; both checked at
-    startup), or None to defer.
+    ``staleness_controller`` the :class:`~areal_plugins.hooks.contracts.StalenessControllerLike` one; both checked
+    at startup), or None to defer.
 
     :param config: the composed recipe.
     :param buffer: what ``areal_make_sample_buffer`` returned.

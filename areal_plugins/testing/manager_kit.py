@@ -1,4 +1,5 @@
-"""The conformance kit's checks of a rollout manager (the ``RolloutManager`` and ``AdmissionCounters`` contracts).
+"""The conformance kit's checks of a rollout manager (the ``RolloutManager`` and ``StalenessControllerLike``
+contracts).
 
 :func:`check_rollout_manager` plays verl's part around a manager: it hands the factory the hook's arguments
 (a buffer, ``submit_prompts``, ``accept_trajectory``, ``reissue_prompts``) wired to an
@@ -14,6 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_plugins.hooks.contracts import (
+    RolloutManager,
+    StalenessControllerLike,
+    missing_members,
+    staleness_controller_of,
+)
 from areal_plugins.testing.memory_transfer_queue import InMemoryTransferQueue
 from areal_plugins.testing.violations import rule
 
@@ -126,21 +133,22 @@ class _Checker:
     # ------------------------------------------------------------------ the rules
 
     def members_and_counters(self) -> None:
-        from areal_plugins.hooks.contracts import AdmissionCounters, RolloutManager, missing_members
-
         kit, manager = self.new()
         _rule(not missing_members(manager, RolloutManager), f"lacks {missing_members(manager, RolloutManager)}")
-        lacking = missing_members(manager.controller, AdmissionCounters)
-        _rule(not lacking, f"its controller lacks {lacking}")
-        state = manager.controller.state_dict()
+        controller = staleness_controller_of(manager)
+        lacking = missing_members(controller, StalenessControllerLike)
+        _rule(not lacking, f"its staleness_controller lacks {lacking}")
+        state = controller.state_dict()
         _rule(
-            {"running", "accepted", "rejected"} <= set(state), f"controller.state_dict() lacks a count: {sorted(state)}"
+            {"running", "accepted", "rejected"} <= set(state),
+            f"staleness_controller.state_dict() lacks a count: {sorted(state)}",
         )
-        manager.controller.recover(3)
-        counts = (manager.controller.running, manager.controller.accepted)
+        controller.recover(3)
+        counts = (controller.running, controller.accepted)
         _rule(
             counts == (0, 3 * self.BATCH),
-            f"after controller.recover(3) at B = {self.BATCH}: running, accepted = {counts}, not (0, {3 * self.BATCH})",
+            f"after staleness_controller.recover(3) at B = {self.BATCH}: running, accepted = {counts}, "
+            f"not (0, {3 * self.BATCH})",
         )
         _rule(not kit.submitted, "submitted prompts before start()")
 
@@ -198,10 +206,10 @@ class _Checker:
             manager.drop_stale(kit.buffer.take(1, 1, timeout=1)[0])  # frees one slot: the next uid is rejected
             self.wait(lambda: kit.submitted[-1].startswith(REJECTED_PREFIX), "did not refill a freed slot")
             rejected = kit.submitted[-1]
-            before = manager.controller.rejected
+            before = staleness_controller_of(manager).rejected
             kit.finish(rejected, version=1)
             self.wait(
-                lambda: manager.controller.rejected == before + 1,
+                lambda: staleness_controller_of(manager).rejected == before + 1,
                 "a group whose trajectories were all refused by accept_trajectory was not counted as rejected",
             )
             _rule(rejected not in kit.store.tags, "a rejected group's prompt stayed in TransferQueue")
@@ -269,11 +277,11 @@ class _Checker:
             time.sleep(self.POLL_S)
 
     def counts(self, manager: Any, running: int, accepted: int, rejected: int) -> None:
-        c = manager.controller
+        c = staleness_controller_of(manager)
         got = (c.running, c.accepted, c.rejected)
         _rule(
             got == (running, accepted, rejected),
-            f"controller running, accepted, rejected = {got}, not {(running, accepted, rejected)}",
+            f"staleness_controller running, accepted, rejected = {got}, not {(running, accepted, rejected)}",
         )
 
     @staticmethod

@@ -32,8 +32,8 @@ class SteadyManager:
 
     # the counts and counters
     @property
-    def controller(self):
-        return self._loop.controller
+    def staleness_controller(self):
+        return self._loop.staleness_controller
 
     @property
     def last_progress(self):
@@ -99,11 +99,11 @@ def build_manager(
                 handle.write(json.dumps({"count": count}) + "\n")
         return submit_prompts(count)
 
-    controller = SteadyController(
+    staleness_controller = SteadyController(
         max_staleness=eta, batch_size=batch, max_concurrent=max_concurrent or (eta + 1) * batch
     )
     loop = AdmissionLoop(
-        controller,
+        staleness_controller,
         buffer,
         submit,
         accept_trajectory,

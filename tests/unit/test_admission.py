@@ -39,7 +39,7 @@ def make_loop(store: InMemoryTransferQueue, eta: int = 1, batch: int = 2):
 
 
 def check_accounting(loop: AdmissionLoop, submitted: list[str]) -> None:
-    c = loop.controller
+    c = loop.staleness_controller
     assert len(submitted) == c.accepted + c.rejected + c.running
 
 
@@ -77,7 +77,7 @@ def test_rejected_and_failed_groups_free_their_slots():
         store.finish("p0", [0.0, 0.0], [[0], [0]])  # both members rejected: the group goes
         store.finish("p1", [], [], status="failure")  # the agent loop failed
         loop.poll_once()
-    assert loop.controller.rejected == 2 and loop.controller.accepted == 0
+    assert loop.staleness_controller.rejected == 2 and loop.staleness_controller.accepted == 0
     assert loop.rejected_trajectories == 2 and loop.failed_groups == 1
     assert submitted == ["p0", "p1", "p2", "p3"]  # both slots refilled at the same version
     assert "p0" not in store.tags and "p0_0_0" not in store.tags  # nothing left behind in the store
@@ -94,7 +94,7 @@ def test_partly_rejected_group_keeps_its_other_members():
     taken, _ = loop.buffer.take(1, trainer_version=0)
     assert taken[0].keys == ["p0_0_0", "p0_2_0"]
     assert [info["tail_version"] for info in taken[0].info] == [0, 1]
-    assert loop.controller.accepted == 1 and loop.rejected_trajectories == 1
+    assert loop.staleness_controller.accepted == 1 and loop.rejected_trajectories == 1
 
 
 def test_paused_loop_collects_but_does_not_submit():
@@ -246,7 +246,7 @@ def test_a_failed_group_is_reissued_with_its_prompt_kept_not_rejected():
     loop.poll_once()
     assert reissued == [["p1"]]
     assert "p1" in store.tags and "p1_0_0" not in store.tags  # prompt kept for a checkpoint; partial member gone
-    c = loop.controller
+    c = loop.staleness_controller
     assert (c.accepted, c.rejected, c.running) == (1, 0, 1)  # its slot stays taken: still owed work
     assert submitted == ["p0", "p1"]  # no fresh prompt drawn in its place
     store.finish("p1", [0.0, 1.0], [[0], [0]])
@@ -263,11 +263,11 @@ def test_a_group_that_keeps_failing_is_rejected_after_its_attempts():
     loop.poll_once()
     store.finish("p0", [], [], status="failure")
     loop.poll_once()
-    assert reissued == [["p0"]] and loop.controller.rejected == 0
+    assert reissued == [["p0"]] and loop.staleness_controller.rejected == 0
     store.finish("p0", [], [], status="failure")  # second attempt fails too: given up
     loop.poll_once()
     assert reissued == [["p0"]]
-    assert loop.controller.rejected == 1 and "p0" not in store.tags
+    assert loop.staleness_controller.rejected == 1 and "p0" not in store.tags
     assert submitted == ["p0", "p1"]  # the slot went to a new prompt
     check_accounting(loop, submitted)
 
@@ -295,7 +295,7 @@ def test_a_group_past_eta_at_consumption_is_generated_again_not_trained_or_dropp
     taken, stale = loop.buffer.take(1, trainer_version=2, timeout=0.1)  # 2 - 0 > η = 1
     assert taken == [] and [g.group_id for g in stale] == ["p0"]
     loop.reissue_stale(stale)
-    c = loop.controller
+    c = loop.staleness_controller
     assert (c.accepted, c.rejected, c.running) == (0, 0, 2)  # back in flight, same slot, nothing rejected
     assert reissued == [["p0"]] and "p0" in store.tags and "p0_0_0" not in store.tags
     store.finish("p0", [1.0], [[2, 2]])  # generated again under version 2
@@ -370,7 +370,7 @@ def test_with_reports_a_poll_reads_only_the_reported_groups_and_a_listing_finds_
     reports.append(("p0", ["p0_0_0", "p0_1_0"]))  # p1's worker died before its report
     loop.poll_once()
     assert store.listed == 1  # no listing: p0 was read by its keys
-    assert len(loop.buffer) == 1 and loop.controller.accepted == 1
+    assert len(loop.buffer) == 1 and loop.staleness_controller.accepted == 1
     loop.poll_once()  # nothing reported: nothing read
     assert store.listed == 1 and len(loop.buffer) == 1
     loop.reports.next_listing = 0.0  # the reconciliation is due
@@ -380,7 +380,7 @@ def test_with_reports_a_poll_reads_only_the_reported_groups_and_a_listing_finds_
     assert [g.group_id for g in taken] == ["p0", "p1"] and [g.keys for g in taken] == [["p0_0_0", "p0_1_0"], ["p1_0_0"]]
     reports.append(("p1", ["p1_0_0"]))  # its late report: already settled, not counted twice
     loop.poll_once()
-    assert loop.controller.accepted == 2 and store.listed == 2
+    assert loop.staleness_controller.accepted == 2 and store.listed == 2
     check_accounting(loop, submitted)
 
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from areal_plugins.core.staleness import StalenessController
+from areal_plugins.driver import async_checkpoint
 from areal_plugins.driver.async_checkpoint import (
     DrawCounts,
     checkpoint_before_stopping,
@@ -37,9 +38,33 @@ def test_the_saved_counters_are_the_ones_given(tmp_path):
         "version": 3,
         "consumed_groups": 12,
         "submissions": 7,
-        "controller": {"running": 2, "accepted": 4, "rejected": 0},
+        "staleness_controller": {"running": 2, "accepted": 4, "rejected": 0},
         "partials": {"requests": 5, "tokens": 81},
     }
+
+
+def test_a_checkpoint_written_before_the_rename_still_resumes(tmp_path, monkeypatch):
+    # areal_state.json as 0.1.0's pre-release wrote it: the counts under "controller", not "staleness_controller".
+    old = {
+        "version": 2,
+        "consumed_groups": 8,
+        "submissions": 5,
+        "controller": {"running": 1, "accepted": 8, "rejected": 3},
+        "partials": {"requests": 0, "tokens": 0},
+    }
+    (tmp_path / "areal_state.json").write_text(json.dumps(old))
+    listing = {"p7": {"is_prompt": True}, "p7_0": {"is_prompt": False}, "p9": {"is_prompt": True}}
+    monkeypatch.setattr(async_checkpoint, "tq", SimpleNamespace(kv_list=lambda partition_id: {"train": listing}))
+    controller = StalenessController(max_staleness=1, batch_size=4, max_concurrent=100)
+    records = tmp_path / "records"
+    records.mkdir()
+    counts = restore_async_state(str(tmp_path), 2, controller, RunRecorder(str(records)))
+    assert counts == DrawCounts(consumed_groups=8, submissions=5)
+    assert (controller.running, controller.accepted) == (2, 2 * 4)  # the two restored prompts; v·B accepted
+    (restored,) = [json.loads(line) for line in (records / "areal_restored.jsonl").read_text().splitlines()]
+    assert restored["uids"] == ["p7", "p9"]
+    assert restored["saved"]["staleness_controller"] == {"running": 1, "accepted": 8, "rejected": 3}
+    assert "controller" not in restored["saved"]  # the record reads the same whatever wrote the checkpoint
 
 
 def test_a_checkpoint_without_our_state_or_of_another_version_is_refused_saying_what_to_do(tmp_path):

@@ -82,7 +82,7 @@ def test_a_buffer_that_breaks_one_rule_fails_naming_it(broken, rule):
 
 def test_a_manager_without_a_member_is_refused_at_startup_naming_it():
     class Incomplete:
-        controller = None
+        staleness_controller = None
 
         def start(self): ...
 
@@ -171,7 +171,7 @@ class QuiesceIgnored(AdmissionLoop):
 
 class DropLeavesThePrompt(AdmissionLoop):
     def drop_stale(self, groups):
-        self.controller.on_drop_accepted(len(groups))
+        self.staleness_controller.on_drop_accepted(len(groups))
         self.dropped_stale_groups += len(groups)
 
 
@@ -193,7 +193,7 @@ class RecoverForgetsAccepted(StalenessController):
         (QuiesceIgnored, StalenessController, "settled a group inside quiesce()"),
         (DropLeavesThePrompt, StalenessController, "drop_stale left the group's prompt"),
         (SilentErrors, StalenessController, "check_alive() did not raise"),
-        (AdmissionLoop, RecoverForgetsAccepted, "after controller.recover(3)"),
+        (AdmissionLoop, RecoverForgetsAccepted, "after staleness_controller.recover(3)"),
     ],
 )
 def test_a_rollout_manager_that_breaks_one_rule_fails_naming_it(loop_class, controller_class, rule):

@@ -21,14 +21,14 @@ class Manager:
 
     def __init__(self, log: list, running: int) -> None:
         self.log = log
-        self.controller = SimpleNamespace(running=running)
+        self.staleness_controller = SimpleNamespace(running=running)
 
     def pause(self) -> None:
         self.log.append("admission stopped")
 
     def check_alive(self) -> None:  # the admission thread settling the next group that finishes
-        self.controller.running -= 1
-        self.log.append(f"group finished, {self.controller.running} in flight")
+        self.staleness_controller.running -= 1
+        self.log.append(f"group finished, {self.staleness_controller.running} in flight")
 
     def suspend_polling(self) -> None:
         self.log.append("polling suspended")
@@ -85,7 +85,7 @@ def test_a_run_that_must_stop_stops_waiting():
     manager = Manager([], running=5)
     with pytest.raises(RuntimeError, match="stop requested"):
         placements.wait_for_in_flight(manager, stop, 0.0)
-    assert manager.controller.running == 4  # it looked once, then stopped
+    assert manager.staleness_controller.running == 4  # it looked once, then stopped
 
 
 @pytest.mark.parametrize("in_flight", ["interrupt", "wait"])
@@ -95,11 +95,11 @@ def test_colocated_engines_are_aborted_at_once_or_after_the_requests_under_way_f
     placement("colocated", in_flight).after_sampling(trainer)
     aborted = log.index("engines aborted")
     if in_flight == "interrupt":  # the paper's interruptible generation: both groups are cut
-        assert log[:aborted] == ["admission stopped"] and trainer.rollout_manager.controller.running == 2
+        assert log[:aborted] == ["admission stopped"] and trainer.rollout_manager.staleness_controller.running == 2
         assert "wait_in_flight" not in trainer.timing_raw
     else:  # both finish under the weights they started with, then the engines sleep (and the abort finds none)
         assert log.index("group finished, 0 in flight") < aborted
-        assert trainer.rollout_manager.controller.running == 0 and trainer.timing_raw["wait_in_flight"] >= 0
+        assert trainer.rollout_manager.staleness_controller.running == 0 and trainer.timing_raw["wait_in_flight"] >= 0
     assert log[aborted:] == ["engines aborted", "engines asleep", "polling suspended"]
 
 
@@ -110,7 +110,7 @@ def test_the_separate_syncs_stop_lets_the_requests_under_way_finish_only_when_to
     placement("separate", in_flight).stop_admission(trainer)
     assert log[0] == "admission stopped"
     assert sum(entry.startswith("group finished") for entry in log) == finished
-    assert trainer.rollout_manager.controller.running == 3 - finished
+    assert trainer.rollout_manager.staleness_controller.running == 3 - finished
 
 
 def test_the_first_sync_has_no_admission_to_stop():

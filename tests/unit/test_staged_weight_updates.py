@@ -200,7 +200,7 @@ def test_with_in_flight_wait_the_requests_under_way_finish_after_the_transfer_an
 
     trainer = SimpleNamespace(
         rollout_manager=SimpleNamespace(
-            controller=running, pause=lambda: log.append("admission stopped"), check_alive=settle_one
+            staleness_controller=running, pause=lambda: log.append("admission stopped"), check_alive=settle_one
         ),
         supervisor=SimpleNamespace(waiting=lambda: lambda: None),
         recorder=SimpleNamespace(span=lambda *args, **kwargs: nullcontext()),
