@@ -64,10 +64,6 @@ class ReplicaNotPlacedError(RuntimeError):
     """No node of the cluster has the devices a replica needs, within the start's time."""
 
 
-class ReplicaStartTimedOutError(TimeoutError):
-    """A replica's start took longer than its limit and was abandoned."""
-
-
 def device_resource(node: dict[str, float]) -> str:
     return "NPU" if "NPU" in node and "GPU" not in node else "GPU"
 
