@@ -8,8 +8,9 @@ code has run, before the import returns to whoever asked for it and so before an
 imported already is served at once.
 
 Used by :mod:`areal_plugins.verl_plugin` (its registrations) and by
-:class:`~areal_plugins.patches._base.AttributePatch` (targets patched once imported). It imports nothing of the
-package, so that both can import it.
+:class:`~areal_plugins.patches._base.AttributePatch` (targets patched once imported); the benchmark's watcher
+(``tools/areal_bench/verl_token_versions.py``) wraps loaders with :func:`spec_running_after`. It imports nothing of
+the package, so that all of them can import it.
 """
 
 from __future__ import annotations
@@ -69,6 +70,27 @@ class RunAfterLoader(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
+def spec_running_after(
+    finder: object,
+    fullname: str,
+    path: Sequence[str] | None,
+    target: types.ModuleType | None,
+    after: Callable[[], None],
+) -> importlib.machinery.ModuleSpec | None:
+    """``fullname``'s spec as the finders on :data:`sys.meta_path` other than ``finder`` find it, its loader made to
+    call ``after()`` once the module's code has run (a :class:`RunAfterLoader`): the ``find_spec`` of a post-import
+    hook that finds nothing itself. A spec without a loader that can ``exec_module`` is returned as found."""
+    for other in sys.meta_path:
+        if other is finder or not hasattr(other, "find_spec"):
+            continue
+        spec = other.find_spec(fullname, path, target)
+        if spec is not None:
+            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = RunAfterLoader(spec.loader, after)
+            return spec
+    return None
+
+
 class AfterImport(importlib.abc.MetaPathFinder):
     """Runs what waits for a module right after the module is imported (a post-import hook).
 
@@ -85,15 +107,7 @@ class AfterImport(importlib.abc.MetaPathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in self.pending:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = RunAfterLoader(spec.loader, lambda: self.imported(fullname))
-                return spec
-        return None
+        return spec_running_after(self, fullname, path, target, lambda: self.imported(fullname))
 
     def watch(self, name: str, target: Target) -> None:
         """Run ``target`` once module ``name`` has been imported: at once if it is, else right after it is.

@@ -36,6 +36,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from areal_plugins.patches._after_import import spec_running_after
 from areal_plugins.patches._base import AttributePatch
 
 from areal_bench.token_staleness import VERL_RECORD
@@ -161,22 +162,10 @@ def is_applied() -> bool:
     return all(patch.is_applied() for patches in WATCHED.values() for patch in patches)
 
 
-class _Loader(importlib.abc.Loader):
-    """A watched module's own loader, then its patches."""
-
-    def __init__(self, loader: Any, name: str) -> None:
-        self._loader, self._name = loader, name
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        for patch in WATCHED[self._name]:
-            patch.apply()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
+def _apply_watched(name: str) -> None:
+    """Apply the patches waiting for verl module ``name`` (idempotent); an error is raised into its import."""
+    for patch in WATCHED[name]:
+        patch.apply()
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -185,15 +174,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: Any = None) -> Any:
         if fullname not in WATCHED:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader, fullname)
-                return spec
-        return None
+        return spec_running_after(self, fullname, path, target, functools.partial(_apply_watched, fullname))
 
 
 _WATCH_LOCK = threading.Lock()
@@ -204,10 +185,9 @@ def watch() -> None:
     with _WATCH_LOCK:
         if not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
             sys.meta_path.insert(0, _AfterImport())
-    for name, patches in WATCHED.items():
+    for name in WATCHED:
         if name in sys.modules:
-            for patch in patches:
-                patch.apply()
+            _apply_watched(name)
 
 
 watch()  # verl imports this module (VERL_USE_EXTERNAL_MODULES) only in the processes of a verl row
