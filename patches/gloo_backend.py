@@ -4,9 +4,11 @@
 ``"cpu:gloo,cpu:gloo"``, which torch rejects ("Duplicate device type cpu"). No config or platform
 hook controls the string, so the CPU platform cannot avoid it.
 *Upstream*: no seam exists (verl 0.9.1 ``verl/utils/distributed.py``).
-*Remove when*: verl de-duplicates the device types in that string or lets the platform give it; no upstream issue
-yet: watch ``verl/utils/distributed.py`` (verl PR #7512, merged, had ``initialize_global_process_group`` build the
-same ``cpu:gloo,<device>:<backend>`` string as the Ray initializer patched here).
+*Remove when*: verl de-duplicates the device types in that string or lets the platform give it; watch verl issue #6237
+(open: torch rejects verl's ``cpu:gloo,cpu:nccl``, the same string built where verl's device is the CPU, with
+"Duplicate device type cpu"; its fix may instead refuse a missing GPU, so check which) and
+``verl/utils/distributed.py`` (verl PR #7512, merged, had ``initialize_global_process_group`` build the same
+``cpu:gloo,<device>:<backend>`` string as the Ray initializer patched here).
 """
 
 from __future__ import annotations
