@@ -9,6 +9,7 @@ from typing import Any
 
 from areal_plugins.config.settings import ArealConfig, ArealConfigError, areal_settings
 from areal_plugins.hooks.hookimpl import hookimpl
+from areal_plugins.platforms.cpu import cpu_platform_selected
 
 
 @hookimpl(trylast=True)
@@ -313,10 +314,13 @@ def check_support_matrix(config: Any, hf_config: dict[str, Any] | None = None) -
             f"train a text-only model, {own}",
         )
     if areal.mode == "async":
-        _check_async_support(areal, actor, rollout, backend, hf_config)
+        device = str((config.get("trainer") or {}).get("device", "cuda"))
+        _check_async_support(areal, actor, rollout, backend, hf_config, device)
 
 
-def _check_async_support(areal: ArealConfig, actor: Any, rollout: Any, backend: str, hf_config: dict[str, Any]) -> None:
+def _check_async_support(
+    areal: ArealConfig, actor: Any, rollout: Any, backend: str, hf_config: dict[str, Any], device: str
+) -> None:
     """The part of :func:`check_support_matrix` for ``areal.mode: async``: router replay, and a weight transport
     whose every tensor is checked."""
     from areal_plugins.rollout.capabilities import require_feature
@@ -329,6 +333,14 @@ def _check_async_support(areal: ArealConfig, actor: Any, rollout: Any, backend: 
             "set actor_rollout_ref.rollout.enable_rollout_routing_replay=false",
         )
         check_router_replay(actor, hf_config)
+        on_cpu = cpu_platform_selected() or device == "cpu"
+        if backend == "vllm" and on_cpu and not bool(rollout.get("enforce_eager", False)):
+            raise ArealConfigError(
+                "router replay (actor_rollout_ref.rollout.enable_rollout_routing_replay=true) on vLLM's CPU build "
+                "with actor_rollout_ref.rollout.enforce_eager=false: its compiled graph never records the routes "
+                "(they come back as zeros): set actor_rollout_ref.rollout.enforce_eager=true (areal-plugins train "
+                "sets it unless told otherwise)"
+            )
     transport = str((rollout.get("checkpoint_engine") or {}).get("backend", "naive"))
     if areal.placement == "colocated" and transport != "naive":
         raise ArealConfigError(

@@ -123,7 +123,16 @@ def checked_recipe(
     if "VERL_PLATFORM" not in os.environ and not local_accelerator:
         checking["VERL_PLATFORM"] = "cpu"
     with _environment(checking):
-        return check_recipe(recipe, overrides), tiny_assets
+        return check_recipe(recipe, overrides, supplied_settings), tiny_assets
+
+
+def supplied_settings(config: Any) -> list[str]:
+    """What ``train`` adds before the user's overrides for ``config`` (rollout/verl_vllm/cpu_settings.py): the
+    checks see it too."""
+    from areal_plugins.rollout.verl_vllm.cpu_settings import cpu_vllm_overrides
+
+    platform = os.environ.get("VERL_PLATFORM") or ("cpu" if str(config.trainer.device) == "cpu" else None)
+    return cpu_vllm_overrides(config, platform, dict(os.environ))
 
 
 def stops_with_a_checkpoint(config: Any) -> bool:

@@ -15,7 +15,7 @@ import io
 import logging
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,11 @@ from areal_plugins.config.errors import RecipeRefusedError
 _NOT_IN_STRUCT = re.compile(r"Key '([^']+)' is not in struct\s+full_key: (\S+)")
 
 
-def check_recipe(recipe: Path, overrides: list[str]) -> Any:
+def check_recipe(recipe: Path, overrides: list[str], supplied: Callable[[Any], list[str]] | None = None) -> Any:
     """Compose ``recipe`` with ``overrides`` and run every startup check; return the resolved config.
+
+    ``supplied``: the overrides the CLI puts before the user's for a recipe composed so (the CPU platform's vLLM
+    settings), so the checks see what the run will get.
 
     Raises:
         RecipeRefusedError: the first check that fails, as one line naming the key and what to set.
@@ -45,6 +48,8 @@ def check_recipe(recipe: Path, overrides: list[str]) -> Any:
         raise RecipeRefusedError(one_line(error)) from None
     with _quiet():
         config = compose(recipe, overrides)
+        if supplied is not None and (before := supplied(config)):
+            config = compose(recipe, [*before, *overrides])
         _check_composed(config)
     return config
 

@@ -50,9 +50,10 @@ VERL_BACKENDS = {
             "lora_adapter_check",  # ours: each worker's LoRA slots read back (rollout/verl_vllm/loaded_adapter.py)
             "moe_weight_check",  # ours: fused expert parameters against their experts' tensors (loaded_weights.py)
             "validation_first",  # ours: validation requests at vLLM's lowest priority (rollout/verl_vllm/server.py)
-            # Not "routed_experts": in-process, vLLM's CPU build returns the routes transformers chooses
-            # (tests/verl_vllm/test_vllm_routed_experts.py; enable_return_routed_experts, which verl sets), but through
-            # verl's server they reached the trainer as all zeros (full-tier MoE run, 2026-12-07): not yet found why.
+            # vLLM's enable_return_routed_experts, which verl sets (tests/verl_vllm/test_vllm_routed_experts.py); on
+            # its CPU build only with enforce_eager (rollout/verl_vllm/cpu_settings.py), and the client refuses a
+            # route no top-k router can have chosen (agent_loop/routed_experts.py).
+            "routed_experts",
         }
     ),
     "sglang": frozenset({"resume", "weight_update", "version_stamps"}),

@@ -212,13 +212,16 @@ def test_eta0_on_verls_vllm_trains_the_samples_and_losses_of_synchronous_verl_at
 
 
 @pytest.mark.full
-def test_a_mixture_of_experts_trains_on_verls_vllm_with_every_expert_checked(moe_dir, tmp_path):
-    """The tiny Qwen2-MoE (4 experts, 2 per token, a shared expert) on verl's ``vllm``, colocated: every update's
-    per-expert tensors (verl's ``unfuse_moe_params`` names) load into vLLM's fused ``w13_weight`` / ``w2_weight``
-    and are compared there by their sums (rollout/verl_vllm/loaded_weights.py), with the CPU build's experts packed
-    again on every reload (patches/vllm_cpu_moe_reload.py)."""
+def test_a_mixture_of_experts_trains_on_verls_vllm_with_every_expert_checked_and_its_routes_replayed(
+    moe_dir, tmp_path
+):
+    """The tiny Qwen2-MoE (4 experts, 2 per token, a shared expert) on verl's ``vllm``, colocated, with router
+    replay on: every update's per-expert tensors (verl's ``unfuse_moe_params`` names) load into vLLM's fused
+    ``w13_weight`` / ``w2_weight`` and are compared there by their sums (rollout/verl_vllm/loaded_weights.py), with
+    the CPU build's experts packed again on every reload (patches/vllm_cpu_moe_reload.py); the routes vLLM recorded
+    reach verl's FSDP engine and are replayed there (the CLI runs the CPU engine eager: compiled, it records none)."""
     run_dir = tmp_path / "run"
-    result = train_with_verl_vllm(run_dir, moe_dir, 3)
+    result = train_with_verl_vllm(run_dir, moe_dir, 3, "++actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     checked = [r for r in read_jsonl(run_dir / "weight_syncs.jsonl") if r["event"] == "update_checked"]
     assert [r["version"] for r in checked] == [0, 1, 2, 3], checked
@@ -232,3 +235,10 @@ def test_a_mixture_of_experts_trains_on_verls_vllm_with_every_expert_checked(moe
     assert steps[0]["training/rollout_probs_diff_max"] < 0.05, steps[0]
     # The 4 fused expert parameters (w13, w2 of 2 layers) compared, beside what the dense model's check compares.
     assert all(record["checksum"]["loaded_compared"] >= 13 for record in checked), checked
+    # Every trained trajectory carried its routes, and every step replayed them.
+    samples = read_jsonl(run_dir / "areal_samples.jsonl")
+    assert samples and all(s["routed_experts_rows"] > 0 for s in samples), samples[:2]
+    assert all(s["actor/areal/router_replay_routes"] > 0 for s in steps), steps
+    # Step 1 trains fresh samples: the trainer's own routers, with the weights the engine was sent, choose what vLLM
+    # recorded but for near ties (routes never recorded, say all zeros, would change every one).
+    assert steps[0]["actor/areal/router_replay_changed_fraction"] < 0.05, steps[0]

@@ -196,7 +196,12 @@ def test_router_replay_is_refused_where_the_engine_returns_no_routed_experts():
     line = refusal(["actor_rollout_ref.rollout.name=sglang", waived, replay])
     assert "(routed_experts)" in line and "areal_cpu" not in line  # never a CPU engine suggested to a GPU user
     areal_validate_config(compose(RECIPE, [replay]))  # areal_cpu returns them
-    assert "(routed_experts)" in refusal(["actor_rollout_ref.rollout.name=vllm", replay])  # not yet verl's vllm
+    # verl's vllm returns them; on the CPU build only eager (compiled, every route comes back 0).
+    vllm = ["actor_rollout_ref.rollout.name=vllm", replay]
+    areal_validate_config(compose(RECIPE, [*vllm, "actor_rollout_ref.rollout.enforce_eager=true"]))
+    assert "set actor_rollout_ref.rollout.enforce_eager=true" in refusal(vllm)
+    gpu = ["trainer.device=cuda", "actor_rollout_ref.rollout.enforce_eager=false"]
+    areal_validate_config(compose(RECIPE, [*vllm, *gpu]))  # on CUDA vLLM's MoE layer runs the capture compiled too
 
 
 def test_router_replay_runs_on_the_models_the_trainer_replays_and_is_refused_elsewhere(models):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from omegaconf import OmegaConf
 from areal_plugins.rollout.verl_vllm.cpu_settings import cpu_vllm_overrides
 from areal_plugins.weight_sync.checksums import check_weight_reports, tensor_checksum
 from areal_plugins.weight_sync.errors import WeightSyncError
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def sent_and_reports(workers: int = 2):
@@ -147,6 +150,23 @@ def test_cpu_settings_only_for_verls_vllm_on_the_cpu_platform():
     assert cpu_vllm_overrides(vllm, None, {}) == []  # a GPU run: nothing
     ours = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "areal_cpu"}}})
     assert cpu_vllm_overrides(ours, "cpu", {}) == []
+    eager = "++actor_rollout_ref.rollout.enforce_eager=true"
+    assert eager not in overrides  # compiled where nothing needs the routes
+    replay = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm", "enable_rollout_routing_replay": 1}}})
+    assert eager in cpu_vllm_overrides(replay, "cpu", {})  # compiled, the CPU build records no route
+    assert cpu_vllm_overrides(replay, None, {}) == []
+
+
+def test_the_startup_checks_see_the_eager_engine_train_supplies_and_a_users_compiled_one_is_refused(tmp_path):
+    from areal_plugins.cli.launch import checked_recipe
+    from areal_plugins.cli.preflight import RecipeRefusedError
+
+    recipe = REPO / "recipes" / "grpo_cpu_async.yaml"
+    replay = ["actor_rollout_ref.rollout.name=vllm", "++actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
+    config, _ = checked_recipe(recipe, replay, tmp_path, local_accelerator=False)
+    assert config.actor_rollout_ref.rollout.enforce_eager is True
+    with pytest.raises(RecipeRefusedError, match=r"set actor_rollout_ref\.rollout\.enforce_eager=true"):
+        checked_recipe(recipe, [*replay, "actor_rollout_ref.rollout.enforce_eager=false"], tmp_path, False)
 
 
 def test_verls_vllm_on_cpu_without_vllm_installed_is_refused_naming_the_environment(monkeypatch):
