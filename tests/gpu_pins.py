@@ -92,8 +92,11 @@ UNQUANTIZED_MOE = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_me
 
 PINS: tuple[Pin | AnyOf, ...] = (
     # Router replay from verl's vllm: verl turns on vLLM's capture and hands each output's routes to the client.
-    Pin("vllm.engine.arg_utils:EngineArgs.enable_return_routed_experts", "areal_plugins/rollout/capabilities.py:54"),
-    Pin("vllm.outputs:CompletionOutput.routed_experts", "areal_plugins/rollout/capabilities.py:53"),
+    Pin("vllm.engine.arg_utils:EngineArgs.enable_return_routed_experts", "areal_plugins/rollout/capabilities.py:53"),
+    Pin("vllm.outputs:CompletionOutput.routed_experts", "areal_plugins/rollout/capabilities.py:55"),
+    # Tokens counted as vLLM produces them (server.py, _count_tokens_as_decoded): the engine's generate, wrapped.
+    Pin("vllm.v1.engine.async_llm:AsyncLLM.generate", f"{SV}:130"),
+    Pin("vllm.outputs:CompletionOutput.token_ids", f"{SV}:136"),
     # The worker extension (vLLM's worker with verl's extension mixed in).
     Pin(EXTENSION, f"{WE}:34"),
     Override(f"{EXTENSION}.__new__", f"{WE}:56", ours=f"{WE}:ArealVLLMWorkerExtension.__new__"),
