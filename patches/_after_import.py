@@ -8,9 +8,9 @@ code has run, before the import returns to whoever asked for it and so before an
 imported already is served at once.
 
 Used by :mod:`areal_plugins.verl_plugin` (its registrations) and by
-:class:`~areal_plugins.patches._base.AttributePatch` (targets patched once imported); the benchmark's watcher
-(``tools/areal_bench/verl_token_versions.py``) wraps loaders with :func:`spec_running_after`. It imports nothing of
-the package, so that all of them can import it.
+:class:`~areal_plugins.patches._base.AttributePatch` (targets patched once imported); a watcher of its own (the
+benchmarks' record of verl's token versions) wraps loaders with :func:`spec_running_after`. It imports nothing of the
+package, so that all of them can import it.
 """
 
 from __future__ import annotations
