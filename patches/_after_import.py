@@ -129,12 +129,6 @@ class AfterImport(importlib.abc.MetaPathFinder):
             targets = self.pending.pop(name, [])
         self._run(name, targets)
 
-    def serve_imported(self) -> None:
-        """Run the targets of every watched module that is imported already."""
-        for name in list(self.pending):
-            if is_imported(name):
-                self.imported(name)
-
     @staticmethod
     def _run(name: str, targets: Sequence[Target]) -> None:
         for target in targets:
