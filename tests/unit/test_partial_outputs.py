@@ -42,9 +42,10 @@ class ScriptedServer:
         ids, version, stop, wait_s = self.script.pop(0)
         await asyncio.sleep(wait_s)
         # Router replay, as vLLM returns it: a row per position fed through the model (prompt + tokens - 1), here
-        # 100 x version + position in both of 1 layer's 2 slots, so a row's origin shows.
+        # 100 x version + position in the first of 1 layer's 2 slots, so a row's origin shows, and 1000 more in the
+        # second (a top-k router names k distinct experts; the client refuses a row that repeats one).
         rows = len(prompt_ids) + len(ids) - 1
-        routed = (100 * version + np.arange(rows))[:, None, None] * np.ones((1, 1, 2), np.int32)
+        routed = (100 * version + np.arange(rows))[:, None, None] + np.array([0, 1000], np.int32)[None, None, :]
         return TokenOutput(
             token_ids=ids,
             log_probs=[-0.25 * (i + 1) for i in range(len(ids))],
