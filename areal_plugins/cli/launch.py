@@ -127,12 +127,12 @@ def checked_recipe(
 
 
 def supplied_settings(config: Any) -> list[str]:
-    """What ``train`` adds before the user's overrides for ``config`` (rollout/verl_vllm/cpu_settings.py): the
-    checks see it too."""
+    """What ``train`` adds before the user's overrides for a recipe on the CPU (``trainer.device=cpu``;
+    rollout/verl_vllm/cpu_settings.py): the checks see it too. By the recipe, not ``VERL_PLATFORM``, which a check
+    sets to import verl on a machine without a GPU."""
     from areal_plugins.rollout.verl_vllm.cpu_settings import cpu_vllm_overrides
 
-    platform = os.environ.get("VERL_PLATFORM") or ("cpu" if str(config.trainer.device) == "cpu" else None)
-    return cpu_vllm_overrides(config, platform, dict(os.environ))
+    return cpu_vllm_overrides(config, "cpu" if str(config.trainer.device) == "cpu" else None, dict(os.environ))
 
 
 def stops_with_a_checkpoint(config: Any) -> bool:

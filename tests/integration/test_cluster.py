@@ -213,7 +213,7 @@ def test_the_resumed_run_on_a_replacement_node_loses_no_prompt(lost_node_run):
     assert resumed_from >= LOST_AFTER_CHECKPOINT and restored["version"] == resumed_from
     drawn = [uid for line in before["areal_submissions.jsonl"][: saved["submissions"]] for uid in line["uids"]]
     consumed = {s["group"] for s in before["areal_samples.jsonl"] if s["step"] <= resumed_from}
-    assert saved["controller"]["rejected"] == 0  # nothing filtered: every drawn group is trained or alive
+    assert saved["staleness_controller"]["rejected"] == 0  # nothing filtered: every drawn group is trained or alive
     assert set(restored["uids"]) == set(drawn) - consumed, "a prompt alive at the checkpoint was lost or invented"
     steps = [s["step"] for s in read_jsonl(run_dir / "areal_steps.jsonl")]
     assert steps[-(STEPS - resumed_from) :] == list(range(resumed_from + 1, STEPS + 1))

@@ -93,7 +93,7 @@ def test_every_prompt_in_flight_at_the_checkpoint_comes_back_exactly_once(resume
     saved = restored["saved"]
     drawn_before = [uid for line in before["areal_submissions.jsonl"][: saved["submissions"]] for uid in line["uids"]]
     consumed_before = {s["group"] for s in before["areal_samples.jsonl"] if s["step"] <= CHECKPOINT_STEP}
-    assert saved["controller"]["rejected"] == 0  # nothing was filtered: every drawn group is trained or alive
+    assert saved["staleness_controller"]["rejected"] == 0  # nothing was filtered: every drawn group is trained or alive
     alive = set(drawn_before) - consumed_before
     assert set(restored["uids"]) == alive, "a prompt in flight or buffered at the checkpoint was lost or invented"
     assert len(restored["uids"]) == len(set(restored["uids"]))
