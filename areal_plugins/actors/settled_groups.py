@@ -11,7 +11,7 @@ its report, or a run resumed with groups settled before the checkpoint) delays a
 A report also carries, per trajectory, what the admission loop records of it (``admission.trajectory_info``:
 versions, request chunks, token and log-prob digests, reward), computed by the worker from the output it wrote. With
 no ``areal_accept_trajectory`` hook to ask, the admission loop then reads no trajectory rows at all: the driver's
-work per group no longer grows with its tokens (docs/results/control_plane.md).
+work per group does not grow with its tokens (docs/results/control_plane.md).
 """
 
 from __future__ import annotations
