@@ -212,9 +212,7 @@ def test_eta0_on_verls_vllm_trains_the_samples_and_losses_of_synchronous_verl_at
 
 
 @pytest.mark.full
-def test_a_mixture_of_experts_trains_on_verls_vllm_with_every_expert_checked_and_its_routes_replayed(
-    moe_dir, tmp_path
-):
+def test_a_mixture_of_experts_trains_on_verls_vllm_with_every_expert_checked_and_its_routes_replayed(moe_dir, tmp_path):
     """The tiny Qwen2-MoE (4 experts, 2 per token, a shared expert) on verl's ``vllm``, colocated, with router
     replay on: every update's per-expert tensors (verl's ``unfuse_moe_params`` names) load into vLLM's fused
     ``w13_weight`` / ``w2_weight`` and are compared there by their sums (rollout/verl_vllm/loaded_weights.py), with
