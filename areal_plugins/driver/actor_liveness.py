@@ -10,12 +10,16 @@ while the trainer is away from it) Ray's state API says whether an actor seen al
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+#: What Ray's state API reads before any address it is given (ray.dashboard.utils.get_address_for_submission_client).
+API_SERVER_VARIABLE = "RAY_API_SERVER_ADDRESS"
 
 CHECK_INTERVAL_S = 5.0
 #: Deaths the program asked for (an actor handle dropped, ``ray.kill``) are not faults.
@@ -59,10 +63,24 @@ def list_job_actors(*filters: tuple[str, str, str], **options: Any) -> list[Any]
     from ray.util.state import list_actors
 
     context = ray.get_runtime_context()
-    # This job's cluster by its address: without one, Ray's state API guesses, and refuses when another run
-    # on the same machine has a Ray instance of its own ("Found multiple active Ray instances").
-    options.setdefault("address", context.gcs_address)
+    _pin_state_api_to(context.gcs_address)
     return list_actors(filters=[("job_id", "=", context.get_job_id()), *filters], detail=True, limit=10_000, **options)
+
+
+def _pin_state_api_to(gcs_address: str) -> None:
+    """Point Ray's state API in this process at this job's cluster. Given no address, or ``RAY_ADDRESS=local``
+    (which overrides any address it is given), it guesses, and refuses when another Ray instance runs on the same
+    machine ("Found multiple active Ray instances"); ``RAY_API_SERVER_ADDRESS`` is the one setting it reads first."""
+    if os.environ.get(API_SERVER_VARIABLE) and _pinned.get(API_SERVER_VARIABLE) in (None, gcs_address):
+        return  # the user's own setting, or ours for this cluster
+    from ray.dashboard.utils import ray_address_to_api_server_url
+
+    os.environ[API_SERVER_VARIABLE] = ray_address_to_api_server_url(gcs_address)  # the cluster's dashboard, by GCS
+    _pinned[API_SERVER_VARIABLE] = gcs_address
+
+
+#: The GCS address this process pinned the state API to (another cluster joined later is pinned again).
+_pinned: dict[str, str] = {}
 
 
 def _list_job_actors() -> list[Any]:

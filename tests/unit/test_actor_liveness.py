@@ -164,3 +164,30 @@ def test_a_rollout_server_found_dead_by_the_statistics_look_is_named_with_its_no
     trainer.supervisor.liveness = liveness
     with pytest.raises(RunActorDiedError, match=r"rollout server CPURolloutServer \(pid 42, node abababab\) died"):
         trainer.fit(SimpleNamespace(agent_loop_workers=[]))
+
+
+def test_the_state_api_is_pinned_to_this_jobs_cluster_whatever_ray_address_says(monkeypatch):
+    """Ray's state API lets ``RAY_ADDRESS`` override the address it is given, and ``local`` makes it guess; with
+    another Ray instance on the machine it refused ("Found multiple active Ray instances", seen in a run here). The
+    job's own cluster, found by its GCS address, is set where Ray's state API looks first."""
+    from ray.dashboard import utils as dashboard_utils
+
+    from areal_plugins.driver import actor_liveness
+
+    asked = []
+    monkeypatch.setattr(dashboard_utils, "ray_address_to_api_server_url", lambda gcs: asked.append(gcs) or "http://h:1")
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    monkeypatch.delenv(actor_liveness.API_SERVER_VARIABLE, raising=False)
+    monkeypatch.setattr(actor_liveness, "_pinned", {})
+    actor_liveness._pin_state_api_to("10.0.0.1:6379")
+    actor_liveness._pin_state_api_to("10.0.0.1:6379")
+    assert asked == ["10.0.0.1:6379"]  # once a cluster
+    # Ray's own resolution now ends at this cluster's API server, RAY_ADDRESS=local notwithstanding.
+    assert dashboard_utils.get_address_for_submission_client(None) == "http://h:1"
+    assert dashboard_utils.get_address_for_submission_client("10.9.9.9:6379") == "http://h:1"
+    actor_liveness._pin_state_api_to("10.0.0.2:6379")  # a process that joined another cluster since
+    assert asked == ["10.0.0.1:6379", "10.0.0.2:6379"]
+    monkeypatch.setattr(actor_liveness, "_pinned", {})
+    monkeypatch.setenv(actor_liveness.API_SERVER_VARIABLE, "http://users-own:8265")
+    actor_liveness._pin_state_api_to("10.0.0.3:6379")  # a user's own setting is theirs
+    assert len(asked) == 2
