@@ -63,6 +63,7 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
         "RENAME_RECEIVED_ENV": "AREAL_RENAME_RECEIVED_WEIGHT",
         "ENGINE_STEP_DELAY_ENV": "AREAL_TEST_ENGINE_STEP_DELAY_S",
         "TRAINER_MICROBATCH_DELAY_ENV": "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
+        "API_SERVER_VARIABLE": "RAY_API_SERVER_ADDRESS",
     }
     # A read names its variable at the call: os.environ's.
     read = re.compile(r"os\.environ(?:\.get\(|\[)\s*([A-Z_]+|\"[A-Z_]+\")")
@@ -83,6 +84,9 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
     # RANK: verl's worker sets it in every worker process itself (our rollout adapter reads it, as verl's does).
     # VERL_REPLICA_RANK: verl's vLLM server sets it in its own process (vllm_async_server.py) before the workers start.
     set_by_verl = {"RANK", "VERL_REPLICA_RANK"}
+    # RAY_API_SERVER_ADDRESS: set by the process itself from its own cluster's GCS address (driver/actor_liveness.py),
+    # a user's own setting kept; it must not travel (another node's process pins its own).
+    set_in_the_process = {"RAY_API_SERVER_ADDRESS"}
     # Fault injection: a test sets it in the job's runtime_env itself (++ray_kwargs.ray_init.runtime_env...).
     # The speed knobs of a test run (CONTRIBUTING.md): a local run's workers inherit them from the test's environment.
     set_by_tests = {
@@ -104,9 +108,11 @@ def test_every_environment_variable_a_worker_reads_travels_with_the_job():
         "AREAL_RENAME_RECEIVED_WEIGHT",
         "AREAL_TEST_ENGINE_STEP_DELAY_S",
         "AREAL_TEST_TRAINER_MICROBATCH_DELAY_S",
+        "RAY_API_SERVER_ADDRESS",
     }
     assert names == expected  # found by grep, listed by hand
-    assert names - set_by_verl - set_by_tests <= set(cluster_env.JOB_ENV_VARS)
+    assert names - set_by_verl - set_by_tests - set_in_the_process <= set(cluster_env.JOB_ENV_VARS)
+    assert not set_in_the_process & set(cluster_env.JOB_ENV_VARS)
 
 
 def test_joining_nulls_only_the_sizes_the_recipe_has():
