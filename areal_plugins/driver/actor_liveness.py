@@ -71,16 +71,17 @@ def _pin_state_api_to(gcs_address: str) -> None:
     """Point Ray's state API in this process at this job's cluster. Given no address, or ``RAY_ADDRESS=local``
     (which overrides any address it is given), it guesses, and refuses when another Ray instance runs on the same
     machine ("Found multiple active Ray instances"); ``RAY_API_SERVER_ADDRESS`` is the one setting it reads first."""
-    if os.environ.get(API_SERVER_VARIABLE) and _pinned.get(API_SERVER_VARIABLE) in (None, gcs_address):
+    global _pinned_for
+    if os.environ.get(API_SERVER_VARIABLE) and _pinned_for in (None, gcs_address):
         return  # the user's own setting, or ours for this cluster
     from ray.dashboard.utils import ray_address_to_api_server_url
 
     os.environ[API_SERVER_VARIABLE] = ray_address_to_api_server_url(gcs_address)  # the cluster's dashboard, by GCS
-    _pinned[API_SERVER_VARIABLE] = gcs_address
+    _pinned_for = gcs_address
 
 
 #: The GCS address this process pinned the state API to (another cluster joined later is pinned again).
-_pinned: dict[str, str] = {}
+_pinned_for: str | None = None
 
 
 def _list_job_actors() -> list[Any]:

@@ -178,7 +178,7 @@ def test_the_state_api_is_pinned_to_this_jobs_cluster_whatever_ray_address_says(
     monkeypatch.setattr(dashboard_utils, "ray_address_to_api_server_url", lambda gcs: asked.append(gcs) or "http://h:1")
     monkeypatch.setenv("RAY_ADDRESS", "local")
     monkeypatch.delenv(actor_liveness.API_SERVER_VARIABLE, raising=False)
-    monkeypatch.setattr(actor_liveness, "_pinned", {})
+    monkeypatch.setattr(actor_liveness, "_pinned_for", None)
     actor_liveness._pin_state_api_to("10.0.0.1:6379")
     actor_liveness._pin_state_api_to("10.0.0.1:6379")
     assert asked == ["10.0.0.1:6379"]  # once a cluster
@@ -187,7 +187,7 @@ def test_the_state_api_is_pinned_to_this_jobs_cluster_whatever_ray_address_says(
     assert dashboard_utils.get_address_for_submission_client("10.9.9.9:6379") == "http://h:1"
     actor_liveness._pin_state_api_to("10.0.0.2:6379")  # a process that joined another cluster since
     assert asked == ["10.0.0.1:6379", "10.0.0.2:6379"]
-    monkeypatch.setattr(actor_liveness, "_pinned", {})
+    monkeypatch.setattr(actor_liveness, "_pinned_for", None)
     monkeypatch.setenv(actor_liveness.API_SERVER_VARIABLE, "http://users-own:8265")
     actor_liveness._pin_state_api_to("10.0.0.3:6379")  # a user's own setting is theirs
     assert len(asked) == 2
