@@ -5,7 +5,7 @@ sampler, LLM client, verl's vLLM replica and adapter) is registered, not patched
 exists only where verl 0.9.1 has no seam; each says why, where upstream stands and when to delete it.
 
 ``apply_enabled_patches(config)`` is the one entry point: it walks :data:`PATCHES` in order and
-applies each patch whose feature is enabled. Nine exist: the CPU platform's four (selected by
+applies each patch whose feature is enabled. Ten exist: the CPU platform's four (selected by
 ``VERL_PLATFORM=cpu``, applied at plugin load in every process: gloo, vLLM's CPU build seen as ``vllm``,
 the trainer's port chosen outside the ephemeral range, and verl's FSDP1 engine: its weights broadcast over gloo
 and kept on the CPU), the routing of ``areal.enable`` in
@@ -14,8 +14,9 @@ any recipe (applied at plugin load in verl's ``main_ppo`` driver only) and token
 (selected by ``areal.micro_batch.max_tokens``) and the count of micro-batches the stall guard reads as
 progress (selected by ``areal.enable`` with ``areal.mode: async``) and router replay into verl's FSDP engine
 (selected by ``actor_rollout_ref.rollout.enable_rollout_routing_replay`` under ``areal.enable``) and a LoRA adapter
-sent through the checkpoint engine (selected by an unmerged ``lora_rank > 0`` with ``areal.placement: separate``); the
-trainer applies these four in its worker
+sent through the checkpoint engine (selected by an unmerged ``lora_rank > 0`` with ``areal.placement: separate``) and a
+vision-language model's M-RoPE positions kept ragged in their tokens (selected by a ``vision_config`` under
+``areal.enable``); the trainer applies these five in its worker
 processes with :func:`areal_plugins.driver.worker_calls.apply_patches_in_workers`, since only the driver sees the
 recipe. With ``areal.enable: false`` on a GPU machine only the routing wrapper is installed, in the driver, and it
 passes verl's config through unchanged.
@@ -43,6 +44,7 @@ from areal_plugins.patches import (
     route_areal_node,
     trainer_progress,
     vllm_cpu_distribution,
+    vlm_position_ids,
 )
 
 
@@ -99,6 +101,16 @@ def _lora_through_checkpoint_engine(config: Any) -> bool:
     return int(model.get("lora_rank", 0) or 0) > 0 and not bool((model.get("lora") or {}).get("merge", False))
 
 
+def _vision_language_model(config: Any) -> bool:
+    """A vision-language model (``vision_config`` in the model folder's ``config.json``) under ``areal.enable``."""
+    from areal_plugins.builtin.validation import model_config_json
+    from areal_plugins.config.settings import areal_settings
+
+    if config is None or not areal_settings(config).enable:
+        return False
+    return bool((model_config_json(config) or {}).get("vision_config"))
+
+
 #: (feature, is it enabled for this run?, patch), in the order they are applied.
 PATCHES: tuple[tuple[str, Callable[[Any], bool], ModuleType], ...] = (
     ("cpu platform (VERL_PLATFORM=cpu)", _cpu_platform, gloo_backend),
@@ -118,6 +130,7 @@ PATCHES: tuple[tuple[str, Callable[[Any], bool], ModuleType], ...] = (
     ("areal_async's stall guard: trainer workers report micro-batches", _async_trainer, trainer_progress),
     ("router replay (R3) in the trainer: enable_rollout_routing_replay", _router_replay, fsdp_router_replay),
     ("LoRA adapter-only in the separate placement", _lora_through_checkpoint_engine, lora_separate_sync),
+    ("a vision-language model's M-RoPE positions in the trainer", _vision_language_model, vlm_position_ids),
 )
 
 

@@ -196,8 +196,6 @@ TESTED_ACTOR_STRATEGIES = ("fsdp", "fsdp2")
 HALF_DTYPES = ("fp16", "float16", "half")
 #: ``config.json`` keys giving a model's experts per layer (what verl's delta_weight_transfer.py reads).
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-#: ``config.json`` keys of a model with non-text inputs.
-MEDIA_CONFIG_KEYS = ("vision_config", "audio_config")
 
 
 def checked_checkpoint_engines() -> tuple[str, ...]:
@@ -305,17 +303,33 @@ def check_support_matrix(config: Any, hf_config: dict[str, Any] | None = None) -
                 f"{hf_config[experts]} in actor_rollout_ref.model.path) has not run under areal_async: set "
                 f"actor_rollout_ref.model.lora_rank=0, {own}"
             )
-    media = next((key for key in MEDIA_CONFIG_KEYS if hf_config.get(key)), None)
-    if media is not None:
-        require_feature(
-            backend,
-            "multimodal",
-            f"a multimodal model ({media} in actor_rollout_ref.model.path)",
-            f"train a text-only model, {own}",
-        )
+    _check_media(hf_config, backend, own)
     if areal.mode == "async":
         device = str((config.get("trainer") or {}).get("device", "cuda"))
         _check_async_support(areal, actor, rollout, backend, hf_config, device)
+
+
+def _check_media(hf_config: dict[str, Any], backend: str, own: str) -> None:
+    """Refuse a model with inputs the engine does not serve: audio anywhere; images where the engine lacks the
+    ``images`` capability, or from a vision-language family it does not serve (``areal_cpu``: Qwen2-VL, Qwen2.5-VL)."""
+    from areal_plugins.rollout.capabilities import require_feature
+    from areal_plugins.rollout.cpu.vision import SERVED_VISION_MODEL_TYPES
+
+    if hf_config.get("audio_config"):
+        require_feature(
+            backend, "audio", "a model with audio inputs (audio_config in actor_rollout_ref.model.path)", own
+        )
+    if not hf_config.get("vision_config"):
+        return
+    what = "a vision-language model (vision_config in actor_rollout_ref.model.path)"
+    require_feature(backend, "images", what, f"set actor_rollout_ref.rollout.name=areal_cpu, {own}")
+    model_type = str(hf_config.get("model_type"))
+    if model_type not in SERVED_VISION_MODEL_TYPES:
+        raise ArealConfigError(
+            f"{what} of type {model_type!r}: areal_plugins serves the vision-language models "
+            f"{', '.join(SERVED_VISION_MODEL_TYPES)} (their image positions, M-RoPE, are computed by the engine): "
+            f"train one of those, {own}"
+        )
 
 
 def _check_async_support(

@@ -92,14 +92,15 @@ class RolloutServer(abc.ABC):
         validation = bool(kwargs.pop(VALIDATION_KWARG, False))
         params = dict(sampling_params)
         params.setdefault("ignore_eos", self.ignore_eos)  # as verl's vLLM server does
-        media = bool(image_data or video_data or audio_data)
+        refused_media = bool(video_data or audio_data or (image_data and "images" not in self.capabilities))
         max_tokens = token_budget(
-            self.backend_name, prompt_ids, params, self.max_model_len, self.response_length, media
+            self.backend_name, prompt_ids, params, self.max_model_len, self.response_length, refused_media
         )
+        media = {"images": list(image_data)} if image_data else {}
         if not await self._wait_for_gate():
             out = Generated([], [], [], "aborted")
         else:
-            out = await self._generate(prompt_ids, max_tokens, params, request_id, validation=validation)
+            out = await self._generate(prompt_ids, max_tokens, params, request_id, validation=validation, **media)
         return self._token_output(
             token_ids=out.token_ids,
             log_probs=out.logprobs if params.get("logprobs") else None,
@@ -120,10 +121,17 @@ class RolloutServer(abc.ABC):
 
     @abc.abstractmethod
     async def _generate(
-        self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any], request_id: str, validation: bool = False
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        params: dict[str, Any],
+        request_id: str,
+        validation: bool = False,
+        images: list[Any] | None = None,
     ):
         """Generate up to ``max_tokens``; a :class:`Generated` (stop reason ``completed`` or ``aborted``).
-        ``validation``: a request of verl's validation (what ``validation_first`` admits first)."""
+        ``validation``: a request of verl's validation (what ``validation_first`` admits first). ``images``: the
+        prompt's images, passed only to a backend that declares the ``images`` capability."""
 
     @property
     @abc.abstractmethod
@@ -284,9 +292,13 @@ class Generated:
 def token_budget(
     backend: str, prompt_ids: list[int], params: dict[str, Any], max_model_len: int, response_length: int, media: bool
 ) -> int:
-    """``max_tokens`` of a request (popped from ``params``), within ``max_model_len``; text-only requests."""
+    """``max_tokens`` of a request (popped from ``params``), within ``max_model_len``. ``media``: the request carries
+    inputs the backend does not serve (videos, audio; images where it lacks the ``images`` capability)."""
     if media:
-        raise ValueError(f"the {backend} rollout backend serves text-only models; drop multimodal inputs")
+        raise ValueError(
+            f"the {backend} rollout backend serves text and, where it declares the images capability, images; "
+            "drop the request's other inputs (videos, audio)"
+        )
     room = max_model_len - len(prompt_ids)
     if room < 1:
         raise ValueError(

@@ -68,7 +68,8 @@ FEATURE_CAPABILITIES = {
     "routed_experts": "returns the experts each token was routed to, as verl's router replay reads them",
     "moe_weight_check": "compares every expert tensor of a mixture-of-experts model after each weight update",
     "lora_adapter_check": "compares every LoRA adapter tensor each engine rank holds after each update",
-    "multimodal": "serves image, video or audio inputs",
+    "images": "serves a vision-language model's images (the prompt's placeholders filled from image_data)",
+    "audio": "serves audio inputs",
 }
 
 

@@ -38,6 +38,8 @@ class ArealRolloutReplica(RolloutReplica):
             extra["routed_experts"] = bool(self.config.get("enable_rollout_routing_replay", False))
         if "lora_adapter_check" in cls.capabilities:  # adapter-only updates: sleep keeps the base weights
             extra["lora_adapter"] = registration.sends_lora_adapter(self.model_config)
+        if "images" in cls.capabilities:  # a vision-language model's processor may be the model folder's own code
+            extra["trust_remote_code"] = bool(getattr(self.model_config, "trust_remote_code", False))
         if self.workers:  # on the node of this replica's workers (its devices), as verl's vLLM replica does
             node = str(ray.get(self.workers[0].__ray_call__.remote(registration._node_id)))
             placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)

@@ -26,6 +26,7 @@ import torch
 from areal_plugins.rollout.base import Generated
 from areal_plugins.rollout.cpu import lora
 from areal_plugins.rollout.cpu.experts import fuse_expert_tensors
+from areal_plugins.rollout.cpu.vision import ImagePrompts, VisionPrompt
 from areal_plugins.rollout.prompt_seeds import PromptSeeds
 from areal_plugins.testing.holds import FinishFirstGroups
 
@@ -58,6 +59,11 @@ class _Request:
     aborted: bool = False
     hold: bool = False  # stop after the hold policy's tokens until aborted or new weights load (holds.py)
     validation: bool = False  # verl's validation: admitted ahead of waiting training requests, never held
+    #: A vision-language model's request: its images and M-RoPE positions (rollout/cpu/vision.py) until prefilled;
+    #: None: text only, or prefilled.
+    vision: VisionPrompt | None = None
+    #: Where a VLM request's positions after its prompt sit from its token indices (M-RoPE; 0 without images).
+    rope_delta: int = 0
 
     @property
     def cache_length(self) -> int:
@@ -90,6 +96,8 @@ class ContinuousBatchingEngine:
             int32 array (prompt + generated tokens - 1, MoE layers, experts per token), a row for every token fed
             through the model, the last generated one never is (vLLM's ``CompletionOutput.routed_experts``).
             Needs a model whose forward returns ``router_logits`` (transformers' MoE models).
+        image_prompts: a vision-language model's image handling (:class:`~areal_plugins.rollout.cpu.vision.ImagePrompts`):
+            requests may then carry images, and every position is a multimodal (M-RoPE) one. None: a text model.
     """
 
     def __init__(
@@ -103,6 +111,7 @@ class ContinuousBatchingEngine:
         holds: FinishFirstGroups | None = None,
         step_delay_s: float = 0.0,
         routed_experts: bool = False,
+        image_prompts: ImagePrompts | None = None,
     ) -> None:
         if step_delay_s < 0:
             raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s}")
@@ -113,6 +122,7 @@ class ContinuousBatchingEngine:
                 "actor_rollout_ref.rollout.enable_rollout_routing_replay=false or use a mixture-of-experts model"
             )
         self.model = model
+        self.image_prompts = image_prompts
         self.holds = holds
         self.step_delay_s = step_delay_s
         self.batch_invariant = batch_invariant
@@ -147,6 +157,7 @@ class ContinuousBatchingEngine:
         ignore_eos: bool = False,
         seed: int | None = None,
         validation: bool = False,
+        images: list[Any] | None = None,
     ) -> Generated:
         """Generate up to ``max_tokens`` tokens after ``prompt_ids`` (past end-of-sequence tokens with
         ``ignore_eos``, as vLLM does); return when done or aborted. ``seed``: sample with this seed instead of the
@@ -158,13 +169,19 @@ class ContinuousBatchingEngine:
         draining them). The running batch is not preempted: its requests keep their slots, and their KV caches, to
         their end, so a validation request waits at most until the first of them ends (vLLM's ``priority`` policy
         does the same; docs/backends.md). It is never held (:mod:`~areal_plugins.testing.holds`), and takes no
-        group among the ones that finish; an abort cuts it like any request, and its tokens carry their versions."""
+        group among the ones that finish; an abort cuts it like any request, and its tokens carry their versions.
+
+        ``images``: a vision-language model's images of the prompt, whose placeholder tokens ``prompt_ids`` already
+        holds (verl's agent loop expands them); a resubmission after an interruption carries them again."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if not prompt_ids:
             raise ValueError("prompt_ids is empty: the engine needs at least one prompt token")
         if not self.weights_loaded:
             raise RuntimeError("the engine's weights were released (sleep) and no weights were loaded since")
+        if images and self.image_prompts is None:
+            raise ValueError(f"a request with {len(images)} images reached a text-only model: drop its images")
+        vision = self.image_prompts.prompt(prompt_ids, images) if self.image_prompts is not None else None
         loop = asyncio.get_running_loop()
         seed = self._seeds.next(prompt_ids) if seed is None else int(seed)
         request = _Request(
@@ -181,6 +198,7 @@ class ContinuousBatchingEngine:
             hold=not validation and self.holds is not None and self.holds.holds(prompt_ids),
             routed=[] if self.experts_per_token else None,
             validation=validation,
+            vision=vision,
         )
         if validation:  # behind the validation requests waiting (all at the head of the queue), before the rest
             first_training = next((i for i, r in enumerate(self._waiting) if not r.validation), len(self._waiting))
@@ -439,7 +457,18 @@ class ContinuousBatchingEngine:
 
     def _prefill(self, request: _Request) -> torch.Tensor:
         ids = torch.tensor([request.prompt_ids], dtype=torch.long)
-        logits, cache, router_logits = self._forward(request.routed is not None, input_ids=ids, use_cache=True)
+        media: dict[str, Any] = {}
+        if request.vision is not None:
+            media = {
+                "pixel_values": request.vision.pixel_values,
+                "image_grid_thw": request.vision.image_grid_thw,
+                "position_ids": request.vision.positions,
+            }
+        elif self.image_prompts is not None:  # a text prompt to a VLM: every M-RoPE axis is the token's index
+            media = {"position_ids": torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)}
+        logits, cache, router_logits = self._forward(request.routed is not None, input_ids=ids, use_cache=True, **media)
+        if request.vision is not None:  # the pixels are in the KV cache now
+            request.rope_delta, request.vision = request.vision.rope_delta, None
         request.cache = _split_cache(cache, 0)
         if request.routed is not None:
             request.routed.append(self._top_experts(router_logits, rows=1)[0])
@@ -484,7 +513,9 @@ class ContinuousBatchingEngine:
         for row, request in enumerate(batch):
             mask[row, longest - request.cache_length :] = 1
         input_ids = torch.tensor([[r.token_ids[-1]] for r in batch], dtype=torch.long)
-        positions = torch.tensor([[r.cache_length] for r in batch], dtype=torch.long)
+        positions = torch.tensor([[r.cache_length + r.rope_delta] for r in batch], dtype=torch.long)
+        if self.image_prompts is not None:  # M-RoPE: after the prompt every axis moves one per token
+            positions = positions[None].expand(3, -1, -1)
         routed = batch[0].routed is not None
         logits, new_cache, router_logits = self._forward(
             routed,

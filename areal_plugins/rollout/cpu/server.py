@@ -27,6 +27,7 @@ from areal_plugins.rollout.base import (
 from areal_plugins.rollout.cpu import lora
 from areal_plugins.rollout.cpu.engine import ContinuousBatchingEngine
 from areal_plugins.rollout.cpu.experts import held_tensor
+from areal_plugins.rollout.cpu.vision import load_model
 from areal_plugins.testing.faults import fault_plan
 from areal_plugins.testing.holds import finish_first_groups
 from areal_plugins.weight_sync.errors import WeightSyncError
@@ -66,6 +67,7 @@ class CPURolloutServer(RolloutServer):
             ``bias`` (logits) in their choice only (:mod:`areal_plugins.testing.router_bias`). None: as the model is.
         lora_adapter: the trainer trains a LoRA adapter and sends it alone (``actor_rollout_ref.model.lora_rank >
             0`` with ``lora.merge: false``; the replica sets it): sleep keeps the base weights, which verl sends once.
+        trust_remote_code: verl's ``model.trust_remote_code``, for a vision-language model's processor.
 
     The tests' fault plan (:mod:`areal_plugins.testing.faults`) may slow every model step
     (``AREAL_TEST_ENGINE_STEP_DELAY_S``: the test suite run with slow engines, CONTRIBUTING.md) and change what
@@ -83,6 +85,7 @@ class CPURolloutServer(RolloutServer):
         "moe_weight_check",
         "lora_adapter_check",
         "validation_first",
+        "images",
     }
     #: ``engine_kwargs.areal_cpu`` keys (verl_registration.ENGINE_OPTIONS and this backend's own).
     engine_options = (
@@ -111,12 +114,13 @@ class CPURolloutServer(RolloutServer):
         routed_experts: bool = False,
         lora_adapter: bool = False,
         test_router_choice_bias: tuple[int, float] | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         torch.set_num_threads(max(1, num_threads))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+        model, image_prompts = load_model(model_path, trust_remote_code)
         if test_router_choice_bias is not None:  # tests: routes that differ from the trainer's by construction
             from areal_plugins.testing.router_bias import install_router_choice_bias
 
@@ -136,6 +140,7 @@ class CPURolloutServer(RolloutServer):
             holds=holds,
             step_delay_s=fault_plan().engine_step_delay_s,
             routed_experts=routed_experts,
+            image_prompts=image_prompts,
         )
         self.response_length = response_length
         self.max_model_len = max_model_len
@@ -151,7 +156,13 @@ class CPURolloutServer(RolloutServer):
     # ------------------------------------------------------------------ generation
 
     async def _generate(
-        self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any], request_id: str, validation: bool = False
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        params: dict[str, Any],
+        request_id: str,
+        validation: bool = False,
+        images: list[Any] | None = None,
     ):
         return await self.engine.generate(
             prompt_ids,
@@ -163,6 +174,7 @@ class CPURolloutServer(RolloutServer):
             request_id=request_id,
             seed=params.get("seed"),
             validation=validation,
+            images=images,
         )
 
     @property
