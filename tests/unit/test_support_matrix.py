@@ -19,9 +19,23 @@ from tests.unit.test_refusals import refusal_of, tiny_dirs  # noqa: F401  (tiny_
 REPO = Path(__file__).resolve().parents[2]
 SUPPORT = REPO / "docs" / "support.md"
 RECIPE = "grpo_cpu_async"
-#: A Qwen2-MoE's and a Qwen2-VL's config.json, as far as the checks read them.
+#: A Qwen2-MoE's, a Qwen2-VL's, a Qwen3-VL's and an audio model's config.json, as far as the checks read them.
 MOE_CONFIG = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "num_experts": 4}
-MULTIMODAL_CONFIG = {"architectures": ["Qwen2VLForConditionalGeneration"], "vision_config": {"depth": 2}}
+MULTIMODAL_CONFIG = {
+    "architectures": ["Qwen2VLForConditionalGeneration"],
+    "model_type": "qwen2_vl",
+    "vision_config": {"depth": 2},
+}
+QWEN3_VL_CONFIG = {
+    "architectures": ["Qwen3VLForConditionalGeneration"],
+    "model_type": "qwen3_vl",
+    "vision_config": {"depth": 2},
+}
+AUDIO_CONFIG = {
+    "architectures": ["Qwen2AudioForConditionalGeneration"],
+    "model_type": "qwen2_audio",
+    "audio_config": {"num_hidden_layers": 2},
+}
 MIXTRAL_CONFIG = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 8}
 #: The engines in a pool of their own, one CPU engine, weights by our gloo checkpoint engine.
 SEPARATE = [
@@ -34,10 +48,17 @@ SEPARATE = [
 
 @pytest.fixture
 def models(tmp_path):
-    """The doc's placeholders: model folders whose config.json is a mixture of experts' or a multimodal model's."""
+    """The doc's placeholders: model folders whose config.json is a mixture of experts', a vision-language model's
+    or an audio model's."""
     folders = {}
-    placeholders = (("<moe-model>", MOE_CONFIG), ("<multimodal-model>", MULTIMODAL_CONFIG))
-    for placeholder, config in (*placeholders, ("<mixtral-model>", MIXTRAL_CONFIG)):
+    placeholders = (
+        ("<moe-model>", MOE_CONFIG),
+        ("<multimodal-model>", MULTIMODAL_CONFIG),
+        ("<qwen3-vl-model>", QWEN3_VL_CONFIG),
+        ("<audio-model>", AUDIO_CONFIG),
+        ("<mixtral-model>", MIXTRAL_CONFIG),
+    )
+    for placeholder, config in placeholders:
         folder = tmp_path / placeholder.strip("<>")
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(config))
@@ -74,7 +95,7 @@ def test_the_doc_lists_refusals():
 @pytest.mark.parametrize("identifier", sorted(documented_refusals()))
 def test_every_refusal_the_doc_lists_is_raised_with_the_text_it_names(identifier, models):
     overrides, says = documented_refusals()[identifier]
-    overrides = [re.sub(r"<[a-z-]+>", lambda found: models[found.group(0)], override) for override in overrides]
+    overrides = [re.sub(r"<[a-z0-9-]+>", lambda found: models[found.group(0)], override) for override in overrides]
     assert says in refusal(overrides)
 
 
@@ -214,10 +235,17 @@ def test_router_replay_runs_on_the_models_the_trainer_replays_and_is_refused_els
     areal_validate_config(compose(RECIPE, ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]))
 
 
-def test_a_multimodal_model_is_refused_on_every_backend(models):
+def test_a_vision_language_model_runs_on_areal_cpu_and_is_refused_where_images_or_its_family_are_not_served(models):
     path = f"actor_rollout_ref.model.path={models['<multimodal-model>']}"
+    areal_validate_config(compose(RECIPE, ["actor_rollout_ref.rollout.name=areal_cpu", path]))  # Qwen2-VL
+    line = refusal(["actor_rollout_ref.rollout.name=vllm", path])
+    assert "(images)" in line and "set actor_rollout_ref.rollout.name=areal_cpu" in line
+    qwen3_vl = f"actor_rollout_ref.model.path={models['<qwen3-vl-model>']}"
+    line = refusal(["actor_rollout_ref.rollout.name=areal_cpu", qwen3_vl])
+    assert "of type 'qwen3_vl'" in line and "serves the vision-language models qwen2_vl, qwen2_5_vl" in line
+    audio = f"actor_rollout_ref.model.path={models['<audio-model>']}"
     for backend in ("areal_cpu", "vllm"):
-        assert "(multimodal)" in refusal([f"actor_rollout_ref.rollout.name={backend}", path])
+        assert "(audio)" in refusal([f"actor_rollout_ref.rollout.name={backend}", audio])
 
 
 def test_a_checkpoint_engine_we_cannot_check_is_refused_and_ours_pass():
