@@ -151,11 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--workload",
         default="addition",
-        choices=("addition", "longtail", "calculator", "paced", "moe"),
+        choices=("addition", "longtail", "calculator", "paced", "moe", "vision"),
         help="longtail: answers after a long-tailed run of thinking tokens (the benchmark's workload; use another "
         "--out, e.g. .areal/tiny_longtail); calculator: two-digit sums through a calculator tool, multi-turn "
         "(e.g. .areal/tiny_calculator); paced: an untrained ~20k-weight model for the paced-engine bench; moe: the "
-        "addition task on a Qwen2-MoE (4 experts, 2 per token; e.g. .areal/tiny_moe)",
+        "addition task on a Qwen2-MoE (4 experts, 2 per token; e.g. .areal/tiny_moe); vision: the squares in a "
+        "picture plus a number, on a tiny Qwen2-VL (e.g. .areal/tiny_vision)",
     )
     run = commands.add_parser("train", help="train with a recipe through verl's main_ppo")
     run.add_argument("recipe", type=Path)

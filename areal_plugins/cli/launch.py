@@ -50,6 +50,7 @@ DEFAULT_TINY_DIR = Path(".areal/tiny")
 TINY_ASSET_VARIABLES: dict[str, tuple[str | None, Path]] = {
     "AREAL_TINY_DIR": (None, DEFAULT_TINY_DIR),
     "AREAL_TINY_CALCULATOR_DIR": ("calculator", Path(".areal/tiny_calculator")),
+    "AREAL_TINY_VISION_DIR": ("vision", Path(".areal/tiny_vision")),
 }
 
 
@@ -95,6 +96,10 @@ def ensure_tiny_assets(tiny_dir: Path, force: bool = False, workload: str | None
         from areal_plugins.tiny.calculator import write_calculator_dataset
 
         write_calculator_dataset(tiny_dir / "data", train_size=4096, test_size=256, seed=spec.seed)
+    elif spec.task == "vision":
+        from areal_plugins.tiny.vision_task import write_picture_dataset
+
+        write_picture_dataset(tiny_dir / "data", train_size=4096, test_size=256, seed=spec.seed)
     else:
         write_dataset(tiny_dir / "data", train_size=4096, test_size=256, seed=spec.seed)
     record = {"workload": workload, "spec": spec.__dict__, **metrics, "seconds": time.monotonic() - start}

@@ -96,8 +96,9 @@ class ContinuousBatchingEngine:
             int32 array (prompt + generated tokens - 1, MoE layers, experts per token), a row for every token fed
             through the model, the last generated one never is (vLLM's ``CompletionOutput.routed_experts``).
             Needs a model whose forward returns ``router_logits`` (transformers' MoE models).
-        image_prompts: a vision-language model's image handling (:class:`~areal_plugins.rollout.cpu.vision.ImagePrompts`):
-            requests may then carry images, and every position is a multimodal (M-RoPE) one. None: a text model.
+        image_prompts: a vision-language model's image handling
+            (:class:`~areal_plugins.rollout.cpu.vision.ImagePrompts`): requests may then carry images, and every
+            position is a multimodal (M-RoPE) one. None: a text model.
     """
 
     def __init__(

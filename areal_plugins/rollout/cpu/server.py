@@ -245,6 +245,7 @@ class CPURolloutServer(RolloutServer):
             "update",
             version=version,
             generated_tokens=self.engine.generated_tokens,
+            tensors=len(state_dict),  # what the checksum covers: every tensor that arrived
             **self._memory(),
         )
         return {"version": self.engine.version, "checksum": checksum}
