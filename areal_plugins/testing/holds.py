@@ -56,25 +56,30 @@ class FinishFirstGroups:
             )
         self.groups_per_version = groups_per_version
         self.hold_at_token = hold_at_token
-        self._groups: dict[int, set[tuple[int, ...]]] = {}  # the groups' prompts, by length
-        self._finishing: set[tuple[int, ...]] = set()  # groups that finish under the weights served now
+        # The groups' prompts, by their media's digest and their length.
+        self._groups: dict[str, dict[int, set[tuple[int, ...]]]] = {}
+        self._finishing: set[tuple[str, tuple[int, ...]]] = set()  # groups that finish under the weights served now
 
     def new_version(self) -> None:
         """New weights are served: the next groups asked for are the ones that finish."""
         self._finishing.clear()
 
-    def group_of(self, prompt_ids: list[int]) -> tuple[int, ...]:
-        """The prompt of the group a request asked with ``prompt_ids`` belongs to (a new group's: its own)."""
-        for length in sorted(self._groups):
-            if length <= len(prompt_ids) and (prefix := tuple(prompt_ids[:length])) in self._groups[length]:
-                return prefix
+    def group_of(self, prompt_ids: list[int], media: str = "") -> tuple[str, tuple[int, ...]]:
+        """The group a request asked with ``prompt_ids`` belongs to (a new group's: its own prompt). ``media``: a digest
+        of the request's images, which tell apart prompts of one text (a picture's placeholders are the same tokens
+        whatever the picture)."""
+        groups = self._groups.setdefault(media, {})
+        for length in sorted(groups):
+            if length <= len(prompt_ids) and (prefix := tuple(prompt_ids[:length])) in groups[length]:
+                return media, prefix
         group = tuple(prompt_ids)
-        self._groups.setdefault(len(group), set()).add(group)
-        return group
+        groups.setdefault(len(group), set()).add(group)
+        return media, group
 
-    def holds(self, prompt_ids: list[int]) -> bool:
-        """Whether a request asked with ``prompt_ids`` is to be held under the weights served now."""
-        group = self.group_of(prompt_ids)
+    def holds(self, prompt_ids: list[int], media: str = "") -> bool:
+        """Whether a request asked with ``prompt_ids`` (and images of digest ``media``) is to be held under the
+        weights served now."""
+        group = self.group_of(prompt_ids, media)
         if group in self._finishing:
             return False
         if len(self._finishing) < self.groups_per_version:

@@ -177,3 +177,14 @@ def test_the_trainers_position_ids_keep_their_samples_whatever_their_lengths():
         vlm_position_ids._replacement(tu.maybe_fix_3d_position_ids)(fixed)
         rows = tu.index_select_tensor_dict(fixed, [2, 0])["position_ids"].unbind()
         assert [r.tolist() for r in rows] == [samples[2].tolist(), samples[0].tolist()]
+
+
+def test_prompts_of_one_text_with_other_pictures_are_other_groups():
+    """A picture's placeholders are the same tokens whatever the picture: the tests' holds tell groups apart by the
+    pictures' digest too (else every picture of one question was one group, and nothing was held)."""
+    from areal_plugins.testing.holds import FinishFirstGroups
+
+    holds = FinishFirstGroups(1)
+    assert not holds.holds([1, 2, 3], "picture a")
+    assert holds.holds([1, 2, 3], "picture b")
+    assert not holds.holds([1, 2, 3, 9], "picture a")  # a resubmission of a's request: a's group
