@@ -81,3 +81,91 @@ def test_the_trainer_computes_the_engines_log_probs_with_the_same_pictures(vlm_r
     _, metrics = vlm_run
     assert metrics[0]["training/rollout_probs_diff_max"] < 1e-5, metrics[0]
     assert metrics[0]["training/rollout_probs_diff_valid"] == 1.0
+
+
+def test_micro_batches_count_each_pictures_tokens(vlm_run, vision_dir):
+    """The token budget counts a picture's placeholder tokens (4 here) with the text's: step 1's partition holds
+    exactly the prompts as the model's processor expands them plus the responses, within 512 tokens a micro-batch."""
+    from transformers import AutoProcessor
+
+    from areal_plugins.tiny.vision_model import picture_messages
+    from areal_plugins.tiny.vision_task import draw, make_picture_problems
+
+    run_dir, _ = vlm_run
+    processor = AutoProcessor.from_pretrained(vision_dir / "model", trust_remote_code=True)
+    problem = make_picture_problems(1, seed=0)[0]
+    text = processor.apply_chat_template(picture_messages(problem.question), add_generation_prompt=True, tokenize=False)
+    expanded = processor(text=[text], images=[draw(problem)], return_tensors="pt")["input_ids"][0].tolist()
+    assert expanded.count(processor.image_token_id) == 4
+    step1 = [s for s in read_jsonl(run_dir / "areal_samples.jsonl") if s["step"] == 1]
+    assert {s["prompt_tokens"] for s in step1} == {len(expanded)}  # every question's added number is one token
+    partition = read_jsonl(run_dir / "micro_batches.jsonl")[0]  # step 1's log-prob pass
+    assert partition["sequences"] == len(step1)
+    assert sum(partition["tokens"]) == sum(s["prompt_tokens"] + s["response_tokens"] for s in step1)
+    assert max(partition["padded_tokens"]) <= 512
+
+
+SEPARATE = (
+    "areal.placement=separate",
+    "actor_rollout_ref.rollout.nnodes=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=areal_gloo",
+    "+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.num_threads=1",
+    "ray_kwargs.ray_init.num_gpus=2",
+)
+
+
+@pytest.mark.full  # its own verl start
+def test_a_vlm_trains_with_its_engines_in_their_own_pool(vision_dir, tmp_path_factory):
+    """The engines in a pool of their own: every update crosses our gloo checkpoint engine, whose in-band check
+    compares each tensor, the vision tower's included, on arrival; requests held across updates continue with
+    their pictures."""
+    run_dir = tmp_path_factory.mktemp("vlm_separate")
+    metrics = train_tiny(
+        "grpo_cpu_async_vlm.yaml",
+        run_dir,
+        vision_dir,
+        STEPS,
+        *SEPARATE,
+        f"+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.finish_groups_per_version={BATCH}",
+    )
+    assert [m["training/global_step"] for m in metrics] == list(range(1, STEPS + 1))
+    samples = read_jsonl(run_dir / "areal_samples.jsonl")
+    assert any(s["tail_version"] > s["head_version"] for s in samples), "no request was continued after an update"
+    names = model_tensor_names(vision_dir / "model")
+    updates = [e for e in read_jsonl(run_dir / "replica_events.jsonl") if e["event"] == "update"]
+    assert updates and all(e["tensors"] == len(names) + 1 for e in updates), updates  # + the tied output projection
+
+
+@pytest.mark.full  # two verl starts
+def test_a_vlm_run_replays_bit_for_bit(vision_dir, tmp_path_factory):
+    """Recorded with each request decoded alone (batch-invariant): the replay trains the same tokens and log-probs,
+    pictures and all, with the same losses."""
+    import json
+
+    run_dir = tmp_path_factory.mktemp("vlm_replay") / "recorded"
+    train_tiny(
+        "grpo_cpu_async_vlm.yaml",
+        run_dir,
+        vision_dir,
+        2,
+        f"+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.finish_groups_per_version={BATCH}",
+        "+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.batch_invariant=true",
+    )
+
+    def trained(run):
+        rows = read_jsonl(run / "areal_samples.jsonl")
+        return sorted(
+            (s["step"], s["prompt_digest"], s["response_digest"], s["logprobs_digest"], repr(s["chunks"])) for s in rows
+        )
+
+    def learned(run):
+        lines = [json.loads(line)["data"] for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+        return [(m["actor/pg_loss"], m["actor/grad_norm"]) for m in lines if "actor/pg_loss" in m]
+
+    assert any(chunks.count("],") >= 1 for *_, chunks in trained(run_dir)), "no request was cut"
+    out = run_dir.parent / "replayed"
+    result = run_cli("replay", str(run_dir), "--out", str(out))
+    assert "matched the record over 2 steps" in result.stdout, result.stdout
+    assert trained(out) == trained(run_dir)
+    assert learned(out) == learned(run_dir)
