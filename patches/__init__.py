@@ -15,8 +15,8 @@ any recipe (applied at plugin load in verl's ``main_ppo`` driver only) and token
 progress (selected by ``areal.enable`` with ``areal.mode: async``) and router replay into verl's FSDP engine
 (selected by ``actor_rollout_ref.rollout.enable_rollout_routing_replay`` under ``areal.enable``) and a LoRA adapter
 sent through the checkpoint engine (selected by an unmerged ``lora_rank > 0`` with ``areal.placement: separate``) and a
-vision-language model's M-RoPE positions kept ragged in their tokens (selected by a ``vision_config`` under
-``areal.enable``); the trainer applies these five in its worker
+vision-language model's M-RoPE positions kept ragged in their tokens (under ``areal.enable``, whatever the model: it
+touches only three-dimensional position tensors); the trainer applies these five in its worker
 processes with :func:`areal_plugins.driver.worker_calls.apply_patches_in_workers`, since only the driver sees the
 recipe. With ``areal.enable: false`` on a GPU machine only the routing wrapper is installed, in the driver, and it
 passes verl's config through unchanged.
@@ -101,14 +101,11 @@ def _lora_through_checkpoint_engine(config: Any) -> bool:
     return int(model.get("lora_rank", 0) or 0) > 0 and not bool((model.get("lora") or {}).get("merge", False))
 
 
-def _vision_language_model(config: Any) -> bool:
-    """A vision-language model (``vision_config`` in the model folder's ``config.json``) under ``areal.enable``."""
-    from areal_plugins.builtin.validation import model_config_json
+def _areal_trainer(config: Any) -> bool:
+    """``areal.enable`` in the recipe (the run's worker patches; config None: at plugin load, not yet)."""
     from areal_plugins.config.settings import areal_settings
 
-    if config is None or not areal_settings(config).enable:
-        return False
-    return bool((model_config_json(config) or {}).get("vision_config"))
+    return config is not None and areal_settings(config).enable
 
 
 #: (feature, is it enabled for this run?, patch), in the order they are applied.
@@ -130,7 +127,8 @@ PATCHES: tuple[tuple[str, Callable[[Any], bool], ModuleType], ...] = (
     ("areal_async's stall guard: trainer workers report micro-batches", _async_trainer, trainer_progress),
     ("router replay (R3) in the trainer: enable_rollout_routing_replay", _router_replay, fsdp_router_replay),
     ("LoRA adapter-only in the separate placement", _lora_through_checkpoint_engine, lora_separate_sync),
-    ("a vision-language model's M-RoPE positions in the trainer", _vision_language_model, vlm_position_ids),
+    # Whatever the model (a hub id's config is not read at startup); it changes only 3-D position tensors (VLMs).
+    ("a vision-language model's M-RoPE positions in the trainer", _areal_trainer, vlm_position_ids),
 )
 
 

@@ -8,9 +8,9 @@ moving its values. Selecting rows of it (verl's ``index_select_tensor_dict``: mi
 micro-batches) then split the wrong dimension and the step stopped with ``split_with_sizes expects split_sizes to sum
 exactly to <tokens>, but got split_sizes=[4, 4, ...]``; verl's padding-free path would read such values as one
 sequence. Seen here whenever every response of a batch ran to the same length.
-*How*: where verl relabels, the tensor is rebuilt from its samples (cut from the values along the dimension the
-offsets count) ragged in its tokens, which is the layout verl's engine reads; a tensor already so laid out is left
-as verl leaves it.
+*How*: where verl relabels, the tensor is rebuilt from its samples (cut from the values along the dimension whose
+size the offsets sum to) ragged in its tokens: values (4, all tokens), ``_ragged_idx`` 2, the layout verl's engine
+reads with and without padding removal. A tensor already so laid out is rebuilt the same.
 *Upstream*: no seam; verl 0.9.1 ``verl/utils/tensordict_utils.py`` (``maybe_fix_3d_position_ids``), imported by name
 into ``verl/workers/engine_workers.py`` and ``verl/workers/engine/base.py``. *Remove when*: verl builds or fixes these
 tensors by their offsets; no upstream issue yet: watch ``maybe_fix_3d_position_ids``.

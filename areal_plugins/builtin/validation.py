@@ -303,13 +303,13 @@ def check_support_matrix(config: Any, hf_config: dict[str, Any] | None = None) -
                 f"{hf_config[experts]} in actor_rollout_ref.model.path) has not run under areal_async: set "
                 f"actor_rollout_ref.model.lora_rank=0, {own}"
             )
-    _check_media(hf_config, backend, own)
+    _check_media(hf_config, backend, own, str((config.get("trainer") or {}).get("device", "cuda")))
     if areal.mode == "async":
         device = str((config.get("trainer") or {}).get("device", "cuda"))
         _check_async_support(areal, actor, rollout, backend, hf_config, device)
 
 
-def _check_media(hf_config: dict[str, Any], backend: str, own: str) -> None:
+def _check_media(hf_config: dict[str, Any], backend: str, own: str, device: str) -> None:
     """Refuse a model with inputs the engine does not serve: audio anywhere; images where the engine lacks the
     ``images`` capability, or from a vision-language family it does not serve (``areal_cpu``: Qwen2-VL, Qwen2.5-VL)."""
     from areal_plugins.rollout.capabilities import require_feature
@@ -322,8 +322,16 @@ def _check_media(hf_config: dict[str, Any], backend: str, own: str) -> None:
     if not hf_config.get("vision_config"):
         return
     what = "a vision-language model (vision_config in actor_rollout_ref.model.path)"
-    require_feature(backend, "images", what, f"set actor_rollout_ref.rollout.name=areal_cpu, {own}")
     model_type = str(hf_config.get("model_type"))
+    if device != "cpu":  # areal_cpu is the CPU box's engine; vLLM's VLM path has not run under areal_async
+        require_feature(
+            backend,
+            "images",
+            what,
+            "set areal.enable=false for verl's own trainer (areal_plugins has run vision-language models only on "
+            "the CPU box's engine, areal_cpu)",
+        )
+    require_feature(backend, "images", what, f"set actor_rollout_ref.rollout.name=areal_cpu, {own}")
     if model_type not in SERVED_VISION_MODEL_TYPES:
         raise ArealConfigError(
             f"{what} of type {model_type!r}: areal_plugins serves the vision-language models "

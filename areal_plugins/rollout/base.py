@@ -92,7 +92,15 @@ class RolloutServer(abc.ABC):
         validation = bool(kwargs.pop(VALIDATION_KWARG, False))
         params = dict(sampling_params)
         params.setdefault("ignore_eos", self.ignore_eos)  # as verl's vLLM server does
-        refused_media = bool(video_data or audio_data or (image_data and "images" not in self.capabilities))
+        refused_media = [
+            kind
+            for kind, data, served in (
+                ("images", image_data, "images" in self.capabilities),
+                ("videos", video_data, False),
+                ("audio", audio_data, False),
+            )
+            if data and not served
+        ]
         max_tokens = token_budget(
             self.backend_name, prompt_ids, params, self.max_model_len, self.response_length, refused_media
         )
@@ -290,14 +298,20 @@ class Generated:
 
 
 def token_budget(
-    backend: str, prompt_ids: list[int], params: dict[str, Any], max_model_len: int, response_length: int, media: bool
+    backend: str,
+    prompt_ids: list[int],
+    params: dict[str, Any],
+    max_model_len: int,
+    response_length: int,
+    refused: list[str],
 ) -> int:
-    """``max_tokens`` of a request (popped from ``params``), within ``max_model_len``. ``media``: the request carries
-    inputs the backend does not serve (videos, audio; images where it lacks the ``images`` capability)."""
-    if media:
+    """``max_tokens`` of a request (popped from ``params``), within ``max_model_len``. ``refused``: the kinds of input
+    the request carries that the backend does not serve (videos, audio; images where it lacks the ``images``
+    capability)."""
+    if refused:
         raise ValueError(
-            f"the {backend} rollout backend serves text and, where it declares the images capability, images; "
-            "drop the request's other inputs (videos, audio)"
+            f"the {backend} rollout backend does not serve {', '.join(refused)} (a request carried them): train a "
+            "model whose prompts hold no such inputs, or use a backend that serves them (docs/support.md)"
         )
     room = max_model_len - len(prompt_ids)
     if room < 1:

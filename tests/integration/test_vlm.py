@@ -110,7 +110,7 @@ SEPARATE = (
     "actor_rollout_ref.rollout.nnodes=1",
     "actor_rollout_ref.rollout.n_gpus_per_node=1",
     "actor_rollout_ref.rollout.checkpoint_engine.backend=areal_gloo",
-    "+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.num_threads=1",
+    "++actor_rollout_ref.rollout.engine_kwargs.areal_cpu.num_threads=1",
     "ray_kwargs.ray_init.num_gpus=2",
 )
 

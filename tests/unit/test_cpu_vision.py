@@ -175,8 +175,26 @@ def test_the_trainers_position_ids_keep_their_samples_whatever_their_lengths():
                 tu.index_select_tensor_dict(original, [2, 0])
         fixed = batch()
         vlm_position_ids._replacement(tu.maybe_fix_3d_position_ids)(fixed)
+        # The layout verl's engine reads, with and without padding removal: values (4, all tokens), ragged in tokens.
+        assert fixed["position_ids"].values().shape == (4, sum(lengths)) and fixed["position_ids"]._ragged_idx == 2
         rows = tu.index_select_tensor_dict(fixed, [2, 0])["position_ids"].unbind()
         assert [r.tolist() for r in rows] == [samples[2].tolist(), samples[0].tolist()]
+
+
+def test_a_text_models_positions_are_left_to_verl():
+    """The patch is on for every areal run: a batch without 3-D positions goes to verl's own function untouched."""
+    from tensordict import TensorDict
+
+    from patches import vlm_position_ids
+
+    seen = []
+    batch = TensorDict(
+        {"position_ids": torch.nested.as_nested_tensor([torch.arange(3), torch.arange(5)], layout=torch.jagged)},
+        batch_size=[2],
+    )
+    before = batch["position_ids"]
+    vlm_position_ids._replacement(seen.append)(batch)
+    assert seen == [batch] and batch["position_ids"] is before
 
 
 def test_prompts_of_one_text_with_other_pictures_are_other_groups():

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from areal_plugins.patches import fsdp1_cpu, gloo_backend, master_port, trainer_progress, vllm_cpu_distribution
+from areal_plugins.patches import (
+    fsdp1_cpu,
+    gloo_backend,
+    master_port,
+    trainer_progress,
+    vllm_cpu_distribution,
+    vlm_position_ids,
+)
 
 from areal_plugins import patches
 
@@ -10,8 +17,9 @@ from areal_plugins import patches
 def test_nothing_is_patched_off_the_cpu_platform(monkeypatch):
     monkeypatch.setenv("VERL_PLATFORM", "cuda")
     assert patches.enabled_patches(None) == []
-    # The async trainer's workers count micro-batches for its stall guard (patches/trainer_progress.py).
-    assert patches.enabled_patches({"areal": {"enable": True}}) == [trainer_progress]
+    # The async trainer's workers count micro-batches for its stall guard (patches/trainer_progress.py), and a
+    # vision-language model's 3-D positions are kept whole (patches/vlm_position_ids.py: nothing else is touched).
+    assert patches.enabled_patches({"areal": {"enable": True}}) == [trainer_progress, vlm_position_ids]
     assert patches.enabled_patches({"areal": {"enable": False}}) == []
 
 

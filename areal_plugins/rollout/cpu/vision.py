@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-#: ``config.json`` ``model_type`` of the vision-language models this engine serves (their ``get_rope_index`` takes
-#: the token types and the image grid).
-SERVED_VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+#: ``config.json`` ``model_type`` of the vision-language models this engine serves: Qwen2-VL, the one run here.
+#: Qwen2.5-VL's ``get_rope_index`` computes the same positions for images (its time scaling is for videos) but its
+#: windowed vision tower has never run through this engine.
+SERVED_VISION_MODEL_TYPES = ("qwen2_vl",)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class ImagePrompts:
             )
         ids = torch.tensor([prompt_ids], dtype=torch.long)
         token_types = (ids == self.image_token_id).to(torch.int)
-        positions, delta = self.model.model.get_rope_index(ids, token_types, image_grid_thw=grid)
+        positions, delta = self.model.model.get_rope_index(ids, mm_token_type_ids=token_types, image_grid_thw=grid)
         return VisionPrompt(processed["pixel_values"], grid, positions, int(delta.reshape(-1)[0]))
 
 

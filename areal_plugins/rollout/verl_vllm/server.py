@@ -69,6 +69,13 @@ class ArealVLLMHttpServer(vLLMHttpServer):
     async def generate(
         self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, *args: Any, **kwargs: Any
     ) -> Any:
+        media = [kind for kind in ("image_data", "video_data", "audio_data") if kwargs.get(kind)]
+        if media:  # startup refuses a VLM (images) where it reads the model's config; a hub id it cannot read
+            raise ValueError(
+                f"a request with {', '.join(media)} reached verl's vllm under areal_async, which has not run a "
+                "vision-language model (its vision tower's per-update checks never ran): set areal.enable=false for "
+                "verl's own trainer (docs/backends.md, Images)"
+            )
         if self.prompt_seeds is not None and "seed" not in sampling_params:
             sampling_params = {**sampling_params, "seed": self.prompt_seeds.next(prompt_ids)}
         validation = bool(kwargs.pop(VALIDATION_KWARG, False))
