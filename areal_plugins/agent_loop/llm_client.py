@@ -35,8 +35,9 @@ from verl.workers.rollout.llm_server import LLMServerClient
 
 from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, version_fields
 from areal_plugins.agent_loop.partial_outputs import PartialOutput, compact, finished_output, keep, take_resumed
+from areal_plugins.agent_loop.prompt_media import media_digest
 from areal_plugins.agent_loop.routed_experts import require_recorded_routes, routed_experts_fields
-from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, token_digest
+from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, MEDIA_FIELD, prompt_digest
 from areal_plugins.rollout.base import SEED_FIELD, VALIDATION_KWARG
 
 logger = logging.getLogger(__name__)
@@ -144,10 +145,11 @@ class InterruptibleLLMClient(LLMServerClient):
             episode.enter_engine()
             if episode.validation and self._validation_first():  # ahead of the training backlog, never held
                 kwargs[VALIDATION_KWARG] = True
+        media = media_digest(kwargs)  # the prompt's pictures: what tells apart prompts of one text
         # A resumed run continues the output its checkpoint kept for this answer.
-        partial = await take_resumed(*answer, prompt_ids) if answer is not None else None
+        partial = await take_resumed(*answer, prompt_ids, media) if answer is not None else None
         if answer is not None and self._checkpoints():  # what a checkpoint keeps, until the group settles
-            partial = partial or PartialOutput(token_digest(list(prompt_ids)))
+            partial = partial or PartialOutput(prompt_digest(list(prompt_ids), media))
             keep(*answer, partial)
         if partial is not None and partial.stop_reason is not None:  # it had finished before the checkpoint
             return finished_output(partial, episode)
@@ -191,6 +193,8 @@ class InterruptibleLLMClient(LLMServerClient):
             episode.add_turn(versions, interrupts, chunks)
         extra = {**output.extra_fields, **version_fields(versions), "num_interrupts": interrupts}
         extra[CHUNKS_FIELD] = [list(chunk) for chunk in chunks]
+        if media is not None:
+            extra[MEDIA_FIELD] = media
         extra["num_cached_tokens"] = spanning.num_cached_tokens
         extra.update(routed_experts_fields(spanning.routed_experts))
         extra.pop(SEED_FIELD, None)  # the last request's: each request's seed is in its chunk

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_plugins.agent_loop.routed_experts import decode_experts, encode_experts, routed_experts_fields
-from areal_plugins.core.trajectory_rows import token_digest
+from areal_plugins.core.trajectory_rows import prompt_digest
 
 logger = logging.getLogger(__name__)
 
@@ -267,13 +267,13 @@ def end_resume() -> dict[str, int]:
     return dict(kept.continued) if kept is not None else {"requests": 0, "tokens": 0}
 
 
-async def take_resumed(uid: str, session: int, prompt_ids: list[int]) -> PartialOutput | None:
+async def take_resumed(uid: str, session: int, prompt_ids: list[int], media: str | None = None) -> PartialOutput | None:
     """A client's look for a kept output to continue: nothing at all in a run that did not resume; else a lookup
     in this worker's index and, for a kept answer, one line read from disk (in a thread: the loop goes on)."""
     kept = _KEPT["kept"]
     if kept is None or not kept.entries:
         return None
-    digest = token_digest(list(prompt_ids))
+    digest = prompt_digest(list(prompt_ids), media)
     if (uid, int(session)) not in kept.entries:
         return None
     found = await asyncio.to_thread(kept.take, uid, session, digest)

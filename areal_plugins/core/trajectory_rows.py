@@ -22,6 +22,8 @@ CHUNKS_FIELD = "areal_chunks"
 #: ``extra_fields`` key of a trajectory's routed experts (router replay), merged across its requests: ``[rows,
 #: digest]`` (agent_loop/llm_client.py), recorded as ``routed_experts_rows`` / ``routed_experts_digest``.
 ROUTED_EXPERTS_FIELD = "areal_routed_experts"
+#: ``extra_fields`` key of the digest of a prompt's pictures (agent_loop/prompt_media.py); absent without pictures.
+MEDIA_FIELD = "areal_prompt_media"
 #: The sample field naming the recorded trajectory a replayed one follows (``group/key``).
 REPLAY_OF = "replay_of"
 
@@ -68,7 +70,7 @@ def schedule_fields(trajectory: Trajectory) -> dict[str, Any]:
     ]
     fields = {
         "chunks": chunks,
-        "prompt_digest": token_digest(trajectory.prompt_ids),
+        "prompt_digest": prompt_digest(trajectory.prompt_ids, trajectory.extra.get(MEDIA_FIELD)),
         "response_digest": token_digest(trajectory.response_ids),
         "logprobs_digest": logprobs_digest(trajectory.behav_logprobs),
     }
@@ -84,6 +86,13 @@ def token_digest(token_ids: list[int]) -> str:
     if sys.byteorder == "big":
         packed.byteswap()
     return hashlib.sha256(packed.tobytes()).hexdigest()[:16]
+
+
+def prompt_digest(prompt_ids: list[int], media: str | None = None) -> str:
+    """A prompt's identity: its tokens' digest, with its pictures' (``media``) mixed in where it has any (a picture's
+    placeholder tokens are the same whatever the picture)."""
+    tokens = token_digest(prompt_ids)
+    return tokens if not media else hashlib.sha256(f"{tokens}:{media}".encode()).hexdigest()[:16]
 
 
 def logprobs_digest(logprobs: list[float]) -> str:

@@ -17,8 +17,9 @@ from typing import Any
 from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, version_fields
 from areal_plugins.agent_loop.llm_client import InterruptibleLLMClient, SpanningFields, current_answer
 from areal_plugins.agent_loop.partial_outputs import PartialOutput, take_resumed
+from areal_plugins.agent_loop.prompt_media import media_digest
 from areal_plugins.agent_loop.routed_experts import routed_experts_fields
-from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, REPLAY_OF, token_digest
+from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, MEDIA_FIELD, REPLAY_OF, prompt_digest
 from areal_plugins.replay.conductor import find_conductor
 from areal_plugins.rollout.base import SEED_FIELD
 
@@ -32,11 +33,12 @@ class ReplayingLLMClient(InterruptibleLLMClient):
     prompt the record has follows the recorded trajectory's requests; any other runs as in a live run."""
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any):
-        recorded = await claim_recorded(prompt_ids)
+        media = media_digest(kwargs)
+        recorded = await claim_recorded(prompt_ids, media)
         if recorded is None:
             return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
         answer = current_answer()
-        resumed = await take_resumed(*answer, prompt_ids) if answer is not None else None
+        resumed = await take_resumed(*answer, prompt_ids, media) if answer is not None else None
         return await follow_record(
             self._generate_once, request_id, prompt_ids, sampling_params, recorded, resumed, **kwargs
         )
@@ -50,14 +52,14 @@ def _conductor() -> Any:
     return _found["handle"]
 
 
-async def claim_recorded(prompt_ids: list[int]) -> dict[str, Any] | None:
+async def claim_recorded(prompt_ids: list[int], media: str | None = None) -> dict[str, Any] | None:
     """The recorded trajectory this request follows (``name`` and ``plan``), or None for a prompt the recorded
     run never trained (it generates freely; no step trains it). Inside an agent-loop episode the claim names the
     episode's group and answer index, so that two groups of one prompt in flight at once never mix."""
     episode = CURRENT_EPISODE.get()
     group_key = episode.group_uid if episode is not None else None
     member = episode.session if episode is not None else None
-    return await _conductor().claim.remote(token_digest(list(prompt_ids)), group_key, member)
+    return await _conductor().claim.remote(prompt_digest(list(prompt_ids), media), group_key, member)
 
 
 async def follow_record(
@@ -123,6 +125,8 @@ async def follow_record(
     extra.pop(SEED_FIELD, None)
     extra |= version_fields(versions) | {"num_interrupts": max(len(chunks) - 1, 0), CHUNKS_FIELD: chunks}
     extra[REPLAY_OF] = recorded["name"]
+    if (media := media_digest(kwargs)) is not None:
+        extra[MEDIA_FIELD] = media
     extra["num_cached_tokens"] = spanning.num_cached_tokens
     extra.update(routed_experts_fields(spanning.routed_experts))
     return TokenOutput(
