@@ -169,3 +169,47 @@ def test_a_vlm_run_replays_bit_for_bit(vision_dir, tmp_path_factory):
     assert "matched the record over 2 steps" in result.stdout, result.stdout
     assert trained(out) == trained(run_dir)
     assert learned(out) == learned(run_dir)
+
+
+@pytest.mark.full  # two verl starts
+def test_requests_in_flight_at_a_checkpoint_continue_with_their_pictures_after_a_crash(vision_dir, tmp_path_factory):
+    """SIGKILL every process after the step-1 checkpoint, with requests held mid-answer; the resumed run continues
+    the kept ones (their saved requests first, then more), each found by its prompt and pictures' digest."""
+    import time
+
+    from areal_plugins.agent_loop.partial_outputs import read_partials
+    from tests.integration.conftest import cli_output, kill_tree, start_cli, train_args
+
+    run_dir = tmp_path_factory.mktemp("vlm_resume") / "run"
+    args = train_args(
+        "grpo_cpu_async_vlm.yaml",
+        run_dir,
+        vision_dir,
+        STEPS,
+        "trainer.save_freq=1",
+        f"+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.finish_groups_per_version={BATCH}",
+    )
+    marker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    process = start_cli(*args)
+    deadline = time.monotonic() + 900
+    try:
+        while not (marker.exists() and marker.read_text().strip() == "1"):
+            assert process.poll() is None, f"ended before the step-1 checkpoint:\n{cli_output(process)}"
+            assert time.monotonic() < deadline, "no checkpoint within 15 minutes"
+            time.sleep(0.5)
+    finally:
+        kill_tree(process)
+    partials = read_partials(run_dir / "checkpoints" / "global_step_1")
+    assert partials and any(p["stop_reason"] is None for p in partials), "no request was in flight at the checkpoint"
+    (run_dir / "areal_samples.jsonl").rename(run_dir / "killed.areal_samples.jsonl")
+    run_cli(*args)
+    saved = {(p["uid"], p["session"]): p for p in partials}
+    continued = []
+    for sample in read_jsonl(run_dir / "areal_samples.jsonl"):
+        uid, session, _ = sample["key"].rsplit("_", 2)
+        partial = saved.get((uid, int(session)))
+        if partial is not None and partial["stop_reason"] is None:
+            assert sample["chunks"][: len(partial["chunks"])] == partial["chunks"], (sample, partial)
+            assert len(sample["chunks"]) > len(partial["chunks"])  # and went on after the resume
+            continued.append(partial)
+    assert continued, "no trained answer continued a request the checkpoint kept"
