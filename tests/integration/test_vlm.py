@@ -187,7 +187,10 @@ def test_requests_in_flight_at_a_checkpoint_continue_with_their_pictures_after_a
         vision_dir,
         STEPS,
         "trainer.save_freq=1",
-        # Decoded a few at a time: sampling for step 1 ends with requests mid-answer, which the checkpoint keeps.
+        # Long answers (past the end-of-answer token) decoded a few at a time: sampling for step 1 ends with
+        # requests mid-answer, which the checkpoint keeps.
+        "actor_rollout_ref.rollout.ignore_eos=true",
+        "data.max_response_length=24",
         "+actor_rollout_ref.rollout.engine_kwargs.areal_cpu.max_batch_size=8",
     )
     marker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
