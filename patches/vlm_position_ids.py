@@ -27,11 +27,10 @@ from areal_plugins.patches._base import AttributePatch
 
 from areal_plugins._compat import SUPPORTED_VERL
 
-NAME = "maybe_fix_3d_position_ids"
 TARGETS = (
-    ("verl.utils.tensordict_utils", NAME),
-    ("verl.workers.engine_workers", NAME),
-    ("verl.workers.engine.base", NAME),
+    ("verl.utils.tensordict_utils", "maybe_fix_3d_position_ids"),
+    ("verl.workers.engine_workers", "maybe_fix_3d_position_ids"),
+    ("verl.workers.engine.base", "maybe_fix_3d_position_ids"),
 )
 
 

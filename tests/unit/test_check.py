@@ -25,6 +25,7 @@ DECLARED = re.compile(r"areal-plugins check \S+ --nodes (\d+) --gpus-per-node (\
 def environment(monkeypatch, tmp_path):
     monkeypatch.setenv("AREAL_TINY_DIR", str(tmp_path))
     monkeypatch.setenv("AREAL_TINY_CALCULATOR_DIR", str(tmp_path))
+    monkeypatch.setenv("AREAL_TINY_VISION_DIR", str(tmp_path))
     monkeypatch.setenv("AREAL_DATA_DIR", str(tmp_path))
 
 

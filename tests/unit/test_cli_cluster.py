@@ -180,7 +180,7 @@ def check_cpu_recipe(caplog, monkeypatch, tmp_path) -> list[str]:
     import logging
     from pathlib import Path
 
-    for variable in ("AREAL_TINY_DIR", "AREAL_TINY_CALCULATOR_DIR", "AREAL_DATA_DIR"):
+    for variable in ("AREAL_TINY_DIR", "AREAL_TINY_CALCULATOR_DIR", "AREAL_TINY_VISION_DIR", "AREAL_DATA_DIR"):
         monkeypatch.setenv(variable, str(tmp_path))
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "grpo_cpu_async.yaml"
     with caplog.at_level(logging.INFO):

@@ -47,6 +47,7 @@ H100_NODE_CPUS = 224
 def environment(monkeypatch, tmp_path):
     monkeypatch.setenv("AREAL_TINY_DIR", str(tmp_path))
     monkeypatch.setenv("AREAL_TINY_CALCULATOR_DIR", str(tmp_path))
+    monkeypatch.setenv("AREAL_TINY_VISION_DIR", str(tmp_path))
     monkeypatch.setenv("AREAL_DATA_DIR", str(tmp_path))
 
 

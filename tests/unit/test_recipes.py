@@ -29,6 +29,7 @@ def compose(name: str, overrides: list[str] | None = None):
 def tiny_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("AREAL_TINY_DIR", str(tmp_path))
     monkeypatch.setenv("AREAL_TINY_CALCULATOR_DIR", str(tmp_path))
+    monkeypatch.setenv("AREAL_TINY_VISION_DIR", str(tmp_path))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])

@@ -24,6 +24,7 @@ def tiny_dirs(monkeypatch, tmp_path):
     """Recipes read their model and data paths from these; nothing is built for a refusal."""
     monkeypatch.setenv("AREAL_TINY_DIR", str(tmp_path))
     monkeypatch.setenv("AREAL_TINY_CALCULATOR_DIR", str(tmp_path))
+    monkeypatch.setenv("AREAL_TINY_VISION_DIR", str(tmp_path))
     monkeypatch.delenv("VERL_PLATFORM", raising=False)  # as on a user's machine: the recipe decides
     monkeypatch.setattr(launch, "cluster_address", lambda env, overrides: None)  # whatever Ray runs on this box
 

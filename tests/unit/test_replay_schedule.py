@@ -395,7 +395,7 @@ def test_an_episode_claims_by_its_group_uid_and_answer_index(tmp_path):
     """The client passes the agent-loop episode's uid and answer index (verl's ``uid``, ``session_id``) with the
     prompt's digest: y's second answer asks first and gets g1's second member; x's first then gets g3's first."""
     prompt = [7, 8]
-    digest = replay_client.token_digest(prompt)
+    digest = replay_client.prompt_digest(prompt)
     record = [{**s, "prompt_digest": digest} if s["prompt_digest"] == "P" else s for s in RECORD]
     conductor = ReplayConductor(ReplaySchedule.from_run(write_record(tmp_path / "run", record), 2))
     replay_client._found["handle"] = _Remote(conductor)

@@ -43,6 +43,11 @@ ROOT = Path(__file__).resolve().parents[2]
 #: ``module`` (a module) or ``module:qualname`` -> the parameter names we call or override it with; None: we use
 #: the name itself (a class, a registry, a constant), which must exist.
 SEAMS: dict[str, tuple[str, ...] | None] = {
+    # patches/vlm_position_ids.py: verl's relabelling of 3-D positions, where it is defined and where imported.
+    "verl.utils.tensordict_utils:maybe_fix_3d_position_ids": ("data",),
+    "verl.workers.engine_workers:maybe_fix_3d_position_ids": ("data",),
+    "verl.workers.engine.base:maybe_fix_3d_position_ids": ("data",),
+    "verl.utils.dataset.rl_dataset:RLHFDataset": None,
     # Registries and their seams (verl_plugin.py registers into each once verl imports it).
     "verl.plugin.platform": None,
     "verl.plugin.platform:PlatformRegistry": None,
@@ -159,6 +164,13 @@ VLLM_SEAMS: dict[str, tuple[str, ...] | None] = {
 #: verl methods our subclasses override -> the parameters verl calls them with. Private ones (leading ``_``)
 #: have no public seam: docs/design.md ("verl's private methods we override") says why for each.
 OVERRIDES: dict[str, tuple[str, ...]] = {
+    # tiny/picture_dataset.py: pictures loaded with PIL on the CPU box (verl's loader imports torchvision).
+    "verl.utils.dataset.rl_dataset:RLHFDataset._process_multi_modal_info": (
+        "cls",
+        "messages",
+        "image_patch_size",
+        "config",
+    ),
     "verl.trainer.ppo.v1.trainer_base:PPOTrainer._build_replay_buffer": ("self",),
     "verl.trainer.ppo.v1.trainer_base:PPOTrainer._setup": ("self",),
     "verl.trainer.ppo.v1.trainer_base:PPOTrainer._rollout_server_managers": ("self",),
@@ -253,6 +265,14 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
 #: verl constructors and factories we call -> their parameters. ``module:Class``: building the class (its
 #: ``__init__``'s parameters, ``self`` left out; a pydantic model's fields); ``module:Class.method``: a factory.
 CALLED: dict[str, tuple[str, ...]] = {
+    # tiny/picture_dataset.py subclasses it; verl builds it (data.custom_cls) with these.
+    "verl.utils.dataset.rl_dataset:RLHFDataset": (
+        "data_files",
+        "tokenizer",
+        "config",
+        "processor",
+        "max_samples",
+    ),
     # driver/placements.py Separate.setup: LLMServerManager.create(config=config, start_rank=0). create forwards
     # *args, **kwargs to the class, so the keywords we pass are the class's parameters.
     "verl.workers.rollout.llm_server:LLMServerManager.create": ("cls", "args", "kwargs"),
