@@ -35,9 +35,8 @@ from verl.workers.rollout.llm_server import LLMServerClient
 
 from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, version_fields
 from areal_plugins.agent_loop.partial_outputs import PartialOutput, compact, finished_output, keep, take_resumed
-from areal_plugins.agent_loop.prompt_media import media_digest
 from areal_plugins.agent_loop.routed_experts import require_recorded_routes, routed_experts_fields
-from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, MEDIA_FIELD, prompt_digest
+from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, MEDIA_FIELD, images_digest, prompt_digest
 from areal_plugins.rollout.base import SEED_FIELD, VALIDATION_KWARG
 
 logger = logging.getLogger(__name__)
@@ -145,7 +144,7 @@ class InterruptibleLLMClient(LLMServerClient):
             episode.enter_engine()
             if episode.validation and self._validation_first():  # ahead of the training backlog, never held
                 kwargs[VALIDATION_KWARG] = True
-        media = media_digest(kwargs)  # the prompt's pictures: what tells apart prompts of one text
+        media = images_digest(kwargs.get("image_data"))  # what tells apart prompts of one text
         # A resumed run continues the output its checkpoint kept for this answer.
         partial = await take_resumed(*answer, prompt_ids, media) if answer is not None else None
         if answer is not None and self._checkpoints():  # what a checkpoint keeps, until the group settles

@@ -22,7 +22,7 @@ CHUNKS_FIELD = "areal_chunks"
 #: ``extra_fields`` key of a trajectory's routed experts (router replay), merged across its requests: ``[rows,
 #: digest]`` (agent_loop/llm_client.py), recorded as ``routed_experts_rows`` / ``routed_experts_digest``.
 ROUTED_EXPERTS_FIELD = "areal_routed_experts"
-#: ``extra_fields`` key of the digest of a prompt's pictures (agent_loop/prompt_media.py); absent without pictures.
+#: ``extra_fields`` key of the digest of a prompt's pictures (:func:`images_digest`); absent without pictures.
 MEDIA_FIELD = "areal_prompt_media"
 #: The sample field naming the recorded trajectory a replayed one follows (``group/key``).
 REPLAY_OF = "replay_of"
@@ -86,6 +86,24 @@ def token_digest(token_ids: list[int]) -> str:
     if sys.byteorder == "big":
         packed.byteswap()
     return hashlib.sha256(packed.tobytes()).hexdigest()[:16]
+
+
+def images_digest(images: Any) -> str | None:
+    """16 hex digits of the SHA-256 of a request's pictures (verl's ``image_data``: PIL images, or bytes), in order;
+    None without pictures. A vision-language model's prompt holds each picture as placeholder tokens that are the same
+    whatever the picture, so this is what tells apart prompts of one text (:func:`prompt_digest`, the tests' holds)."""
+    if not images:
+        return None
+    digest = hashlib.sha256()
+    for image in images:
+        if isinstance(image, bytes | bytearray):
+            digest.update(bytes(image))
+        elif hasattr(image, "tobytes"):  # a PIL image: its pixels, with the size and mode that lay them out
+            digest.update(f"{image.mode}:{image.size}:".encode())
+            digest.update(image.tobytes())
+        else:
+            raise TypeError(f"a request's image_data holds a {type(image).__name__}, neither a PIL image nor bytes")
+    return digest.hexdigest()[:16]
 
 
 def prompt_digest(prompt_ids: list[int], media: str | None = None) -> str:

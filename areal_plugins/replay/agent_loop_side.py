@@ -17,9 +17,8 @@ from typing import Any
 from areal_plugins.agent_loop.episodes import CURRENT_EPISODE, version_fields
 from areal_plugins.agent_loop.llm_client import InterruptibleLLMClient, SpanningFields, current_answer
 from areal_plugins.agent_loop.partial_outputs import PartialOutput, take_resumed
-from areal_plugins.agent_loop.prompt_media import media_digest
 from areal_plugins.agent_loop.routed_experts import routed_experts_fields
-from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, MEDIA_FIELD, REPLAY_OF, prompt_digest
+from areal_plugins.core.trajectory_rows import CHUNKS_FIELD, MEDIA_FIELD, REPLAY_OF, images_digest, prompt_digest
 from areal_plugins.replay.conductor import find_conductor
 from areal_plugins.rollout.base import SEED_FIELD
 
@@ -33,7 +32,7 @@ class ReplayingLLMClient(InterruptibleLLMClient):
     prompt the record has follows the recorded trajectory's requests; any other runs as in a live run."""
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any):
-        media = media_digest(kwargs)
+        media = images_digest(kwargs.get("image_data"))
         recorded = await claim_recorded(prompt_ids, media)
         if recorded is None:
             return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
@@ -125,7 +124,7 @@ async def follow_record(
     extra.pop(SEED_FIELD, None)
     extra |= version_fields(versions) | {"num_interrupts": max(len(chunks) - 1, 0), CHUNKS_FIELD: chunks}
     extra[REPLAY_OF] = recorded["name"]
-    if (media := media_digest(kwargs)) is not None:
+    if (media := images_digest(kwargs.get("image_data"))) is not None:
         extra[MEDIA_FIELD] = media
     extra["num_cached_tokens"] = spanning.num_cached_tokens
     extra.update(routed_experts_fields(spanning.routed_experts))

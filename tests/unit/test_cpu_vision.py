@@ -210,12 +210,11 @@ def test_prompts_of_one_text_with_other_pictures_are_other_groups():
 
 def test_prompts_of_one_text_with_other_pictures_have_other_digests():
     """The records', the replay's and the checkpoint's identity of a prompt: its tokens, and its pictures if any."""
-    from areal_plugins.agent_loop.prompt_media import media_digest
-    from areal_plugins.core.trajectory_rows import prompt_digest, token_digest
+    from areal_plugins.core.trajectory_rows import images_digest, prompt_digest, token_digest
 
     problems = make_picture_problems(2, seed=3)
     ids = [1, 2, 3]
-    first, second = (media_digest({"image_data": [draw(p)]}) for p in problems)
-    assert first != second and first == media_digest({"image_data": [draw(problems[0])]})
-    assert media_digest({}) is None and prompt_digest(ids, None) == token_digest(ids)  # a text prompt's, as before
+    first, second = (images_digest([draw(p)]) for p in problems)
+    assert first != second and first == images_digest([draw(problems[0])])
+    assert images_digest(None) is None and prompt_digest(ids, None) == token_digest(ids)  # a text prompt's, as before
     assert len({prompt_digest(ids, first), prompt_digest(ids, second), token_digest(ids)}) == 3

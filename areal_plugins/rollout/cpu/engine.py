@@ -14,7 +14,6 @@ rollout/cpu/lora.py). It imports neither Ray nor verl.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
 import time
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from areal_plugins.core.trajectory_rows import images_digest
 from areal_plugins.rollout.base import Generated
 from areal_plugins.rollout.cpu import lora
 from areal_plugins.rollout.cpu.experts import fuse_expert_tensors
@@ -197,7 +197,9 @@ class ContinuousBatchingEngine:
             future=loop.create_future(),
             seed=seed,
             generator=torch.Generator().manual_seed(seed),
-            hold=not validation and self.holds is not None and self.holds.holds(prompt_ids, _digest(vision)),
+            hold=not validation
+            and self.holds is not None
+            and self.holds.holds(prompt_ids, images_digest(images) or ""),
             routed=[] if self.experts_per_token else None,
             validation=validation,
             vision=vision,
@@ -546,13 +548,6 @@ class ContinuousBatchingEngine:
         self.generated_tokens += 1
         ended = token in self.eos_token_ids and not request.ignore_eos
         return ended or len(request.token_ids) >= request.max_tokens
-
-
-def _digest(vision: VisionPrompt | None) -> str:
-    """A digest of a request's pictures ("" without): what tells apart prompts of one text (testing/holds.py)."""
-    if vision is None:
-        return ""
-    return hashlib.sha256(vision.pixel_values.numpy().tobytes()).hexdigest()[:16]
 
 
 def sample_requests(requests: list[_Request], logits: torch.Tensor) -> list[tuple[int, float]]:
