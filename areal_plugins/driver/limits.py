@@ -100,6 +100,10 @@ def reward_workers(config: Any) -> int:
     return int(_select(config, "reward.num_workers", 8))
 
 
+#: How the reward workers cap the count (rewards/sizing.capped_by_cores), said after the formula.
+CORE_CAP = "; each reward worker caps it at floor(its node's cores x cpu_share / ceil(R / N)) when Ray's C is more"
+
+
 def scorers(config: Any, cpu_nodes: int | None, cpus_per_node: int | None) -> tuple[int | None, str, str]:
     """The scoring processes per verl reward worker: ``(count or None, kind, source)``; None: sized at startup, from
     the nodes' CPUs (``cpus_per_node`` not known here)."""
@@ -116,7 +120,7 @@ def scorers(config: Any, cpu_nodes: int | None, cpus_per_node: int | None) -> tu
     if cpu_nodes is None or cpus_per_node is None:
         return None, DERIVED, formula + "; N nodes with C CPUs each, read from Ray at startup"
     count = sizing.scorer_processes(answers, workers, cpu_nodes, cpus_per_node, areal.reward.cpu_share)
-    return count, DERIVED, formula + f", N = {cpu_nodes} nodes, C = {cpus_per_node} CPUs"
+    return count, DERIVED, formula + f", N = {cpu_nodes} nodes, C = {cpus_per_node} CPUs" + CORE_CAP
 
 
 def run_limits(
@@ -397,6 +401,8 @@ def size_reward_scorers(config: Any, cpu_nodes: int, cpus_per_node: int) -> int 
     if kwargs is None or "areal_reward" not in kwargs:
         return None
     count, _, _ = scorers(config, cpu_nodes, cpus_per_node)
+    share = sizing.core_share_per_worker(reward_workers(config), cpu_nodes, areal_settings(config).reward.cpu_share)
     with open_dict(kwargs):
         kwargs.areal_scorers = count
+        kwargs.areal_scorer_core_share = share
     return count

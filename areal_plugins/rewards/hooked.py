@@ -11,6 +11,7 @@ called and nothing changes: the math-verify reward runs in-process, as verl woul
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import threading
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from typing import Any, cast
 
 from areal_plugins.rewards.math_verify_reward import compute_score as math_verify_score
 from areal_plugins.rewards.service import RewardService
+from areal_plugins.rewards.sizing import capped_by_cores
 
 logger = logging.getLogger(__name__)
 
@@ -49,23 +51,33 @@ def _reward_fn(enable: bool, plugins: dict[str, Any]) -> Callable[..., float]:
 _services: dict[tuple, RewardService] = {}
 
 
-def scorers_for(settings: dict[str, Any], sized: int | None) -> int:
+def scorers_for(
+    settings: dict[str, Any], sized: int | None, core_share: float | None = None, cores: int | None = None
+) -> int:
     """The scoring processes of this reward worker: ``areal.reward.num_workers`` when the recipe sets it, else what
     the driver sized to the batch (``reward_kwargs.areal_scorers``, from
-    :func:`~areal_plugins.rewards.sizing.scorer_processes`), else 1 (a trainer that sized nothing started it)."""
+    :func:`~areal_plugins.rewards.sizing.scorer_processes`) capped at this node's ``cores`` (default: the cores this
+    process may run on) x ``core_share`` (``reward_kwargs.areal_scorer_core_share``), else 1 (a trainer that sized
+    nothing started it)."""
     configured = settings.get("num_workers")
     if configured is not None:
         return int(configured)
-    return int(sized) if sized is not None else 1
+    if sized is None:
+        return 1
+    if core_share is None:
+        return int(sized)
+    return capped_by_cores(int(sized), cores if cores is not None else len(os.sched_getaffinity(0)), core_share)
 
 
-def _service(fn: Callable[..., float], settings: dict[str, Any], sized: int | None = None) -> RewardService | None:
+def _service(
+    fn: Callable[..., float], settings: dict[str, Any], sized: int | None = None, core_share: float | None = None
+) -> RewardService | None:
     """This process's reward service for ``fn`` (None: score in-process)."""
     if not settings.get("service", False):
         return None
     key = (
         fn,
-        scorers_for(settings, sized),
+        scorers_for(settings, sized, core_share),
         settings.get("timeout_s", 10.0),
         settings.get("retries", 1),
         settings.get("timeout_chars", 4096),
@@ -86,6 +98,7 @@ def _service(fn: Callable[..., float], settings: dict[str, Any], sized: int | No
                 timeout_chars=key[4],
                 warn_timeout_share=key[5],
             )
+            logger.info("areal: %d reward scoring processes in this reward worker (sized %s)", key[1], sized)
         return _services[key]
 
 
@@ -98,6 +111,7 @@ def compute_score(
     areal_plugins: dict[str, Any] | None = None,
     areal_reward: dict[str, Any] | None = None,
     areal_scorers: int | None = None,
+    areal_scorer_core_share: float | None = None,
     **kwargs: Any,
 ) -> float | dict[str, float]:
     """The reward of ``solution_str`` from the hook-chosen function (math-verify by default).
@@ -105,10 +119,12 @@ def compute_score(
     Through the reward service the result is verl's dict form: ``score``, ``acc`` (what verl records
     for a plain float) and the service's report (latency, failure, timeouts, crashes), which verl
     keeps per trajectory in ``reward_extra_info`` and our trainer turns into ``areal/reward_*`` metrics.
-    ``areal_scorers``: the scoring processes our driver sized to the batch (:func:`scorers_for`).
+    ``areal_scorers``: the scoring processes our driver sized to the batch, ``areal_scorer_core_share`` the share of
+    this node's cores they may take (:func:`scorers_for`).
     """
     fn = _reward_fn(bool(areal_enable), dict(areal_plugins or {}))
-    service = _service(fn, dict(areal_reward or {}), areal_scorers) if areal_enable else None
+    settings = dict(areal_reward or {})
+    service = _service(fn, settings, areal_scorers, areal_scorer_core_share) if areal_enable else None
     if service is not None:
         report = service.score_with_report(data_source, solution_str, ground_truth, extra_info)
         return {"score": report.score, "acc": report.score, **report.as_extra_info()}

@@ -29,8 +29,8 @@ from areal_plugins.rewards.sizing import reward_limit_s
 logger = logging.getLogger(__name__)
 
 
-#: Most seconds a new worker process may take to start (spawn, import the reward function's module) before
-#: it counts as crashed; not part of ``timeout_s``, which bounds the reward function alone.
+#: Most seconds a new worker process may take to start (fork from the fork server, import the reward function's
+#: module) before it counts as crashed; not part of ``timeout_s``, which bounds the reward function alone.
 STARTUP_S = 120.0
 READY = ("ready", None)
 #: How the log says what happened to a worker, by its counter's name.
@@ -132,7 +132,11 @@ class RewardService:
         self.warn_timeout_share = warn_timeout_share
         self.timed_out = 0  # rewards that are 0 because every attempt timed out
         self._warned = False
-        self._context = mp.get_context("spawn")
+        # Not fork: verl's reward workers are threaded Ray actors. The fork server imports the caller's main module
+        # once (a Ray worker's is Ray itself, 7.5 s of CPU on the 2-core box); spawn paid that in every process. The
+        # reward's own module is still imported in each process, inside STARTUP_S, so one that hangs on import
+        # costs that process, not the caller.
+        self._context = mp.get_context("forkserver")
         self._idle: queue.Queue[_Worker] = queue.Queue()
         for _ in range(num_workers):
             self._idle.put(_Worker(self._context, fn))

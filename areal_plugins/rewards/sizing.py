@@ -64,3 +64,18 @@ def scorer_processes(
     workers_per_node = math.ceil(reward_workers / cpu_nodes)
     cpu_bound = math.floor(cpus_per_node * cpu_share / workers_per_node)
     return max(1, min(per_worker_answers, cpu_bound, executor_threads(cpus_per_node)))
+
+
+def core_share_per_worker(reward_workers: int, cpu_nodes: int, cpu_share: float) -> float:
+    """The share of one node's cores that one verl reward worker's scoring processes may take:
+    ``cpu_share / ceil(R / N)`` (verl spreads its R reward workers round-robin over the N nodes)."""
+    return cpu_share / math.ceil(reward_workers / cpu_nodes)
+
+
+def capped_by_cores(sized: int, cores: int, core_share: float) -> int:
+    """``sized`` scoring processes, at most ``floor(cores x core_share)`` (at least 1).
+
+    The driver sizes from Ray's CPU resource, which a recipe may set above the node's cores (the CPU recipes give
+    Ray 16 slots on 2 cores, for verl's per-actor reservations); scoring is CPU work, so the reward worker caps the
+    count at the cores its own node has."""
+    return max(1, min(sized, math.floor(cores * core_share)))

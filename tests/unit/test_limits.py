@@ -100,6 +100,17 @@ def test_a_reward_worker_takes_the_recipes_count_else_the_drivers():
     assert scorers_for({}, None) == 1  # nothing sized (a trainer that is not ours): one
 
 
+def test_a_reward_worker_caps_the_drivers_count_at_its_nodes_cores():
+    # The CPU recipes give Ray 16 CPU slots on 2 cores: the driver sizes floor(16 x 0.5 / 1) = 8 processes, the
+    # node's cores allow floor(2 x 0.5) = 1.
+    assert scorers_for({"num_workers": None}, 8, core_share=0.5, cores=2) == 1
+    # An H100 node whose Ray CPUs are its 224 cores, 8 reward workers: floor(224 x 0.5 / 8) = 14, the driver's own
+    # term, so nothing changes.
+    assert scorers_for({"num_workers": None}, 14, core_share=0.5 / 8, cores=H100_NODE_CPUS) == 14
+    assert scorers_for({"num_workers": None}, 8, core_share=0.5 / 8, cores=2) == 1  # never none
+    assert scorers_for({"num_workers": 3}, 8, core_share=0.5, cores=2) == 3  # the recipe's count is not capped
+
+
 # ------------------------------------------------------------------ the limits of a recipe
 
 
@@ -160,6 +171,8 @@ def test_the_drivers_sizing_reaches_the_reward_workers_kwargs():
     config = compose(SEPARATE_GPU, SEVEN_B)
     assert size_reward_scorers(config, 1, H100_NODE_CPUS) == 14
     assert config.reward.custom_reward_function.reward_kwargs.areal_scorers == 14
+    # Each of R = 8 reward workers on N = 1 node may take cpu_share / ceil(8 / 1) = 0.5 / 8 of its node's cores.
+    assert config.reward.custom_reward_function.reward_kwargs.areal_scorer_core_share == 0.5 / 8
     keyed = compose(SEPARATE_GPU, [*SEVEN_B, "areal.reward.num_workers=3"])
     assert size_reward_scorers(keyed, 1, H100_NODE_CPUS) == 3
     assert "recipe key: areal.reward.num_workers" in scorer_line(keyed, 1, H100_NODE_CPUS)

@@ -100,7 +100,7 @@ def test_rollout_rates_between_two_engine_snapshots():
 
 
 def test_a_worker_that_starts_slowly_is_not_a_reward_that_timed_out():
-    """The time limit bounds the reward function, not the worker's start (spawn, imports: 2 s here)."""
+    """The time limit bounds the reward function, not the worker's start (fork server, imports: 2 s here)."""
     from tests.unit import slow_import_reward
 
     service = RewardService(slow_import_reward.score, num_workers=1, timeout_s=1.0, retries=0)
