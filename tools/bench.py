@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import areal_bench
+from areal_bench.core_pinning import TRAINER_ROLES, CorePinner, split_cores
 from areal_bench.token_staleness import DEFINITION as STALENESS_DEFINITION
 from repeats import spread
 
@@ -549,6 +550,7 @@ def run_one(
     tiny_dir: Path,
     workload_overrides: list[str],
     warmup_steps: int = 1,
+    trainer_cores: int | None = None,
 ) -> dict:
     run_dir = out_dir / f"{config.name}-r{repeat}"
     command = [
@@ -575,7 +577,8 @@ def run_one(
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():  # a rerun into the same directory must not count the old steps
         metrics.rename(run_dir / "metrics.previous.jsonl")
-    with CpuSampler(metrics) as cpu:
+    pinning = CorePinner(*split_cores(trainer_cores), process_role) if trainer_cores else contextlib.nullcontext()
+    with CpuSampler(metrics) as cpu, pinning as pinner:
         process = subprocess.Popen(
             command,
             cwd=REPO,
@@ -585,14 +588,23 @@ def run_one(
             text=True,
         )
         cpu.root_pid = process.pid
+        if pinner is not None:
+            pinner.root_pid = process.pid
         with forwarding_signals(process):
             process.communicate()
     if process.returncode != 0:
         raise RuntimeError(
             f"{config.name} repeat {repeat} failed (exit {process.returncode}); see {run_dir / 'train.log'}"
         )
+    if pinner is not None and not pinner.pinned:
+        raise RuntimeError(
+            f"{config.name} repeat {repeat}: --trainer-cores found no trainer worker to pin (a process titled "
+            f"ray::{'/'.join(sorted(TRAINER_ROLES))}); the row would not be what it says"
+        )
     figures = measure(run_dir, warmup_steps)
     figures["process_s"] = time.monotonic() - started
+    if pinner is not None:
+        figures["trainer_processes_pinned"] = len(pinner.pinned)
     cores = busy_cores(cpu.samples, warmup_steps, steps)
     if cores is not None:
         figures["busy_cores"] = cores
@@ -746,10 +758,11 @@ def plot(bench: dict, out: Path) -> None:
     plt.close(figure)
 
 
-def trainer_owns_the_cores(config: Config) -> Config:
-    """The gpu-shaped rows' trainer gets every core, as it has its GPUs on a cluster: the separate placements keep one
-    core for a CPU engine (``OMP_NUM_THREADS=1``), which the stand-in does not need. Last, so that it wins."""
-    threads = f"++ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS='{os.cpu_count()}'"
+def trainer_owns_the_cores(config: Config, cores: int | None = None) -> Config:
+    """The gpu-shaped rows' trainer gets every core (or the ``--trainer-cores`` it is pinned to), as it has its GPUs
+    on a cluster: the separate placements keep one core for a CPU engine (``OMP_NUM_THREADS=1``), which the stand-in
+    does not need. Last, so that it wins."""
+    threads = f"++ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS='{cores or os.cpu_count()}'"
     kept = [o for o in config.overrides if "OMP_NUM_THREADS" not in o]
     return dataclasses.replace(config, overrides=[*kept, threads])
 
@@ -767,7 +780,9 @@ def calibrated_gpu_shaped(
         calibration = sync
         print(f"gpu-shaped: measuring the trainer's step ({CALIBRATION_STEPS} synchronous steps)...", flush=True)
         provisional = [*overrides, *gpu_shaped_overrides(args.case, args.length_scale, 1.0, args.kv_capacity_tokens)]
-        figures = run_one(calibration, CALIBRATION_STEPS, 0, 0, args.out / "calibrate", tiny_dir, provisional, 1)
+        figures = run_one(
+            calibration, CALIBRATION_STEPS, 0, 0, args.out / "calibrate", tiny_dir, provisional, 1, args.trainer_cores
+        )
         trainer_step_s, prompt_tokens = figures["train_s_median"], figures["prompt_len_mean"]
     scale = gpu_shaped_time_scale(
         args.case, args.length_scale, trainer_step_s, prompts, answers, prompt_tokens or GPU_SHAPED_PROMPT_TOKENS,
@@ -906,6 +921,13 @@ def main(argv: list[str] | None = None) -> int:
         help="gpu-shaped: a synchronous step's seconds without generation on this box, for the time scale; "
         f"default: measured first by a {CALIBRATION_STEPS}-step synchronous run",
     )
+    parser.add_argument(
+        "--trainer-cores",
+        type=int,
+        default=None,
+        help="gpu-shaped: pin the trainer's workers to this many cores and every other process of a run to the rest "
+        "(as a cluster gives the trainer its GPUs), the calibrating synchronous run too; default: all share all",
+    )
     args = parser.parse_args(argv)
     if args.recompute_staleness is not None:
         return recompute_staleness(args.recompute_staleness)
@@ -916,6 +938,18 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, key, value)
     if args.workload != "gpu-shaped" and args.trainer_step_s is not None:
         parser.error("--trainer-step-s sizes the gpu-shaped workload's engines: add --workload gpu-shaped or drop it")
+    if args.trainer_cores is not None:
+        if args.workload != "gpu-shaped":
+            parser.error("--trainer-cores pins the gpu-shaped workload's trainer: add --workload gpu-shaped or drop it")
+        if args.trainer_step_s is not None:
+            parser.error(
+                "--trainer-cores with --trainer-step-s: the given step was measured on shared cores; drop "
+                "--trainer-step-s so the calibrating run measures the pinned trainer"
+            )
+        try:
+            split_cores(args.trainer_cores)
+        except ValueError as error:
+            parser.error(str(error))
     if not 0 < args.length_scale <= 1:
         parser.error(f"--length-scale is a share of the case's answer lengths, in (0, 1]; got {args.length_scale}")
     if not 1 <= args.warmup_steps < args.steps:
@@ -954,7 +988,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     time_scale = None
     if args.workload == "gpu-shaped":
-        plan = [trainer_owns_the_cores(config) for config in plan]
+        plan = [trainer_owns_the_cores(config, args.trainer_cores) for config in plan]
         workload_overrides, time_scale = calibrated_gpu_shaped(args, tiny_dir, workload_overrides, plan[0])
     results: dict[str, list[dict]] = {c.name: [] for c in plan}
     total = len(plan) * args.repeats
@@ -963,8 +997,9 @@ def main(argv: list[str] | None = None) -> int:
         for config in plan:
             print(f"[{done + 1}/{total}] {config.name} repeat {repeat}: running ({args.steps} steps)...", flush=True)
             figures = run_one(
-                config, args.steps, repeat, repeat, args.out, tiny_dir, workload_overrides, args.warmup_steps
-            )
+                config, args.steps, repeat, repeat, args.out, tiny_dir, workload_overrides, args.warmup_steps,
+                args.trainer_cores,
+            )  # fmt: skip
             results[config.name].append(figures)
             done += 1
             print(
@@ -1000,6 +1035,7 @@ def main(argv: list[str] | None = None) -> int:
         "in_flight": in_flights,
         "staleness_definition": STALENESS_DEFINITION,
         "sync_poll_s": args.sync_poll_s,
+        "trainer_cores": args.trainer_cores,  # None: the trainer shared every core with the rest of the run
         "sync_wall_s": spread([r["wall_s"] for r in sync_runs]),
         "sync_overlap_bound": spread([r["overlap_bound"] for r in sync_runs]),
         # The most overlap alone can gain while doing sync's CPU work: cores / sync's busy cores.
