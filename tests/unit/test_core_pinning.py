@@ -12,7 +12,9 @@ import pytest
 from areal_bench.core_pinning import CorePinner, affinity_of, split_cores
 
 #: A process with a second thread started before any pinning, titled as Ray titles a worker (``exec -a``).
-THREADED = "import threading, time; threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); time.sleep(60)"
+THREADED = (
+    "import threading, time; threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); time.sleep(60)"
+)
 
 
 def role_of(cmdline: list[str]) -> str:
@@ -23,7 +25,7 @@ def test_the_trainer_takes_the_first_cores_and_the_run_the_rest():
     assert split_cores(1, [0, 1]) == ({0}, {1})
     assert split_cores(2, [4, 5, 6, 7]) == ({4, 5}, {6, 7})
     for bad in (0, 2):  # none for the trainer, or none left for the rest of the run
-        with pytest.raises(ValueError, match="pick 1..1"):
+        with pytest.raises(ValueError, match=r"pick 1\.\.1"):
             split_cores(bad, [0, 1])
 
 

@@ -110,4 +110,3 @@ def affinity_of(pid: int) -> dict[int, set[int]]:
         except ProcessLookupError:
             continue
     return out
-
