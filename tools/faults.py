@@ -144,12 +144,14 @@ def targets(pattern: str) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(process.info["cmdline"] or [])
-        if pattern == "reward-service":  # spawned children of the reward-loop worker
+        if pattern == "reward-service":  # the reward-loop worker's scorers: children of its fork server
             try:
-                parent = " ".join(process.parent().cmdline()) if process.parent() else ""
+                parent = process.parent()
+                server = " ".join(parent.cmdline()) if parent else ""
+                worker = " ".join(parent.parent().cmdline()) if parent and parent.parent() else ""
             except psutil.Error:
                 continue
-            if "multiprocessing" in cmdline and "RewardLoopWorker" in parent:
+            if "multiprocessing.forkserver" in server and "RewardLoopWorker" in worker:
                 found.append(process)
         elif pattern in cmdline:
             found.append(process)
