@@ -199,15 +199,22 @@ def test_the_gpu_shaped_workload_names_the_case_its_scales_and_the_scaled_cap():
     assert "actor_rollout_ref.rollout.name=areal_paced" in base and not any("tokens_per_s" in o for o in base)
 
 
-def gpu_shaped_bench(tmp_path, monkeypatch, *extra: str) -> tuple[list[tuple[str, Path, list[str]]], dict]:
-    """tools/bench.py --workload gpu-shaped with every run faked: (config, run directory, overrides) per run."""
+def gpu_shaped_bench(
+    tmp_path, monkeypatch, *extra: str, cores_seen: list | None = None
+) -> tuple[list[tuple[str, Path, list[str]]], dict]:
+    """tools/bench.py --workload gpu-shaped with every run faked: (config, run directory, overrides) per run, and
+    each run's ``trainer_cores`` appended to ``cores_seen``."""
     tiny = tmp_path / "tiny"
     tiny.mkdir()
     (tiny / "BUILT.json").write_text(json.dumps({"workload": "addition"}))
     runs: list[tuple[str, Path, list[str]]] = []
 
-    def fake_run(config, steps, repeat, seed, out_dir, tiny_dir, workload_overrides, warmup_steps=1):
-        runs.append((config.name, out_dir, list(workload_overrides)))
+    def fake_run(
+        config, steps, repeat, seed, out_dir, tiny_dir, workload_overrides, warmup_steps=1, trainer_cores=None
+    ):
+        runs.append((config.name, out_dir, list(workload_overrides + config.overrides)))
+        if cores_seen is not None:
+            cores_seen.append(trainer_cores)
         return {"s_per_1k_tokens": 1.0, "step_s_median": 1.0, "final_reward": 0.0, "wall_s": 10.0,
                 "overlap_bound": 1.5, "train_s_median": 2.5, "prompt_len_mean": 20.0}  # fmt: skip
 
@@ -241,6 +248,17 @@ def test_a_given_trainer_step_skips_the_measurement(tmp_path, monkeypatch):
     assert result["time_scale"]["trainer_step_s"] == 4.0
     with pytest.raises(SystemExit):
         bench.main(["--workload", "addition", "--trainer-step-s", "4.0"])
+
+
+def test_trainer_cores_reach_every_run_the_calibration_included_and_its_threads(tmp_path, monkeypatch):
+    cores: list = []
+    runs, result = gpu_shaped_bench(tmp_path, monkeypatch, "--trainer-cores", "1", cores_seen=cores)
+    assert [name for name, _, _ in runs] == ["sync", "sync", "async-separate-eta2"]  # the calibration first
+    assert cores == [1, 1, 1] and result["trainer_cores"] == 1
+    for _, _, overrides in runs:  # the trainer's threads: its one core, not every core
+        assert "++ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS='1'" in overrides
+    with pytest.raises(SystemExit):  # a step measured on shared cores cannot size a pinned bench
+        bench.main(["--workload", "gpu-shaped", "--trainer-cores", "1", "--trainer-step-s", "4.0"])
 
 
 def test_tuned_verl_rows_and_other_splits_and_one_budget_for_every_row():
