@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import (
+    PAIR_PROMPTS,
     SYNC_STEPS,
     assert_bf16_pair_trains_the_same_samples,
     consumed_by_step,
@@ -22,6 +23,7 @@ from tests.integration.conftest import (
 
 pytestmark = pytest.mark.integration
 
+#: Prompts a step in the recipe (the two-turn run; the bf16 pair runs PAIR_PROMPTS); answers per prompt.
 BATCH, GROUP = 16, 8
 
 
@@ -47,7 +49,7 @@ def test_every_generated_token_is_trained_with_its_version_and_the_tools_answer_
     _, eta0, episodes_file = tool_runs
     tokenizer = AutoTokenizer.from_pretrained(calculator_dir / "model")
     episodes = read_jsonl(episodes_file)
-    assert len(episodes) >= SYNC_STEPS * BATCH * GROUP
+    assert len(episodes) >= SYNC_STEPS * PAIR_PROMPTS * GROUP
     two_turns = [e for e in episodes if len(e["areal_turn_tokens"]) == 2]
     assert two_turns, "no episode of two turns"
     for episode in episodes:
