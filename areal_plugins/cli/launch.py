@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -78,15 +79,32 @@ def ensure_tiny_assets(tiny_dir: Path, force: bool = False, workload: str | None
 
     ``workload=None`` (training): whatever is built there, else the addition workload.
     """
+    stamp = tiny_dir / "BUILT.json"
+    if stamp.exists() and not force:
+        return _built(tiny_dir, workload)
+    # Two runs started at once with the same folder (two demos, two test files) build it once: the
+    # second waits for the first's stamp instead of writing the same files beside it.
+    tiny_dir.mkdir(parents=True, exist_ok=True)
+    with open(tiny_dir / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.exists() and not force:
+            return _built(tiny_dir, workload)
+        return _build_tiny_assets(tiny_dir, workload)
+
+
+def _built(tiny_dir: Path, workload: str | None) -> Path:
+    """``tiny_dir``, once its stamp says it holds ``workload`` (any, if None)."""
+    built = json.loads((tiny_dir / "BUILT.json").read_text()).get("workload", "addition")
+    if workload is not None and built != workload:
+        raise SystemExit(f"{tiny_dir} holds the {built!r} workload, not {workload!r}: pass another directory")
+    return tiny_dir
+
+
+def _build_tiny_assets(tiny_dir: Path, workload: str | None) -> Path:
     from areal_plugins.tiny.model import WORKLOADS, build_tiny_model
     from areal_plugins.tiny.task import write_dataset
 
     stamp = tiny_dir / "BUILT.json"
-    if stamp.exists() and not force:
-        built = json.loads(stamp.read_text()).get("workload", "addition")
-        if workload is not None and built != workload:
-            raise SystemExit(f"{tiny_dir} holds the {built!r} workload, not {workload!r}: pass another directory")
-        return tiny_dir
     start = time.monotonic()
     workload = workload or "addition"
     spec = WORKLOADS[workload]

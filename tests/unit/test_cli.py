@@ -42,6 +42,33 @@ def test_training_takes_any_built_workload_and_a_build_refuses_a_directory_of_an
         ensure_tiny_assets(tmp_path, workload="addition")
 
 
+def test_two_runs_started_at_once_on_one_folder_build_it_once(tmp_path, monkeypatch):
+    """The second waits for the first's build and then uses it (two demos, or two test files, started at once)."""
+    import json
+    import threading
+    import time
+
+    from areal_plugins.cli import launch
+
+    builds = []
+
+    def slow_build(tiny_dir, workload):
+        builds.append(workload)
+        time.sleep(0.5)  # the other caller arrives while this one builds
+        (tiny_dir / "BUILT.json").write_text(json.dumps({"workload": "addition"}))
+        return tiny_dir
+
+    monkeypatch.setattr(launch, "_build_tiny_assets", slow_build)
+    folder = tmp_path / "tiny"
+    results = []
+    callers = [threading.Thread(target=lambda: results.append(launch.ensure_tiny_assets(folder))) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert builds == [None] and results == [folder, folder]
+
+
 def test_ray_task_event_cap_is_a_default_the_user_can_override():
     cap = "RAY_task_events_max_num_task_in_gcs"
     assert with_ray_defaults({"PATH": "/bin"}) == {"PATH": "/bin", cap: "10000"}
