@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The README's test command: set up .venv, lint, build the docs site, then the unit and integration suites.
-# CI runs it as is: 12 verl starts that cover each layer once; 30 min on 2 cores from a fresh clone, about 25 with the
-# environments already built (CONTRIBUTING.md).
+# CI runs it as is: 13 verl starts that cover each layer once (CONTRIBUTING.md has their times, box by box).
 # `tools/test.sh --full` also runs the tests marked `full` (CONTRIBUTING.md lists them: about 20 more verl starts,
 # 1 h more).
 set -euo pipefail

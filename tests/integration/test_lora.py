@@ -1,4 +1,4 @@
-"""LoRA under ``areal_async``, colocated, on ``areal_cpu`` and (the last test) verl's ``vllm``: the tiny model trains
+"""LoRA under ``areal_async`` on ``areal_cpu`` and verl's ``vllm``, in both placements: the tiny model trains
 an adapter through verl 0.9.1's FSDP2 engine (peft's ``get_peft_model``), and every weight update after the first
 carries the adapter alone, loaded into the engine's LoRA layers and checked tensor by tensor (docs/design.md, LoRA).
 The CI run on ``areal_cpu`` is test_async_trainer.py's η = 1 run (a LoRA adapter, so it shares that verl start).
@@ -10,10 +10,11 @@ only. Each adapter update gives the server's ``update_adapter`` record and our t
 ``update_checked`` record once the check passed. The tiny Qwen2 under ``target_modules: all-linear`` has 28 adapter
 tensors: 2 layers x 7 linear modules (q, k, v, o, gate, up, down) x 2 (``lora_A``, ``lora_B``).
 
-In CI: test_async_trainer.py's η = 1 run (``areal_cpu``, clean, every update checked) and the verl-vLLM run below,
-which a tensor corrupted in its LoRA slot stops. A tensor corrupted on arrival at ``areal_cpu`` stopping a run is in
-the ``full`` tier (the receiving check itself, with dropped, renamed and corrupted tensors:
-tests/unit/test_cpu_lora.py).
+In CI, two runs: test_async_trainer.py's η = 1 run (colocated, ``areal_cpu``, clean, every update checked) and
+the last test below (verl's ``vllm`` in its own pool, through ``areal_gloo``), which a tensor corrupted in its LoRA
+slot stops. LoRA colocated on verl's vLLM, adapter-only in the separate placement on ``areal_cpu``, a tensor
+corrupted on arrival, merged LoRA and η = 0 against synchronous verl with LoRA are in the ``full`` tier (the
+receiving check itself, with dropped, renamed and corrupted tensors: tests/unit/test_cpu_lora.py).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ ADAPTER_BYTES = 8 * 2048 * 2 * 4
 BASE_BYTES = (2_401_408 + 16_448 * 128) * 4
 
 
+@pytest.mark.full  # CI's separate-placement LoRA run is on verl's vLLM (the last test)
 def test_lora_adapter_only_in_the_separate_placement_every_update_checked_and_a_bad_tensor_stops_it(tiny_dir, tmp_path):
     """Engines in their own pool (``areal_gloo``), adapter-only LoRA: verl 0.9.1 sends only base weights on this
     path (verl issue #7495); ours (patches/lora_separate_sync.py) sends the base once (``load_format: dummy``) and then
@@ -145,35 +147,11 @@ def test_lora_adapter_only_in_the_separate_placement_every_update_checked_and_a_
     assert sent[0] == BASE_BYTES + 16 + ADAPTER_BYTES + header, sent  # 16: the marker between base and adapter
 
 
-@pytest.mark.full
-def test_lora_adapter_only_reaches_verls_vllm_in_its_own_pool_checked_in_its_slots(tiny_dir, tmp_path):
-    """verl's ``vllm`` (CPU build) in a pool of its own, adapter-only LoRA through ``areal_gloo``: the base once, under
-    peft's ``.base_layer`` names, checked as full weights; then every update the adapter alone, all 28 tensors read
-    back from vLLM's LoRA slots, the base re-checked each time; what crossed per update counted by hand."""
-    from tests.integration.test_verl_vllm import assert_loaded_check_covers_the_tiny_model, train_with_verl_vllm
-
-    run_dir = tmp_path / "run"
-    result = train_with_verl_vllm(run_dir, tiny_dir, STEPS, *LORA, recipe="grpo_cpu_async_vllm.yaml")
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    checked = [r for r in read_jsonl(run_dir / "weight_syncs.jsonl") if r["event"] == "update_checked"]
-    base = [r for r in checked if not r["checksum"].get("adapter_only")]
-    adapters = [r for r in checked if r["checksum"].get("adapter_only")]
-    assert [r["version"] for r in base] == [0], checked
-    assert_loaded_check_covers_the_tiny_model(base[0]["checksum"])
-    assert [r["version"] for r in adapters] == list(range(STEPS + 1)), checked
-    expected = {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1, "workers": [0], "adapter_only": True}
-    rechecked = base[0]["checksum"]["loaded_compared"]
-    assert all(r["checksum"] == {**expected, "base_rechecked": rechecked} for r in adapters), adapters
-    sent = {r["version"]: r["staged_bytes_per_worker"] for r in read_jsonl(run_dir / "weight_transfers.jsonl")}
-    header = sent[1] - ADAPTER_BYTES
-    assert 0 < header < 4096 and header % 16 == 0 and all(sent[v] == sent[1] for v in range(1, STEPS + 1)), sent
-    assert sent[0] == BASE_BYTES + 16 + ADAPTER_BYTES + header, sent
-
-
 #: The tensor whose LoRA slot is changed after loading in the verl-vLLM run (a value the forward pass reads).
 CORRUPTED_IN_SLOT = "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
 
 
+@pytest.mark.full  # CI's colocated LoRA run is test_async_trainer.py's, on areal_cpu
 def test_lora_on_verls_vllm_checks_every_adapter_update_and_stops_on_a_bad_slot(tiny_dir, tmp_path):
     """verl's ``vllm`` rollout (CPU build, ``.venv-verl-vllm``), colocated: verl's vLLM server loads the adapter with
     ``add_lora``, our worker extension reads every adapter tensor back from the LoRA slots the forward pass uses,
@@ -290,3 +268,47 @@ def test_lora_at_eta0_trains_the_samples_and_losses_of_synchronous_verl_with_lor
         checked = [r for r in read_jsonl(run / "weight_syncs.jsonl") if r["event"] == "update_checked"]
         assert checked and all(r["checksum"].get("adapter_only") for r in checked), checked
     assert_float32_losses_match(*([line["data"] for line in read_jsonl(run / "metrics.jsonl")] for run in (sync, eta0)))
+
+
+def test_lora_adapter_only_on_verls_vllm_in_its_own_pool_every_update_checked_and_a_bad_slot_stops_it(
+    tiny_dir, tmp_path
+):
+    """verl's ``vllm`` (CPU build) in a pool of its own, adapter-only LoRA through ``areal_gloo``
+    (patches/lora_separate_sync.py; verl 0.9.1 sends only base weights on this path, verl issue #7495): the base
+    once, under peft's ``.base_layer`` names, checked as full weights; then every update the adapter alone, all 28
+    tensors read back from vLLM's LoRA slots and the base re-checked each time; what crossed per update counted by
+    hand (:data:`ADAPTER_BYTES`, :data:`BASE_BYTES`). The worker's updates count 1 (the base, v0), 2 (v0's adapter),
+    3 (v1's), 4 (v2's), 5 (v3's, after step 3): from the fifth one value of ``CORRUPTED_IN_SLOT``'s slot changes
+    after loading (fault injection in the worker), so three steps train and the last update stops the run naming
+    the replica, the engine rank and the tensor. CI's one run of LoRA on verl's vLLM and of LoRA in the separate
+    placement: the two tests above (colocated on verl's vLLM, separate on ``areal_cpu``) are the full tier's."""
+    from tests.integration.test_verl_vllm import assert_loaded_check_covers_the_tiny_model, train_with_verl_vllm
+
+    run_dir = tmp_path / "run"
+    result = train_with_verl_vllm(
+        run_dir,
+        tiny_dir,
+        STEPS,
+        *LORA,
+        f"++ray_kwargs.ray_init.runtime_env.env_vars.AREAL_CORRUPT_LOADED_WEIGHT='{CORRUPTED_IN_SLOT}@5'",
+        recipe="grpo_cpu_async_vllm.yaml",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    fault = f"adapter tensor {CORRUPTED_IN_SLOT} is held as other values than it arrived as"
+    assert f"rollout replica 0, engine rank 0, update 3: {fault}" in output, output[-3000:]
+    steps = [json.loads(line)["data"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    assert [s["training/global_step"] for s in steps] in ([1, 2], [1, 2, 3])  # step 3's line may race the failed sync
+    checked = [r for r in read_jsonl(run_dir / "weight_syncs.jsonl") if r["event"] == "update_checked"]
+    base = [r for r in checked if not r["checksum"].get("adapter_only")]
+    adapters = [r for r in checked if r["checksum"].get("adapter_only")]
+    assert [r["version"] for r in base] == [0], checked
+    assert_loaded_check_covers_the_tiny_model(base[0]["checksum"])
+    assert [r["version"] for r in adapters] == [0, 1, 2], checked
+    expected = {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1, "workers": [0], "adapter_only": True}
+    rechecked = base[0]["checksum"]["loaded_compared"]
+    assert all(r["checksum"] == {**expected, "base_rechecked": rechecked} for r in adapters), adapters
+    sent = {r["version"]: r["staged_bytes_per_worker"] for r in read_jsonl(run_dir / "weight_transfers.jsonl")}
+    header = sent[1] - ADAPTER_BYTES  # the LoRA update's header (peft's config, pickled)
+    assert 0 < header < 4096 and header % 16 == 0 and sent[2] == sent[1], sent
+    assert sent[0] == BASE_BYTES + 16 + ADAPTER_BYTES + header, sent  # 16: the marker between base and adapter
