@@ -55,11 +55,11 @@ def assert_the_adapter_trained_and_the_base_stayed(run_dir, versions: list[int],
             assert sleep["released"] is True and sleep["weight_bytes"] > 0, sleep
 
 
-def assert_stopped_at_update_2_naming(result, fault: str) -> None:
-    """The run failed, naming replica 0, engine rank 0, the server's second adapter update and ``fault``."""
+def assert_stopped_at_update_naming(result, version: int, fault: str) -> None:
+    """The run failed, naming replica 0, engine rank 0, the update to weight version ``version`` and ``fault``."""
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
-    assert f"rollout replica 0, engine rank 0, update 2: {fault}" in output, output[-3000:]
+    assert f"rollout replica 0, engine rank 0, update {version}: {fault}" in output, output[-3000:]
 
 
 @pytest.mark.full
@@ -81,8 +81,8 @@ def test_an_adapter_tensor_corrupted_on_arrival_stops_the_run_naming_it(tiny_dir
         ),
         check=False,
     )
-    assert_stopped_at_update_2_naming(
-        result, f"adapter tensor {CORRUPTED} arrived different from what the trainer sent"
+    assert_stopped_at_update_naming(
+        result, 2, f"adapter tensor {CORRUPTED} arrived different from what the trainer sent"
     )
     syncs = read_jsonl(run_dir / "weight_syncs.jsonl")
     checked = [r for r in syncs if r["event"] == "update_checked"]
@@ -109,6 +109,16 @@ ADAPTER_BYTES = 8 * 2048 * 2 * 4
 BASE_BYTES = (2_401_408 + 16_448 * 128) * 4
 
 
+def assert_the_base_crossed_once_then_the_adapter_alone(run_dir) -> None:
+    """What the checkpoint engine staged per worker for versions 0-2 of a separate-placement LoRA run, against
+    :data:`ADAPTER_BYTES` and :data:`BASE_BYTES`: the base, a marker and the adapter at version 0, the adapter alone
+    (with its header) after."""
+    sent = {r["version"]: r["staged_bytes_per_worker"] for r in read_jsonl(run_dir / "weight_transfers.jsonl")}
+    header = sent[1] - ADAPTER_BYTES  # the LoRA update's header (peft's config, pickled)
+    assert 0 < header < 4096 and header % 16 == 0 and sent[2] == sent[1], sent
+    assert sent[0] == BASE_BYTES + 16 + ADAPTER_BYTES + header, sent  # 16: the marker between base and adapter
+
+
 @pytest.mark.full  # CI's separate-placement LoRA run is on verl's vLLM (the last test)
 def test_lora_adapter_only_in_the_separate_placement_every_update_checked_and_a_bad_tensor_stops_it(tiny_dir, tmp_path):
     """Engines in their own pool (``areal_gloo``), adapter-only LoRA: verl 0.9.1 sends only base weights on this
@@ -129,10 +139,8 @@ def test_lora_adapter_only_in_the_separate_placement_every_update_checked_and_a_
         ),
         check=False,
     )
-    output = result.stdout + result.stderr
-    assert result.returncode != 0, output[-3000:]
-    fault = f"adapter tensor {CORRUPTED} arrived different from what the trainer sent"
-    assert f"rollout replica 0, engine rank 0, update 3: {fault}" in output, output[-3000:]
+    fault = "arrived different from what the trainer sent"
+    assert_stopped_at_update_naming(result, 3, f"adapter tensor {CORRUPTED} {fault}")
     steps = [json.loads(line)["data"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     assert [s["training/global_step"] for s in steps] in ([1, 2], [1, 2, 3])  # step 3's line may race the failed sync
     syncs = read_jsonl(run_dir / "weight_syncs.jsonl")
@@ -141,10 +149,7 @@ def test_lora_adapter_only_in_the_separate_placement_every_update_checked_and_a_
     assert [r["version"] for r in checked] == [0, 1, 2], syncs
     assert all(r["checksum"]["adapter_only"] and r["checksum"]["adapter_tensors"] == ADAPTER_TENSORS for r in checked)
     assert_the_adapter_trained_and_the_base_stayed(run_dir, [0, 1, 2], slept=False)
-    sent = {r["version"]: r["staged_bytes_per_worker"] for r in read_jsonl(run_dir / "weight_transfers.jsonl")}
-    header = sent[1] - ADAPTER_BYTES  # the LoRA update's header (peft's config, pickled)
-    assert 0 < header < 4096 and header % 16 == 0 and sent[2] == sent[1], sent
-    assert sent[0] == BASE_BYTES + 16 + ADAPTER_BYTES + header, sent  # 16: the marker between base and adapter
+    assert_the_base_crossed_once_then_the_adapter_alone(run_dir)
 
 
 #: The tensor whose LoRA slot is changed after loading in the verl-vLLM run (a value the forward pass reads).
@@ -171,8 +176,8 @@ def test_lora_on_verls_vllm_checks_every_adapter_update_and_stops_on_a_bad_slot(
         *LORA,
         f"++ray_kwargs.ray_init.runtime_env.env_vars.AREAL_CORRUPT_LOADED_WEIGHT='{CORRUPTED_IN_SLOT}@4'",
     )
-    assert_stopped_at_update_2_naming(
-        result, f"adapter tensor {CORRUPTED_IN_SLOT} is held as other values than it arrived as"
+    assert_stopped_at_update_naming(
+        result, 2, f"adapter tensor {CORRUPTED_IN_SLOT} is held as other values than it arrived as"
     )
     checked = [r for r in read_jsonl(run_dir / "weight_syncs.jsonl") if r["event"] == "update_checked"]
     base = [r for r in checked if not r["checksum"].get("adapter_only")]
@@ -293,10 +298,8 @@ def test_lora_adapter_only_on_verls_vllm_in_its_own_pool_every_update_checked_an
         f"++ray_kwargs.ray_init.runtime_env.env_vars.AREAL_CORRUPT_LOADED_WEIGHT='{CORRUPTED_IN_SLOT}@5'",
         recipe="grpo_cpu_async_vllm.yaml",
     )
-    output = result.stdout + result.stderr
-    assert result.returncode != 0, output[-3000:]
-    fault = f"adapter tensor {CORRUPTED_IN_SLOT} is held as other values than it arrived as"
-    assert f"rollout replica 0, engine rank 0, update 3: {fault}" in output, output[-3000:]
+    fault = "is held as other values than it arrived as"
+    assert_stopped_at_update_naming(result, 3, f"adapter tensor {CORRUPTED_IN_SLOT} {fault}")
     steps = [json.loads(line)["data"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     assert [s["training/global_step"] for s in steps] in ([1, 2], [1, 2, 3])  # step 3's line may race the failed sync
     checked = [r for r in read_jsonl(run_dir / "weight_syncs.jsonl") if r["event"] == "update_checked"]
@@ -308,7 +311,4 @@ def test_lora_adapter_only_on_verls_vllm_in_its_own_pool_every_update_checked_an
     expected = {"adapter_tensors": ADAPTER_TENSORS, "adapter_ranks": 1, "workers": [0], "adapter_only": True}
     rechecked = base[0]["checksum"]["loaded_compared"]
     assert all(r["checksum"] == {**expected, "base_rechecked": rechecked} for r in adapters), adapters
-    sent = {r["version"]: r["staged_bytes_per_worker"] for r in read_jsonl(run_dir / "weight_transfers.jsonl")}
-    header = sent[1] - ADAPTER_BYTES  # the LoRA update's header (peft's config, pickled)
-    assert 0 < header < 4096 and header % 16 == 0 and sent[2] == sent[1], sent
-    assert sent[0] == BASE_BYTES + 16 + ADAPTER_BYTES + header, sent  # 16: the marker between base and adapter
+    assert_the_base_crossed_once_then_the_adapter_alone(run_dir)
